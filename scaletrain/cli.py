@@ -1,0 +1,55 @@
+"""`scaletrain <verb> ...`: one entry point, one function per verb.
+
+Verb modules are imported only when used, so `scaletrain models` does not pay for torch
+start-up of the trainer, and a verb's optional dependencies stay optional.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+
+VERBS: dict[str, tuple[str, str]] = {
+    "train": ("scaletrain.commands.train", "train a model (no arguments: the debug demo)"),
+    "models": ("scaletrain.commands.models", "list the model presets and their sizes"),
+    "generate": ("scaletrain.commands.generate", "sample from a checkpoint with a KV cache"),
+    "convert": ("scaletrain.commands.convert", "Hugging Face <-> native checkpoints"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: scaletrain <verb> [options]", "", "verbs:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in VERBS.items()]
+    lines += ["", "`scaletrain <verb> --help` shows a verb's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not argv:
+        argv = ["train"]
+    if argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from scaletrain import __version__
+
+        print(f"scaletrain {__version__}")
+        return 0
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        import difflib
+
+        near = difflib.get_close_matches(verb, VERBS, n=1)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        print(f"scaletrain: unknown verb '{verb}'.{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    run: Callable[[list[str]], int] = importlib.import_module(VERBS[verb][0]).main
+    return run(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

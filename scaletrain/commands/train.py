@@ -1,0 +1,42 @@
+"""`scaletrain train [--config NAME_OR_TOML] [--section.field value ...]`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from scaletrain.config import ConfigError, load_config
+
+log = logging.getLogger("scaletrain")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return 2
+    from scaletrain.train.checkpoint import CheckpointError
+    from scaletrain.train.trainer import Trainer, TrainingDiverged
+
+    try:
+        trainer = Trainer(cfg)
+        result = trainer.train()
+    except ConfigError as e:
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return 1
+    losses = result.losses
+    if losses:
+        log.info("trained %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",
+                 len(losses), result.wall_time_s, losses[0], losses[-1], result.val_loss)
+    if result.checkpoint:
+        log.info("checkpoint: %s", result.checkpoint)
+    if result.sample:
+        log.info("sample (prompt\u2588continuation):\n%s", result.sample)
+    return 0

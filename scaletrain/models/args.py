@@ -1,0 +1,231 @@
+"""Model dimensions (`ModelArgs`), the named presets and exact parameter counts.
+
+Every number that describes a model lives here; the trainer, the planner and the
+Hugging Face adapter all read the same `ModelArgs`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Arch = Literal["llama", "gpt2"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: llama3` in HF configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Dimensions of a decoder-only transformer.
+
+    `arch="llama"`: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
+    `arch="gpt2"`: LayerNorm, learned positions, GELU MLP, biases, tied head.
+    """
+
+    arch: Arch = "llama"
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    vocab_size: int = 8192
+    ffn_dim: int | None = None
+    """Hidden size of the MLP; None applies the Llama rule (see `ffn_hidden_dim`)."""
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid model dimensions: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every violated constraint, as a message that says how to fix it."""
+        out = []
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name} must be positive (got {getattr(self, name)})")
+        if out:
+            return out
+        if self.dim % self.n_heads:
+            out.append(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            out.append(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
+            )
+        if self.arch == "llama" and (self.dim // self.n_heads) % 2:
+            out.append(f"head_dim ({self.dim // self.n_heads}) must be even for RoPE")
+        if self.ffn_dim is not None and self.ffn_dim <= 0:
+            out.append(f"ffn_dim must be positive (got {self.ffn_dim})")
+        return out
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return ffn_hidden_dim(self)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.arch == "gpt2"
+
+    def replace(self, **changes: Any) -> ModelArgs:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelArgs:
+        data = dict(data)
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        return cls(**data)
+
+
+def ffn_hidden_dim(args: ModelArgs) -> int:
+    """MLP width: explicit `ffn_dim`, else 4*dim (GPT-2) or Llama's 8/3*dim rule rounded up."""
+    if args.ffn_dim is not None:
+        return args.ffn_dim
+    if args.arch == "gpt2":
+        return 4 * args.dim
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * math.ceil(hidden / args.multiple_of)
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameter count split by component (embedding counts the output head when untied)."""
+
+    embedding: int
+    positional: int
+    attention: int
+    mlp: int
+    norms: int
+    head: int
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding - self.positional - self.head
+
+
+def count_params(args: ModelArgs) -> ParamCount:
+    """Exact number of parameters of the model `args` describes, without building it."""
+    d, hd, kv = args.dim, args.head_dim, args.kv_heads
+    bias = args.has_bias
+    q_out, kv_out = args.n_heads * hd, kv * hd
+    attention = d * q_out + 2 * d * kv_out + q_out * d
+    if bias:
+        attention += q_out + 2 * kv_out + d
+    hidden = args.hidden_dim
+    # GELU MLP: two matrices with biases; SwiGLU: three matrices, no biases.
+    mlp = 2 * d * hidden + (hidden + d) if args.arch == "gpt2" else 3 * d * hidden
+    norm = 2 * d if args.arch == "gpt2" else d  # LayerNorm has weight and bias
+    return ParamCount(
+        embedding=args.vocab_size * d,
+        positional=args.max_seq_len * d if args.arch == "gpt2" else 0,
+        attention=args.n_layers * attention,
+        mlp=args.n_layers * mlp,
+        norms=args.n_layers * 2 * norm + norm,
+        head=0 if args.tie_embeddings else args.vocab_size * d,
+    )
+
+
+def _llama3_rope(factor: float) -> RopeScaling:
+    return RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_seq_len=8192)
+
+
+def _gpt2(dim: int, n_layers: int, n_heads: int) -> ModelArgs:
+    return ModelArgs(arch="gpt2", dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=50257,
+                     max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5)
+
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5)
+
+PRESETS: dict[str, ModelArgs] = {
+    # Tiny model for CPU runs, CI and the demo (vocabulary matches the default corpus tokenizer).
+    "debug": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                       ffn_dim=768, max_seq_len=1024, rope_theta=10000.0),
+    "llama3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                             max_seq_len=131072, tie_embeddings=True,
+                             rope_scaling=_llama3_rope(32.0), **_LLAMA3),
+    "llama3.2-3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
+                             max_seq_len=131072, tie_embeddings=True,
+                             rope_scaling=_llama3_rope(32.0), **_LLAMA3),
+    "llama2-7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                           multiple_of=256, max_seq_len=4096, norm_eps=1e-5),
+    "llama2-13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
+                            ffn_dim=13824, max_seq_len=4096, norm_eps=1e-5),
+    "llama3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024,
+                           ffn_dim_multiplier=1.3, max_seq_len=8192, **_LLAMA3),
+    "llama3.1-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024,
+                             ffn_dim_multiplier=1.3, max_seq_len=131072,
+                             rope_scaling=_llama3_rope(8.0), **_LLAMA3),
+    "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096,
+                            ffn_dim_multiplier=1.3, max_seq_len=8192, **_LLAMA3),
+    "llama3.1-405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                               multiple_of=4096, ffn_dim_multiplier=1.2, max_seq_len=131072,
+                               rope_scaling=_llama3_rope(8.0), **_LLAMA3),
+    "gpt2": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+}
+
+
+def get_preset(name: str) -> ModelArgs:
+    """The preset called `name`; an unknown name lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        import difflib
+
+        near = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        raise KeyError(
+            f"unknown model preset '{name}'.{hint} Known presets: {', '.join(PRESETS)}"
+        ) from None
+
+
+def preset_table() -> list[dict[str, Any]]:
+    """One row per preset: name, dimensions and exact parameter count (for `scaletrain models`)."""
+    rows = []
+    for name, a in PRESETS.items():
+        rows.append({
+            "name": name, "arch": a.arch, "params": count_params(a).total, "dim": a.dim,
+            "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.kv_heads,
+            "ffn_dim": a.hidden_dim, "vocab_size": a.vocab_size, "max_seq_len": a.max_seq_len,
+            "tie_embeddings": a.tie_embeddings,
+        })
+    return rows
+
+
+__all__ = ["ModelArgs", "RopeScaling", "ParamCount", "PRESETS", "count_params", "get_preset",
+           "preset_table", "ffn_hidden_dim"]

@@ -1,0 +1,46 @@
+"""Rotary position embeddings in the "rotate half" layout used by Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from scaletrain.models.args import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Per-pair inverse frequencies, with Llama-3.1 frequency-dependent scaling when given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, interpolated, scaled).float()
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (len(positions), head_dim) for the given absolute positions."""
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` of shape (batch, heads, seq, head_dim) by the (seq, head_dim) tables."""
+    return x * cos + _rotate_half(x) * sin

@@ -1,0 +1,218 @@
+"""A decoder-only transformer: Llama-style by default, GPT-2-style with `arch="gpt2"`.
+
+Plain `nn.Module`s with no distributed code. Build on the meta device for large models,
+then `to_empty(device=...)` and `init_weights()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.models.args import ModelArgs
+from scaletrain.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def make_norm(args: ModelArgs) -> nn.Module:
+    if args.arch == "gpt2":
+        return nn.LayerNorm(args.dim, eps=args.norm_eps)
+    return RMSNorm(args.dim, args.norm_eps)
+
+
+class KVCache(nn.Module):
+    """Pre-allocated keys and values of one attention layer for incremental decoding."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        end = start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked for {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        bias = args.has_bias
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=bias)
+        self.use_rope = args.arch == "llama"
+        self.cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                start_pos: int = 0) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        if self.use_rope:
+            assert rope is not None
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.cache is not None:
+            k, v = self.cache.update(start_pos, k, v)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # grouped-query attention: share each K/V head among `rep` query heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if start_pos == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # decoding: query i sits at absolute position start_pos + i
+            keys = torch.arange(k.shape[2], device=x.device)
+            queries = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+            mask = keys[None, :] <= queries[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (`w2(silu(w1 x) * w3 x)`) for Llama; GELU MLP (`w2(gelu(w1 x))`) for GPT-2."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        hidden, bias = args.hidden_dim, args.has_bias
+        self.gated = args.arch == "llama"
+        self.w1 = nn.Linear(args.dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, args.dim, bias=bias)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = make_norm(args)
+        self.attention = Attention(args)
+        self.ffn_norm = make_norm(args)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                start_pos: int = 0) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = (
+            nn.Embedding(args.max_seq_len, args.dim) if args.arch == "gpt2" else None
+        )
+        # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = make_norm(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer(
+            "inv_freq",
+            inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling),
+            persistent=False,
+        )
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        if start_pos + seqlen > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
+                f"{self.args.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device)
+        rope = None
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(positions)
+        else:
+            rope = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, start_pos)
+        return self.output(self.norm(h))
+
+    # --- initialization -------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Initialize every parameter and buffer (also after `to_empty` from the meta device).
+
+        Projections into the residual stream (`wo`, `w2`) use std / sqrt(2 * n_layers).
+        """
+        args = self.args
+        if args.tie_embeddings:  # `to_empty` from the meta device unties shared parameters
+            self.output.weight = self.tok_embeddings.weight
+        self.inv_freq.copy_(inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling))
+        out_std = std / math.sqrt(2 * args.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.pos_embeddings is not None:
+            nn.init.normal_(self.pos_embeddings.weight, std=std / 2)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
+                if module is not self.output or not args.tie_embeddings:
+                    nn.init.normal_(module.weight, std=out_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+
+    # --- generation support ------------------------------------------------------------------
+    def setup_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> None:
+        """Attach a KV cache of `max_len` positions to every attention layer."""
+        param = self.tok_embeddings.weight
+        for layer in self.layers.values():
+            attn = layer.attention
+            attn.cache = KVCache(batch, attn.n_kv_heads, max_len, attn.head_dim,
+                                 dtype or param.dtype, param.device)
+
+    def clear_cache(self) -> None:
+        for layer in self.layers.values():
+            layer.attention.cache = None
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = None,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on the meta device, materialize on `device` and initialize (seeded if given)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights()
+    model = model.to(dtype)
+    model.inv_freq = model.inv_freq.float()  # RoPE frequencies lose precision in bf16/fp16
+    return model

@@ -1,0 +1,35 @@
+"""apply_ac: activation checkpointing of transformer blocks (full, every n-th, attention only)."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from scaletrain.config import ActivationCheckpointConfig
+
+log = logging.getLogger("scaletrain.parallel")
+
+
+def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> int:
+    """Wrap blocks of `model.layers` so their activations are recomputed in backward.
+
+    `full`: every block; `selective` with scope `block`: every `cfg.every`-th block; scope
+    `attention`: only the attention sub-module of those blocks. The wrapper keeps parameter
+    names unchanged, so checkpoints and state dicts do not depend on this setting.
+    Returns the number of modules wrapped.
+    """
+    if cfg.mode == "none":
+        return 0
+    wrapped = 0
+    for index, (name, block) in enumerate(list(model.layers.items())):
+        if cfg.mode == "selective" and index % cfg.every != cfg.every - 1:
+            continue
+        if cfg.mode == "selective" and cfg.scope == "attention":
+            block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
+        else:
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+        wrapped += 1
+    log.info("activation checkpointing: %s, %d of %d blocks", cfg.mode, wrapped, len(model.layers))
+    return wrapped

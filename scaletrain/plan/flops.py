@@ -1,0 +1,25 @@
+"""FLOPs per token of training from the model's dimensions (shared by planner and trainer)."""
+
+from __future__ import annotations
+
+from scaletrain.models.args import ModelArgs, count_params
+
+
+def matmul_params(args: ModelArgs) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding lookups.
+
+    A tied output head still multiplies every token, so it is counted once as the head.
+    """
+    p = count_params(args)
+    return p.non_embedding + args.vocab_size * args.dim
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Model FLOPs per trained token: 6N (forward + backward matmuls) + the attention term.
+
+    Attention scores and values cost 2 x 2 x seq x head_dim x heads per layer forward, times 3 for
+    forward + backward: 12 * n_layers * n_heads * head_dim * seq_len (PaLM's convention; the causal
+    mask is not discounted, as in Megatron-LM and torchtitan). Recomputation is not counted (MFU).
+    """
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * matmul_params(args) + attention

@@ -1,0 +1,118 @@
+"""Per-step metrics to the terminal (progress bar + log lines), metrics.jsonl and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("scaletrain.train")
+
+
+@dataclass
+class StepMetrics:
+    """Exactly the keys of one metrics.jsonl line."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    tflops: float
+    mfu: float | None
+    peak_mem_gib: float
+    step_time_s: float
+    data_wait_s: float
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated CUDA memory; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kib / 2**20
+
+
+def _open_truncated(path: Path, last_step: int) -> Any:
+    """Open a JSON-lines file for appending after removing the records with step > last_step."""
+    if path.exists():
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= last_step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash
+        path.write_text("".join(k + "\n" for k in keep))
+    return path.open("a")
+
+
+class MetricsLogger:
+    def __init__(self, output: Path, total_steps: int, log_interval: int, tensorboard: bool,
+                 progress_bar: bool, start_step: int = 0) -> None:
+        self.output = output
+        self.log_interval = log_interval
+        # A resumed run drops lines past its checkpoint, so every step appears exactly once.
+        self.jsonl = _open_truncated(output / "metrics.jsonl", start_step)
+        self.eval_jsonl = _open_truncated(output / "eval.jsonl", start_step)
+        self.tb = self._tensorboard(output / "tb") if tensorboard else None
+        self.progress = None
+        if progress_bar and sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(),
+                                     TextColumn("{task.completed}/{task.total}"),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               info="")
+            self.progress.start()
+
+    @staticmethod
+    def _tensorboard(path: Path) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log.warning("tensorboard is not installed (pip install 'scaletrain[tb]'); "
+                        "metrics go to metrics.jsonl only")
+            return None
+        return SummaryWriter(str(path))
+
+    def log_step(self, m: StepMetrics) -> None:
+        self.jsonl.write(json.dumps(asdict(m)) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in asdict(m).items():
+                if key != "step" and value is not None:
+                    self.tb.add_scalar(f"train/{key}", value, m.step)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=m.step,
+                                 info=f"loss {m.loss:.3f} {m.tokens_per_s:,.0f} tok/s")
+        if m.step % self.log_interval == 0 or m.step == 1:
+            mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}%"
+            log.info(
+                "step %5d | loss %.4f | lr %.2e | grad %.3f | %8.0f tok/s | %.2f TFLOP/s | "
+                "mfu %s | mem %.2f GiB | %.3f s (data %.3f s)",
+                m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s, m.tflops, mfu,
+                m.peak_mem_gib, m.step_time_s, m.data_wait_s,
+            )
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        self.eval_jsonl.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+        self.eval_jsonl.flush()
+        if self.tb is not None:
+            self.tb.add_scalar("val/loss", val_loss, step)
+        log.info("step %5d | validation loss %.4f", step, val_loss)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self.jsonl.close()
+        self.eval_jsonl.close()

@@ -69,6 +69,9 @@ class DataConfig:
     text files under `data.path`."""
     path: str | None = None
     """Directory of text files for `dataset = "text_dir"`."""
+    stdlib_tests: bool = True
+    """With `dataset = "stdlib"`: include the standard library's test suites (60% of its bytes;
+    some distributions ship them separately, so turn this off for a corpus equal across them)."""
     file_glob: str = "**/*.py"
     """Which files under the corpus directory to read."""
     cache_dir: str | None = None

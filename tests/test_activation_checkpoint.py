@@ -39,7 +39,9 @@ def _grads_and_saved_bytes(args: ModelArgs, ac: ActivationCheckpointConfig,
     ],
     ids=["full", "every-2nd", "attention"],
 )
-def test_checkpointing_keeps_gradients_and_saves_fewer_bytes(ac: ActivationCheckpointConfig) -> None:
+def test_checkpointing_keeps_gradients_and_saves_fewer_bytes(
+    ac: ActivationCheckpointConfig,
+) -> None:
     args = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96,
                      max_seq_len=64)
     tokens = torch.randint(0, 128, (4, 33))

@@ -160,6 +160,10 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         else:
+            if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
+                self.inv_freq = inverse_frequencies(
+                    self.args.head_dim, self.args.rope_theta, self.args.rope_scaling
+                ).to(tokens.device)
             rope = rope_cos_sin(self.inv_freq, positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, start_pos)
@@ -213,6 +217,4 @@ def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int |
     if seed is not None:
         torch.manual_seed(seed)
     model.init_weights()
-    model = model.to(dtype)
-    model.inv_freq = model.inv_freq.float()  # RoPE frequencies lose precision in bf16/fp16
-    return model
+    return model.to(dtype)  # RoPE frequencies cast with it are recomputed in fp32 on use

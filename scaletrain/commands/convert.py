@@ -1,0 +1,98 @@
+"""`scaletrain convert SRC DST --to hf|native`: Hugging Face safetensors <-> native checkpoints.
+
+SRC may be a Hugging Face directory, a native checkpoint or a training run directory (its
+latest checkpoint is used). A `tokenizer.json` next to the weights is carried across.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parse_size(text: str) -> int:
+    """'500MB', '2GB', '1000000' -> bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda u: -len(u[0])):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t.removesuffix("B"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scaletrain convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="checkpoint to read (HF dir, native dir or run dir)")
+    p.add_argument("dst", help="output directory (must not exist)")
+    p.add_argument("--to", required=True, choices=["hf", "native"], help="output format")
+    p.add_argument("--dtype", choices=sorted(_DTYPES),
+                   help="weight dtype to write (default: HF -> as stored, native -> float32)")
+    p.add_argument("--max-shard-size", type=_parse_size, default=None, metavar="SIZE",
+                   help="HF output: split weights into shards of at most SIZE (e.g. 2GB)")
+    p.add_argument("--step", type=int, default=0, help="native output: step recorded in meta")
+    return p
+
+
+def run(args: argparse.Namespace) -> Path:
+    from scaletrain.inference import find_checkpoint, hf_eos_id, tokenizer_eos_id
+    from scaletrain.models.hf import load_hf_checkpoint, save_hf_checkpoint
+    from scaletrain.train.native_format import (
+        load_model_checkpoint,
+        read_meta,
+        save_model_checkpoint,
+    )
+
+    dst = Path(args.dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} already exists; choose a new output directory")
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    kind, src = find_checkpoint(args.src)
+    eos = None
+    step = args.step
+    if kind == "hf":
+        model, model_args = load_hf_checkpoint(src, dtype=dtype)
+        tok = src / "tokenizer.json"
+        tokenizer_file = tok if tok.is_file() else None
+        eos = hf_eos_id(src)
+    else:
+        model, model_args, tokenizer_file = load_model_checkpoint(
+            src, dtype=dtype or torch.float32
+        )
+        step = args.step or read_meta(src)["step"]
+    if args.to == "hf":
+        if eos is None and tokenizer_file is not None:
+            from tokenizers import Tokenizer
+
+            eos = tokenizer_eos_id(Tokenizer.from_file(str(tokenizer_file)))
+        save_hf_checkpoint(model, dst, args.max_shard_size, eos_token_id=eos,
+                           tokenizer_file=tokenizer_file)
+    else:
+        save_model_checkpoint(model, model_args, dst, tokenizer_file=tokenizer_file, step=step)
+    return dst
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        dst = run(args)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"scaletrain convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.to} checkpoint {dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

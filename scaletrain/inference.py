@@ -1,0 +1,138 @@
+"""Load a model for inference from whatever checkpoint directory the user points at.
+
+Accepted: a Hugging Face directory (`config.json` + safetensors), a native checkpoint
+(`meta.json` + DCP files), or a training run's output directory with
+`checkpoints/step-XXXXXXX/` sub-directories (the latest complete one is used).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scaletrain.models.args import ModelArgs
+from scaletrain.models.hf import CONFIG_NAME, GENERATION_CONFIG_NAME, load_hf_checkpoint
+from scaletrain.models.transformer import Transformer
+from scaletrain.train.native_format import META_NAME, load_model_checkpoint
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+# Special tokens that end a document in common tokenizers, most specific first.
+_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[str, Path]:
+    """("hf" | "native", directory) for a checkpoint or a training run directory."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file; give the checkpoint directory that holds it")
+    if (path / META_NAME).is_file():
+        return "native", path
+    if (path / CONFIG_NAME).is_file():
+        return "hf", path
+    for parent in (path / "checkpoints", path):
+        steps = [
+            (int(m.group(1)), d) for d in parent.glob("step-*")
+            if (m := _STEP_DIR.fullmatch(d.name)) and (d / META_NAME).is_file()
+        ] if parent.is_dir() else []
+        if steps:
+            step, latest = max(steps)
+            logger.info("using the latest checkpoint %s (step %d)", latest, step)
+            return "native", latest
+    raise ValueError(
+        f"{path} is not a checkpoint: expected {CONFIG_NAME} (Hugging Face), {META_NAME} "
+        "(scaletrain native) or a run directory with checkpoints/step-XXXXXXX/ inside"
+    )
+
+
+def _load_tokenizer(path: Path | None) -> Tokenizer | None:
+    if path is None or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own exception type
+        raise ValueError(f"{path} is not a valid tokenizers JSON file: {e}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        logger.warning("ignoring unreadable %s: %s", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _first_id(value: Any) -> int | None:
+    """An eos id from a config: an int, or the first of a list."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
+
+
+def hf_eos_id(directory: Path) -> int | None:
+    """eos id from generation_config.json, else config.json (the first when there are several)."""
+    for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
+        path = directory / name
+        if path.is_file():
+            eos = _first_id(_read_json(path).get("eos_token_id"))
+            if eos is not None:
+                return eos
+    return None
+
+
+def tokenizer_eos_id(tokenizer: Tokenizer | None) -> int | None:
+    """Best guess at the end-of-text id of a tokenizer that carries no config, by token name."""
+    if tokenizer is None:
+        return None
+    for name in _EOS_NAMES:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def load_for_inference(
+    path: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[Transformer, ModelArgs, Tokenizer | None, int | None]:
+    """(model in eval mode, args, tokenizer or None, eos id or None) for a checkpoint path.
+
+    `dtype=None` keeps a HF checkpoint's stored dtype and loads native checkpoints in float32.
+    """
+    kind, directory = find_checkpoint(path)
+    if kind == "hf":
+        model, args = load_hf_checkpoint(directory, device=device, dtype=dtype)
+        tokenizer = _load_tokenizer(directory / "tokenizer.json")
+        eos = hf_eos_id(directory)
+        if eos is None:
+            eos = tokenizer_eos_id(tokenizer)
+    else:
+        model, args, tok_path = load_model_checkpoint(
+            directory, device=device, dtype=dtype or torch.float32
+        )
+        tokenizer = _load_tokenizer(tok_path)
+        eos = tokenizer_eos_id(tokenizer)
+    if eos is not None and not 0 <= eos < args.vocab_size:
+        logger.warning("ignoring eos id %d outside the vocabulary (%d)", eos, args.vocab_size)
+        eos = None
+    model.eval()
+    return model, args, tokenizer, eos
+
+
+__all__ = ["find_checkpoint", "load_for_inference", "hf_eos_id", "tokenizer_eos_id"]

@@ -1,0 +1,125 @@
+"""Autoregressive decoding with the model's KV cache: greedy, temperature, top-k, top-p."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from scaletrain.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """Set logits outside the top-k set and outside the top-p nucleus to -inf (last dim).
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches `top_p`;
+    the most likely token is always kept.
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+        drop_sorted = mass_before >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _check(
+    model: Transformer, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+    top_k: int | None, top_p: float | None,
+) -> int:
+    """Validate the arguments; returns how many tokens may be generated."""
+    args = model.args
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < args.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
+                         f"{args.vocab_size})")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (got {temperature}); 0 means greedy")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (got {top_k})")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
+    room = args.max_seq_len - len(prompt_ids)
+    if room < 0:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens, more than the model's "
+                         f"max_seq_len {args.max_seq_len}")
+    if max_new_tokens > room:
+        logger.warning("generating %d new tokens instead of %d: prompt + output may not exceed "
+                       "max_seq_len %d", room, max_new_tokens, args.max_seq_len)
+        return room
+    return max_new_tokens
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | Iterable[int] | None = None,
+    seed: int | None = None,
+) -> list[int]:
+    """Continue `prompt_ids` by up to `max_new_tokens` tokens; returns the new ids only.
+
+    The prompt is run once (prefill) and then one token per step through the KV cache.
+    `temperature=0` is greedy decoding (top-k/top-p are then irrelevant). Generation stops after
+    an end-of-sequence token, which is included in the output (the transformers convention).
+    Prompt + output never exceed `model.args.max_seq_len`: `max_new_tokens` is cut with a
+    warning. `seed` makes sampling reproducible without touching the global RNG.
+    """
+    n_new = _check(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
+    if n_new == 0:
+        return []
+    stop = set() if eos_id is None else ({eos_id} if isinstance(eos_id, int) else set(eos_id))
+    device = model.tok_embeddings.weight.device
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device)
+        if seed is not None:
+            generator.manual_seed(seed)
+        else:
+            generator.seed()
+
+    def pick(logits: torch.Tensor) -> int:
+        if temperature == 0:
+            return int(logits.argmax(dim=-1))
+        scaled = filter_logits(logits.float() / temperature, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    # The last new token is never fed back, so the cache needs one position less than the total.
+    model.setup_cache(1, len(prompt_ids) + n_new - 1)
+    try:
+        tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        logits = model(tokens, start_pos=0)[0, -1]
+        out: list[int] = []
+        pos = len(prompt_ids)
+        while True:
+            token = pick(logits)
+            out.append(token)
+            if token in stop or len(out) == n_new:
+                return out
+            step = torch.tensor([[token]], dtype=torch.long, device=device)
+            logits = model(step, start_pos=pos)[0, -1]
+            pos += 1
+    finally:
+        model.clear_cache()
+
+
+__all__ = ["generate", "filter_logits"]

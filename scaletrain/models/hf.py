@@ -1,0 +1,519 @@
+"""Hugging Face interop: configs, state-dict renaming and safetensors checkpoints.
+
+Llama checkpoints map by plain renaming (our RoPE is the HF "rotate half" layout, so q/k need
+no permutation). GPT-2 checkpoints use `Conv1D` weights stored as [in, out] and a fused
+`c_attn` (q, k, v) projection, which are transposed and split here.
+
+No distributed code and nothing from the rest of the package: this module reads and writes
+plain state dicts and files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain.models.args import ModelArgs, RopeScaling
+from scaletrain.models.rope import inverse_frequencies
+from scaletrain.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+# Buffers some HF checkpoints carry that hold no learned weights.
+_IGNORED_HF_KEYS = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
+
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# --- configs ---------------------------------------------------------------------------------
+def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+    """`ModelArgs` for a Hugging Face `config.json` (Llama or GPT-2), or a ValueError saying why
+    the model cannot be represented."""
+    model_type = cfg.get("model_type")
+    if model_type == "llama":
+        return _llama_args(cfg)
+    if model_type == "gpt2":
+        return _gpt2_args(cfg)
+    raise ValueError(
+        f"unsupported Hugging Face model_type {model_type!r}: only 'llama' and 'gpt2' "
+        "checkpoints can be converted"
+    )
+
+
+def _llama_args(cfg: dict[str, Any]) -> ModelArgs:
+    dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim * n_heads != dim:
+        raise ValueError(
+            f"config head_dim={head_dim} differs from hidden_size/num_attention_heads="
+            f"{dim}/{n_heads}; scaletrain models need head_dim == hidden_size // num_heads"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (Llama models use 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ValueError(f"{flag}=true is not supported: scaletrain Llama layers have no bias")
+    # transformers >= 5 nests rope_theta and the scaling in `rope_parameters`; older configs
+    # have top-level `rope_theta` and `rope_scaling`.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return ModelArgs(
+        arch="llama",
+        dim=dim,
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        vocab_size=int(cfg["vocab_size"]),
+        ffn_dim=int(cfg["intermediate_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=_rope_scaling(rope),
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(
+            f"RoPE scaling type {kind!r} is not supported (supported: default, llama3)"
+        )
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_seq_len=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _gpt2_args(cfg: dict[str, Any]) -> ModelArgs:
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(
+            f"GPT-2 activation_function {act!r} is not supported (only the tanh GELU, "
+            "'gelu_new')"
+        )
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if cfg.get(flag):
+            raise ValueError(f"GPT-2 option {flag}=true is not supported")
+    if cfg.get("scale_attn_weights") is False:
+        raise ValueError("GPT-2 option scale_attn_weights=false is not supported")
+    n_inner = cfg.get("n_inner")
+    return ModelArgs(
+        arch="gpt2",
+        dim=int(cfg["n_embd"]),
+        n_layers=int(cfg["n_layer"]),
+        n_heads=int(cfg["n_head"]),
+        vocab_size=int(cfg["vocab_size"]),
+        ffn_dim=int(n_inner) if n_inner else None,
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        max_seq_len=int(cfg.get("n_positions", 1024)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
+def hf_config_from_model_args(
+    args: ModelArgs,
+    dtype: torch.dtype | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> dict[str, Any]:
+    """The `config.json` contents transformers needs to build the model `args` describes."""
+    if args.arch == "gpt2":
+        cfg: dict[str, Any] = {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_embd": args.dim,
+            "n_layer": args.n_layers,
+            "n_head": args.n_heads,
+            "n_inner": args.hidden_dim,
+            "n_positions": args.max_seq_len,
+            "vocab_size": args.vocab_size,
+            "layer_norm_epsilon": args.norm_eps,
+            "activation_function": "gelu_new",
+            "attn_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "resid_pdrop": 0.0,
+            "tie_word_embeddings": args.tie_embeddings,
+        }
+        if args.kv_heads != args.n_heads:
+            raise ValueError("GPT-2 checkpoints cannot hold grouped-query attention")
+    else:
+        cfg = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": args.dim,
+            "intermediate_size": args.hidden_dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "max_position_embeddings": args.max_seq_len,
+            "tie_word_embeddings": args.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+        if args.rope_scaling is not None:
+            s = args.rope_scaling
+            cfg["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_seq_len,
+            }
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        cfg["torch_dtype"] = name  # transformers < 5
+        cfg["dtype"] = name
+    # Always written: transformers fills in model-specific defaults for absent ids.
+    cfg["bos_token_id"] = bos_token_id
+    cfg["eos_token_id"] = eos_token_id
+    return cfg
+
+
+# --- state dicts -----------------------------------------------------------------------------
+_LLAMA_LAYER = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LLAMA_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GPT2_LAYER = {  # Linear-like modules other than the fused c_attn
+    "attention.wo": "attn.c_proj",
+    "feed_forward.w1": "mlp.c_fc",
+    "feed_forward.w2": "mlp.c_proj",
+    "attention_norm": "ln_1",
+    "ffn_norm": "ln_2",
+}
+_GPT2_TOP = {
+    "tok_embeddings.weight": "transformer.wte.weight",
+    "pos_embeddings.weight": "transformer.wpe.weight",
+    "norm.weight": "transformer.ln_f.weight",
+    "norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+_CONV1D = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF GPT-2 modules stored [in, out]
+
+
+def _layer_key(key: str) -> tuple[int, str, str] | None:
+    """`layers.3.attention.wq.weight` -> (3, "attention.wq", "weight")."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", key)
+    return (int(m.group(1)), m.group(2), m.group(3)) if m else None
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF names and layouts (contiguous tensors, the tied head left out)."""
+    out: dict[str, torch.Tensor] = {}
+    gpt2 = args.arch == "gpt2"
+    top, layer_map = (_GPT2_TOP, _GPT2_LAYER) if gpt2 else (_LLAMA_TOP, _LLAMA_LAYER)
+    prefix = "transformer.h" if gpt2 else "model.layers"
+    for key, tensor in sd.items():
+        if key == "output.weight" and args.tie_embeddings:
+            continue
+        if key in top:
+            out[top[key]] = tensor
+            continue
+        parsed = _layer_key(key)
+        if parsed is None:
+            raise KeyError(f"unexpected key {key!r} in a scaletrain state dict")
+        i, module, param = parsed
+        if gpt2 and module in ("attention.wq", "attention.wk", "attention.wv"):
+            continue  # fused below
+        hf_module = layer_map[module]
+        if gpt2 and hf_module in _CONV1D and param == "weight":
+            tensor = tensor.t()
+        out[f"{prefix}.{i}.{hf_module}.{param}"] = tensor
+    if gpt2:
+        for i in range(args.n_layers):
+            parts = [f"layers.{i}.attention.{w}" for w in ("wq", "wk", "wv")]
+            out[f"{prefix}.{i}.attn.c_attn.weight"] = torch.cat(
+                [sd[p + ".weight"] for p in parts], dim=0
+            ).t()
+            out[f"{prefix}.{i}.attn.c_attn.bias"] = torch.cat([sd[p + ".bias"] for p in parts])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_state_dict(
+    hf_sd: dict[str, torch.Tensor], args: ModelArgs
+) -> dict[str, torch.Tensor]:
+    """HF names and layouts -> our state dict (both embedding keys set when tied).
+
+    Raises KeyError naming any tensor that does not belong to the model `args` describes.
+    """
+    gpt2 = args.arch == "gpt2"
+    top, layer_map = (_GPT2_TOP, _GPT2_LAYER) if gpt2 else (_LLAMA_TOP, _LLAMA_LAYER)
+    rev_top = {v: k for k, v in top.items()}
+    rev_layer = {v: k for k, v in layer_map.items()}
+    sd: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    for key, tensor in hf_sd.items():
+        if _IGNORED_HF_KEYS.search(key):
+            continue
+        name = key
+        if gpt2 and not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name  # GPT2Model checkpoints have no prefix
+        if name in rev_top:
+            sd[rev_top[name]] = tensor
+            continue
+        pattern = r"transformer\.h\.(\d+)\.(.+)\.(weight|bias)" if gpt2 else (
+            r"model\.layers\.(\d+)\.(.+)\.(weight|bias)"
+        )
+        m = re.fullmatch(pattern, name)
+        if m is None or (m.group(2) not in rev_layer and m.group(2) != "attn.c_attn"):
+            unknown.append(key)
+            continue
+        i, hf_module, param = int(m.group(1)), m.group(2), m.group(3)
+        if gpt2 and hf_module == "attn.c_attn":
+            fused = tensor.t() if param == "weight" else tensor
+            for w, part in zip(("wq", "wk", "wv"), fused.chunk(3, dim=0)):
+                sd[f"layers.{i}.attention.{w}.{param}"] = part
+            continue
+        if gpt2 and hf_module in _CONV1D and param == "weight":
+            tensor = tensor.t()
+        sd[f"layers.{i}.{rev_layer[hf_module]}.{param}"] = tensor
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        raise KeyError(f"{len(unknown)} tensor(s) do not belong to a {args.arch} model: {shown}")
+    if args.tie_embeddings and "tok_embeddings.weight" in sd:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    return sd
+
+
+# --- building ------------------------------------------------------------------------------
+def empty_model(
+    args: ModelArgs, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """A model with uninitialized weights (to be loaded into), ties and RoPE tables in place.
+
+    Cheaper than `build_model` for big models: nothing is randomly initialized.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.to(dtype)
+    if args.tie_embeddings:  # `to_empty` unties shared parameters
+        model.output.weight = model.tok_embeddings.weight
+    # RoPE frequencies stay float32 whatever the weight dtype.
+    model.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(
+        device
+    )
+    return model
+
+
+def load_state_dict_checked(model: Transformer, sd: dict[str, torch.Tensor], source: str) -> None:
+    """`model.load_state_dict(sd)` with an error that names `source` and the offending keys."""
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(sd))
+    extra = sorted(set(sd) - expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing tensor(s): {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
+        if extra:
+            parts.append(f"unexpected tensor(s): {', '.join(extra[:5])}"
+                         + (" ..." if len(extra) > 5 else ""))
+        raise ValueError(f"{source}: " + "; ".join(parts))
+    for key, tensor in model.state_dict().items():
+        if tuple(sd[key].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{source}: tensor {key} has shape {tuple(sd[key].shape)}, the config says "
+                f"{tuple(tensor.shape)}"
+            )
+    with torch.no_grad():
+        model.load_state_dict(sd, strict=True)
+
+
+# --- files ---------------------------------------------------------------------------------
+def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `config.json` of a HF checkpoint directory, with errors naming the file."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return cfg
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path} is damaged or not a safetensors file: {e}") from None
+
+
+def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint: `model.safetensors` or the shards its index lists."""
+    directory = Path(directory)
+    single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
+    if single.is_file():
+        return _read_safetensors(single)
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"no weights in {directory}: expected {WEIGHTS_NAME} or {INDEX_NAME} "
+            "(PyTorch .bin checkpoints are not read; re-save them with safetensors)"
+        )
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is damaged (needs a 'weight_map' object): {e}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        part = _read_safetensors(directory / shard)
+        tensors.update(part)
+    listed_missing = sorted(k for k in weight_map if k not in tensors)
+    if listed_missing:
+        raise ValueError(
+            f"{index} lists tensor(s) absent from their shard: {', '.join(listed_missing[:5])}"
+        )
+    return tensors
+
+
+def load_hf_checkpoint(
+    directory: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[Transformer, ModelArgs]:
+    """Load a HF Llama or GPT-2 safetensors checkpoint into our model.
+
+    `dtype=None` keeps the dtype the weights are stored in.
+    """
+    directory = Path(directory)
+    cfg = read_hf_config(directory)
+    try:
+        args = model_args_from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{directory / CONFIG_NAME}: {what}") from None
+    hf_sd = read_hf_weights(directory)
+    try:
+        sd = from_hf_state_dict(hf_sd, args)
+    except KeyError as e:
+        raise ValueError(f"{directory}: {e.args[0]}") from None
+    if dtype is None:
+        dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
+    model = empty_model(args, device=device, dtype=dtype)
+    load_state_dict_checked(model, sd, str(directory))
+    logger.info("loaded %s checkpoint %s (%s)", args.arch, directory, dtype)
+    return model, args
+
+
+def _shards(
+    tensors: dict[str, torch.Tensor], max_shard_bytes: int | None
+) -> list[dict[str, torch.Tensor]]:
+    if max_shard_bytes is None:
+        return [tensors]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    return shards
+
+
+def save_hf_checkpoint(
+    model: Transformer,
+    directory: str | os.PathLike,
+    max_shard_bytes: int | None = None,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    tokenizer_file: str | os.PathLike | None = None,
+) -> Path:
+    """Write `config.json` and safetensors weights (sharded with an index when over
+    `max_shard_bytes`) that `transformers` loads with `from_pretrained`.
+
+    Written to a temporary directory next to `directory`, then renamed into place, so a crash
+    never leaves a complete-looking checkpoint. `directory` must not exist yet.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    if directory.exists():
+        raise FileExistsError(f"{directory} already exists; choose a new output directory")
+    args: ModelArgs = model.args
+    tensors = {k: v.detach().cpu() for k, v in to_hf_state_dict(model.state_dict(), args).items()}
+    dtype = model.tok_embeddings.weight.dtype
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        cfg = hf_config_from_model_args(args, dtype, bos_token_id, eos_token_id)
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        if eos_token_id is not None or bos_token_id is not None:
+            gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+            (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(gen, indent=2) + "\n")
+        shards = _shards(tensors, max_shard_bytes)
+        meta = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], tmp / WEIGHTS_NAME, metadata=meta)
+        else:
+            width = max(5, int(math.log10(len(shards))) + 1)
+            weight_map = {}
+            for n, shard in enumerate(shards, start=1):
+                name = f"model-{n:0{width}d}-of-{len(shards):0{width}d}.safetensors"
+                save_file(shard, tmp / name, metadata=meta)
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("saved %s checkpoint to %s (%d file(s))", args.arch, directory, len(shards))
+    return directory
+
+
+__all__ = [
+    "model_args_from_hf_config", "hf_config_from_model_args", "to_hf_state_dict",
+    "from_hf_state_dict", "empty_model", "load_state_dict_checked", "read_hf_config",
+    "read_hf_weights", "load_hf_checkpoint", "save_hf_checkpoint",
+]

@@ -1,0 +1,62 @@
+"""bench/train_cpu.py runs end to end on tiny dimensions and reports both sides (no timings
+are asserted: only that the numbers exist and both sides trained the same model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_cpu_bench_reports_both_sides(tmp_path: Path) -> None:
+    bench = _load("train_cpu")
+    out = tmp_path / "train_cpu.json"
+    bench.main([
+        "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "128",
+        "--vocab", "512", "--seq-len", "32", "--batch", "2", "--steps", "1", "--warmup", "1",
+        "--skip-compile", "--cache-dir", str(tmp_path / "cache"),
+        "--max-bytes", "300000", "--json", str(out),
+    ])
+    data = json.loads(out.read_text())
+    assert data["environment"]["torch"] and data["environment"]["threads"] >= 1
+    result = data["variants"]["fp32-eager"]
+    for side in ("ours", "baseline"):
+        assert result[side]["tokens_per_s"] > 0
+        assert len(result[side]["step_times_s"]) == 1
+    assert result["ratio"] == pytest.approx(
+        result["ours"]["tokens_per_s"] / result["baseline"]["tokens_per_s"])
+    # Same weights, batch and loss convention: the first losses agree (fp32).
+    first = result["first_step"]
+    assert math.isclose(first["ours"]["loss"], first["baseline"]["loss"], rel_tol=1e-4)
+    assert math.isclose(first["ours"]["grad_norm"], first["baseline"]["grad_norm"], rel_tol=1e-3)
+    assert {"fp32-compiled", "bf16-compiled"} <= set(data["skipped"])
+    assert set(data["variants"]) | set(data["skipped"]) == set(bench.VARIANTS)
+    for result in data["variants"].values():  # bf16-eager too, where the CPU has AVX-512 bf16
+        assert result["ours"]["tokens_per_s"] > 0 and result["baseline"]["tokens_per_s"] > 0
+
+
+def test_train_gpu_bench_skips_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present; the skip path does not apply")
+    bench = _load("train_gpu")
+    out = tmp_path / "train_gpu.json"
+    assert bench.main(["--json", str(out)]) is None
+    assert "no CUDA device: skipped" in capsys.readouterr().out
+    assert not out.exists()

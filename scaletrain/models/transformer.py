@@ -77,17 +77,16 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # grouped-query attention: share each K/V head among `rep` query heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+        # Grouped-query attention: SDPA shares each K/V head among n_heads / n_kv_heads query
+        # heads itself, without materializing repeated K/V.
+        gqa = self.n_heads != self.n_kv_heads
         if start_pos == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # decoding: query i sits at absolute position start_pos + i
             keys = torch.arange(k.shape[2], device=x.device)
             queries = torch.arange(start_pos, start_pos + seqlen, device=x.device)
             mask = keys[None, :] <= queries[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 

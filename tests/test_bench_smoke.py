@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,15 @@ def _load(name: str):  # type: ignore[no-untyped-def]
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_log_level() -> Iterator[None]:
+    """The benchmark quiets the `scaletrain` logger; keep that from leaking into other tests."""
+    logger = logging.getLogger("scaletrain")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 def test_train_cpu_bench_reports_both_sides(tmp_path: Path) -> None:

@@ -138,7 +138,7 @@ def test_sampled_tokens_stay_inside_top_k():
 def test_never_exceeds_max_seq_len(pair, caplog):
     _, ours = pair
     prompt = list(range(1, 61))  # max_seq_len is 64
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="scaletrain.models.generation"):
         new = generate(ours, prompt, 10)
     assert len(new) == 4 and "max_seq_len" in caplog.text
     with pytest.raises(ValueError, match="max_seq_len"):

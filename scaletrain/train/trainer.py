@@ -190,6 +190,7 @@ class Trainer:
         count of valid tokens, so any split into micro-batches gives the same gradients.
         Returns (loss, grad_norm); the loss is NaN/inf when the step was skipped.
         """
+        # Data parallelism must all-reduce n_valid here, so every rank divides by the global count.
         n_valid = sum(count_valid(y) for _, y in batches).clamp(min=1)
         loss_sum = torch.zeros((), device=self.device)
         for x, y in batches:

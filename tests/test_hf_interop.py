@@ -16,14 +16,13 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scaletrain.models.args import PRESETS, ModelArgs, RopeScaling  # noqa: E402
 from scaletrain.models.hf import (  # noqa: E402
-    empty_model,
     hf_config_from_model_args,
     load_hf_checkpoint,
     model_args_from_hf_config,
     save_hf_checkpoint,
 )
 from scaletrain.models.rope import inverse_frequencies  # noqa: E402
-from scaletrain.models.transformer import build_model  # noqa: E402
+from scaletrain.models.transformer import build_model, empty_model  # noqa: E402
 
 TOL = 1e-5
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from scaletrain.models.args import ModelArgs, RopeScaling
-from scaletrain.models.rope import inverse_frequencies
-from scaletrain.models.transformer import Transformer
+from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
 
@@ -312,27 +311,6 @@ def from_hf_state_dict(
     return sd
 
 
-# --- building ------------------------------------------------------------------------------
-def empty_model(
-    args: ModelArgs, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> Transformer:
-    """A model with uninitialized weights (to be loaded into), ties and RoPE tables in place.
-
-    Cheaper than `build_model` for big models: nothing is randomly initialized.
-    """
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    model.to(dtype)
-    if args.tie_embeddings:  # `to_empty` unties shared parameters
-        model.output.weight = model.tok_embeddings.weight
-    # RoPE frequencies stay float32 whatever the weight dtype.
-    model.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(
-        device
-    )
-    return model
-
-
 def load_state_dict_checked(model: Transformer, sd: dict[str, torch.Tensor], source: str) -> None:
     """`model.load_state_dict(sd)` with an error that names `source` and the offending keys."""
     expected = set(model.state_dict())
@@ -514,6 +492,6 @@ def save_hf_checkpoint(
 
 __all__ = [
     "model_args_from_hf_config", "hf_config_from_model_args", "to_hf_state_dict",
-    "from_hf_state_dict", "empty_model", "load_state_dict_checked", "read_hf_config",
+    "from_hf_state_dict", "load_state_dict_checked", "read_hf_config",
     "read_hf_weights", "load_hf_checkpoint", "save_hf_checkpoint",
 ]

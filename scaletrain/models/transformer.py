@@ -160,15 +160,23 @@ class Transformer(nn.Module):
             h = h + self.pos_embeddings(positions)
         else:
             if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
-                self.inv_freq = inverse_frequencies(
-                    self.args.head_dim, self.args.rope_theta, self.args.rope_scaling
-                ).to(tokens.device)
+                self.reset_buffers()
             rope = rope_cos_sin(self.inv_freq, positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, start_pos)
         return self.output(self.norm(h))
 
     # --- initialization -------------------------------------------------------------------
+    def reset_buffers(self) -> None:
+        """Tie the head again (`to_empty` unties shared parameters) and rebuild the RoPE table
+        in fp32, whatever the dtype of the weights."""
+        args = self.args
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(
+            self.tok_embeddings.weight.device
+        )
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """Initialize every parameter and buffer (also after `to_empty` from the meta device).
@@ -176,9 +184,7 @@ class Transformer(nn.Module):
         Projections into the residual stream (`wo`, `w2`) use std / sqrt(2 * n_layers).
         """
         args = self.args
-        if args.tie_embeddings:  # `to_empty` from the meta device unties shared parameters
-            self.output.weight = self.tok_embeddings.weight
-        self.inv_freq.copy_(inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling))
+        self.reset_buffers()
         out_std = std / math.sqrt(2 * args.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         if self.pos_embeddings is not None:
@@ -207,12 +213,25 @@ class Transformer(nn.Module):
             layer.attention.cache = None
 
 
-def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = None,
-                dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build on the meta device, materialize on `device` and initialize (seeded if given)."""
+def empty_model(
+    args: ModelArgs, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """A model with uninitialized weights (to be loaded into), ties and RoPE table in place.
+
+    Cheaper than `build_model` for big models: nothing is randomly initialized.
+    """
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
+    model.to(dtype)
+    model.reset_buffers()
+    return model
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = None,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on the meta device, materialize on `device` and initialize (seeded if given)."""
+    model = empty_model(args, device)
     if seed is not None:
         torch.manual_seed(seed)
     model.init_weights()

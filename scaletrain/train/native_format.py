@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.models.hf import empty_model
-from scaletrain.models.transformer import Transformer
+from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,7 @@ def main(argv: list[str]) -> int:
     try:
         trainer = Trainer(cfg)
         result = trainer.train()
-    except ConfigError as e:
-        print(f"scaletrain train: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:

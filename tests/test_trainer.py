@@ -182,3 +182,19 @@ def test_compiled_training_matches_eager(tmp_path: Path, cache: Path) -> None:
     compiled = Trainer(tiny_config(tmp_path / "c", cache, "--training.steps", "2",
                                    "--compile.enabled", "true")).train()
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+
+
+def test_cli_train_smoke(tmp_path: Path, cache: Path) -> None:
+    """`scaletrain train` end to end: metrics, TensorBoard, checkpoint, then a resume."""
+    from scaletrain.cli import main
+    from tests.trainer_helpers import tiny_argv
+
+    out = tmp_path / "cli"
+    argv = tiny_argv(out, cache, "--metrics.tensorboard", "true", "--training.sample_tokens", "4")
+    assert main(["train", *argv]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    assert any((out / "tb").iterdir())
+    assert (out / "checkpoints" / "step-0000004" / "meta.json").is_file()
+    more = [*argv, "--training.steps", "6", "--checkpoint.resume", "true"]
+    assert main(["train", *more]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6

@@ -213,6 +213,26 @@ class ProfilingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP; the replicate dimension of HSDP)."""
+    dp_shard: int = -1
+    """Data-parallel shards (FSDP/ZeRO); -1 = whatever the world size leaves."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split across ranks for attention)."""
+    tp: int = 1
+    """Tensor-parallel degree (keep it inside a node)."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B or a zero-bubble schedule."""
+    pp_microbatches: int | None = None
+    """Pipeline micro-batches per step (None = the gradient-accumulation steps)."""
+    pp_virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedules use more than 1)."""
+
+
+@dataclass
 class Config:
     output: str = "runs/default"
     """Run directory: metrics, checkpoints, TensorBoard logs, the resolved config."""
@@ -229,6 +249,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def grad_accum_steps(self) -> int:

@@ -143,3 +143,18 @@ def test_build_train_val_on_a_small_corpus(tmp_path: Path) -> None:
     assert int(x.max()) < corpus.vocab_size
     with pytest.raises(ValueError, match="validation split"):
         build_train_val(DataConfig(**{**cfg.__dict__, "seq_len": 100_000}), 4, 0, False)
+
+
+def test_data_parallel_ranks_split_each_global_batch() -> None:
+    ds = _dataset(64)
+    single = BatchStream(ds, batch_size=8, seed=3)
+    ranks = [BatchStream(ds, batch_size=4, seed=3, dp_rank=r, dp_size=2) for r in range(2)]
+    for _ in range(10):  # across an epoch boundary (64 // 8 = 8 batches per epoch)
+        x, _ = next(single)
+        parts = [next(s)[0] for s in ranks]
+        assert torch.equal(torch.cat(parts), x)
+
+
+def test_data_parallel_rank_out_of_range() -> None:
+    with pytest.raises(ValueError, match="dp_rank"):
+        BatchStream(_dataset(64), batch_size=4, seed=0, dp_rank=2, dp_size=2)

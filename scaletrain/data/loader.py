@@ -77,20 +77,27 @@ class _EpochBatches(Sampler[list[int]]):
     between iterations also works with persistent workers.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+    def __init__(self, n: int, batch_size: int, seed: int, dp_rank: int = 0,
+                 dp_size: int = 1) -> None:
         self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.epoch, self.start = 0, 0
 
     @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.dp_size
+
+    @property
     def batches_per_epoch(self) -> int:
-        return self.n // self.batch_size  # drop_last
+        return self.n // self.global_batch  # drop_last
 
     def __iter__(self) -> Iterator[list[int]]:
         perm = epoch_permutation(self.n, self.seed, self.epoch)
-        bs = self.batch_size
+        gb, bs = self.global_batch, self.batch_size
+        first = self.dp_rank * bs  # this rank's rows of each global batch
         return iter(
             [
-                perm[b * bs : (b + 1) * bs].tolist()
+                perm[b * gb + first : b * gb + first + bs].tolist()
                 for b in range(self.start, self.batches_per_epoch)
             ]
         )
@@ -115,22 +122,26 @@ class BatchStream:
         prefetch_factor: int = 2,
         pin_memory: bool = False,
         persistent_workers: bool = True,
+        dp_rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
         n = len(dataset)  # type: ignore[arg-type]
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive (got {batch_size})")
-        if n < batch_size:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}) (got {dp_rank})")
+        if n < batch_size * dp_size:
             seq = getattr(dataset, "seq_len", "?")
             raise ValueError(
                 f"the training data has {n} sequences of {seq} tokens, fewer than one batch "
-                f"of {batch_size}: use more data (data.max_bytes), a smaller data.seq_len or "
-                "a smaller training.micro_batch_size"
+                f"of {batch_size} x {dp_size} data-parallel ranks: use more data "
+                "(data.max_bytes), a smaller data.seq_len or a smaller training.micro_batch_size"
             )
         self.dataset = dataset
         self.batch_size = batch_size
         self.epoch = 0
         self.batch_in_epoch = 0
-        self._sampler = _EpochBatches(n, batch_size, seed)
+        self._sampler = _EpochBatches(n, batch_size, seed, dp_rank, dp_size)
         extra: dict[str, Any] = {}
         if num_workers > 0:
             extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
@@ -176,12 +187,13 @@ class BatchStream:
             "batch_in_epoch": self.batch_in_epoch,
             "seed": self.seed,
             "batch_size": self.batch_size,
+            "dp_size": self._sampler.dp_size,
             "num_samples": self._sampler.n,
         }
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         """Continue from a saved position; batches already prefetched are discarded."""
-        for key in ("batch_size", "num_samples"):
+        for key in ("batch_size", "dp_size", "num_samples"):
             mine = self.state_dict()[key]
             if key in sd and sd[key] != mine:
                 raise ValueError(
@@ -216,9 +228,14 @@ def iter_eval_batches(
 
 
 def build_train_val(
-    cfg: DataConfig, batch_size: int, seed: int, pin_memory: bool
+    cfg: DataConfig, batch_size: int, seed: int, pin_memory: bool, dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> tuple[BatchStream, PackedSequences, TokenizedCorpus]:
-    """The trainer's one call: (training stream, validation sequences, the corpus)."""
+    """The trainer's one call: (training stream, validation sequences, the corpus).
+
+    With data parallelism each rank's stream yields its own `batch_size` rows of every global
+    batch of `batch_size x dp_size` samples, so the global order does not depend on dp_size.
+    """
     corpus = prepare_corpus(cfg)
     train = PackedSequences(corpus.train, cfg.seq_len)
     val = PackedSequences(corpus.val, cfg.seq_len)
@@ -235,6 +252,8 @@ def build_train_val(
         prefetch_factor=cfg.prefetch_factor,
         pin_memory=pin_memory,
         persistent_workers=cfg.persistent_workers,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
     log.info(
         "data: %d training sequences of %d tokens (%d batches of %d per epoch), "

@@ -85,6 +85,8 @@ class Trainer:
                               "use precision.dtype bf16 or fp32")
         self.ga = cfg.grad_accum_steps
         self.mbs = cfg.training.micro_batch_size
+        # This rank's place among the data-parallel ranks (the parallelism layer sets them).
+        self.dp_rank, self.dp_size = 0, 1
         self._build_data()
         self.model_args = self._model_args()
         self.model = self._build_model()
@@ -120,7 +122,8 @@ class Trainer:
             pin = self.device.type == "cuda"
         self.pin_memory = pin
         self.train_stream, self.val_data, self.corpus = build_train_val(
-            self.cfg.data, self.mbs, self.cfg.training.seed, pin_memory=pin
+            self.cfg.data, self.mbs, self.cfg.training.seed, pin_memory=pin,
+            dp_rank=self.dp_rank, dp_size=self.dp_size,
         )
 
     def _model_args(self) -> ModelArgs:

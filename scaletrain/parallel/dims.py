@@ -1,0 +1,112 @@
+"""Parallel degrees (`ParallelDims`): one source of truth for the trainer and the planner.
+
+The mesh is laid out outermost first as `pp, dp_replicate, dp_shard, cp, tp` (tensor parallel
+innermost, so it stays inside a node). This module checks the arithmetic only; it imports no
+torch.distributed, so `scaletrain plan` can use it without a process group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scaletrain.models.args import ModelArgs
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class ParallelDimsError(ValueError):
+    """A layout that cannot run; the message names the degree and the fix."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees (no -1 left); their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+    ) -> ParallelDims:
+        """Fill the one degree given as -1 with what the world size leaves, then check."""
+        degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+        if world_size <= 0:
+            raise ParallelDimsError(f"world size must be positive (got {world_size})")
+        rest = [k for k, v in degrees.items() if v == -1]
+        bad = [f"parallel.{k} = {v}" for k, v in degrees.items() if v == 0 or v < -1]
+        if bad:
+            raise ParallelDimsError(f"parallel degrees must be positive or -1: {', '.join(bad)}")
+        if len(rest) > 1:
+            raise ParallelDimsError(
+                f"only one parallel degree may be -1 (the rest of the world); got "
+                f"{', '.join('parallel.' + k for k in rest)}"
+            )
+        fixed = math.prod(v for v in degrees.values() if v != -1)
+        if rest:
+            if world_size % fixed:
+                raise ParallelDimsError(
+                    f"the world size {world_size} is not divisible by the product of the fixed "
+                    f"degrees ({_describe(degrees)} = {fixed}), so parallel.{rest[0]} = -1 has "
+                    "no integer value"
+                )
+            degrees[rest[0]] = world_size // fixed
+        dims = cls(**degrees)
+        if dims.world_size != world_size:
+            raise ParallelDimsError(
+                f"the parallel degrees multiply to {dims.world_size} ({_describe(degrees)}) but "
+                f"the world size is {world_size}; make the product equal the number of processes "
+                "or set one degree to -1"
+            )
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_ORDER}
+
+    def model_problems(
+        self, args: ModelArgs, seq_len: int, pp_virtual_stages: int = 1
+    ) -> list[str]:
+        """Every way the model or sequence does not divide as these degrees need."""
+        out: list[str] = []
+        if self.tp > 1:
+            for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
+                                ("ffn_dim", args.hidden_dim),
+                                ("vocab_size", args.vocab_size)):
+                if value % self.tp:
+                    out.append(f"model.{name} ({value}) must be divisible by parallel.tp "
+                               f"({self.tp})")
+            if seq_len % self.tp:
+                out.append(f"data.seq_len ({seq_len}) must be divisible by parallel.tp "
+                           f"({self.tp}) for sequence parallelism")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            out.append(f"data.seq_len ({seq_len}) must be divisible by 2 x parallel.cp "
+                       f"({2 * self.cp}) for load-balanced context parallelism")
+        stages = self.pp * pp_virtual_stages
+        if self.pp > 1 and args.n_layers < stages:
+            out.append(f"model.n_layers ({args.n_layers}) must be at least parallel.pp x "
+                       f"virtual stages ({stages}): every pipeline stage needs a layer")
+        return out
+
+
+def _describe(degrees: dict[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in degrees.items() if v != 1) or "all 1"

@@ -1,0 +1,34 @@
+import pytest
+
+from scaletrain.models.args import get_preset
+from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
+
+
+def test_minus_one_takes_the_rest() -> None:
+    dims = ParallelDims.resolve(8, tp=2, dp_shard=-1)
+    assert dims.dp_shard == 4 and dims.dp == 4 and dims.world_size == 8
+    assert list(dims.mesh_shape) == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(world_size=8, tp=3, dp_shard=-1), "not divisible"),
+        (dict(world_size=8, tp=2, dp_shard=2), "multiply to 4"),
+        (dict(world_size=8, tp=-1, dp_shard=-1), "only one"),
+        (dict(world_size=8, tp=0), "positive or -1"),
+    ],
+)
+def test_bad_layouts(kwargs: dict, message: str) -> None:
+    with pytest.raises(ParallelDimsError, match=message):
+        ParallelDims.resolve(**kwargs)
+
+
+def test_model_problems_name_what_does_not_divide() -> None:
+    args = get_preset("debug").replace(n_heads=6, n_kv_heads=2, dim=384)
+    problems = ParallelDims(tp=4).model_problems(args, seq_len=256)
+    assert any("n_heads (6)" in p for p in problems)
+    assert any("n_kv_heads (2)" in p for p in problems)
+    assert ParallelDims(tp=2).model_problems(args, seq_len=256) == []
+    assert ParallelDims(cp=3).model_problems(args, seq_len=256)
+    assert ParallelDims(pp=4).model_problems(args.replace(n_layers=2), seq_len=256)

@@ -16,6 +16,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "models": ("scaletrain.commands.models", "list the model presets and their sizes"),
     "generate": ("scaletrain.commands.generate", "sample from a checkpoint with a KV cache"),
     "convert": ("scaletrain.commands.convert", "Hugging Face <-> native checkpoints"),
+    "data": ("scaletrain.commands.data", "corpus pipeline: curate, dedup, tokenize, inspect, ..."),
 }
 
 

@@ -1,0 +1,288 @@
+"""Read PyTorch-profiler / Kineto Chrome traces of any version into one columnar `Trace`.
+
+Handled: plain or gzip JSON; a top-level object with `traceEvents` or a bare event list;
+the 2021 category names (`Kernel`, `Runtime`, `Operator`, `Memcpy`, `Memset`) and the 2022+
+ones (`kernel`, `cuda_runtime`, `cpu_op`, `gpu_memcpy`, `gpu_memset`, `user_annotation`);
+microsecond or nanosecond timestamps; CUDA, ROCm (HIP) and CPU-only traces; `[memory]`
+instant events from `profile_memory=True`.
+
+Which events are analysed follows HolisticTraceAnalysis (HTA), so figures are comparable:
+when a GPU trace has two or more `ProfilerStep#N` ranges, CPU events from the start of the
+last step on are dropped (that step is usually cut short by the profiler stopping) and GPU
+events are kept only when the runtime call that launched them was kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("scaletrain.profiling")
+
+
+class TraceError(ValueError):
+    """A file that cannot be read as a profiler trace; the message says why and what to do."""
+
+
+# GPU activity kinds.
+COMPUTE, COMM, MEMORY, OTHER = 0, 1, 2, 3
+KIND_NAMES = ("compute", "communication", "memory", "other")
+
+_COMM_RE = re.compile(r"^nccl.*Kernel|^rccl.*Kernel")
+_MEMORY_RE = re.compile(r"^Memcpy|^Memset|^dma")
+_NOT_COMPUTE_RE = re.compile(r"^nccl.*Kernel|.*Memcpy|.*Memset|.*Sync")
+
+_KERNEL_CATS = {"kernel", "Kernel"}
+_MEMCPY_CATS = {"gpu_memcpy", "Memcpy"}
+_MEMSET_CATS = {"gpu_memset", "Memset"}
+_GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
+_RUNTIME_CATS = {"cuda_runtime", "Runtime", "runtime", "cuda_driver"}
+_OP_CATS = {"cpu_op", "Operator", "operator"}
+_CPU_CATS = _OP_CATS | {"user_annotation", "User Annotation"}
+_STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
+
+
+def kernel_kind(name: str) -> int:
+    """Compute, communication, memory or other, by HTA's name rules."""
+    if _COMM_RE.match(name):
+        return COMM
+    if _MEMORY_RE.match(name):
+        return MEMORY
+    if not _NOT_COMPUTE_RE.match(name):
+        return COMPUTE
+    return OTHER
+
+
+@dataclass
+class Spans:
+    """Columnar (name, start, duration, thread, correlation, stream) records; times in us."""
+
+    name: list[str] = field(default_factory=list)
+    ts: np.ndarray = field(default_factory=lambda: np.empty(0))
+    dur: np.ndarray = field(default_factory=lambda: np.empty(0))
+    tid: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    corr: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    stream: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.ts + self.dur
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def take(self, index: np.ndarray) -> Spans:
+        """The rows selected by a boolean mask or an index array, in that order."""
+        idx = np.flatnonzero(index) if index.dtype == bool else index
+        return Spans([self.name[i] for i in idx], self.ts[idx], self.dur[idx], self.tid[idx],
+                     self.corr[idx], self.stream[idx])
+
+    @classmethod
+    def from_columns(cls, c: tuple[list, ...]) -> Spans:
+        return cls(c[0], np.asarray(c[1], dtype=np.float64), np.asarray(c[2], dtype=np.float64),
+                   np.asarray(c[3], dtype=np.int64), np.asarray(c[4], dtype=np.int64),
+                   np.asarray(c[5], dtype=np.int64))
+
+
+@dataclass
+class Trace:
+    """One rank's profile, reduced to what the analyses need."""
+
+    source: str
+    rank: int
+    world_size: int | None
+    platform: str  # "cuda", "rocm" or "cpu"
+    device_name: str | None
+    device_memory: int | None  # bytes
+    steps: list[tuple[int, float, float]]  # (step number, start, end) of the analysed steps
+    gpu: Spans  # kernels, memcpys and memsets, sorted by start
+    gpu_kind: np.ndarray  # COMPUTE / COMM / MEMORY / OTHER per gpu entry
+    launch_ts: np.ndarray  # start of the launching runtime call (NaN when unknown)
+    runtime: Spans  # CUDA/HIP runtime calls
+    cpu: Spans  # operators and record_function ranges
+    memory: np.ndarray  # (n, 3): ts, allocated bytes, reserved bytes
+    memory_device: str | None = None
+    time_unit: str = "us"
+    all_steps: int = 0
+
+    @property
+    def has_gpu(self) -> bool:
+        return len(self.gpu) > 0
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON or gzip-JSON file; errors name the file and what is wrong with it."""
+    if not path.exists():
+        raise TraceError(f"{path}: no such file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(2)
+        opener: Any = gzip.open if head == b"\x1f\x8b" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    except (EOFError, gzip.BadGzipFile) as e:
+        raise TraceError(f"{path}: truncated or corrupt gzip file ({e}); copy the trace again "
+                         "or re-run the profiler") from None
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path}: not valid JSON at line {e.lineno} column {e.colno} ({e.msg}); "
+                         "the trace is truncated or not a Chrome trace") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a text or gzip file; expected a Chrome trace "
+                         "(.json or .json.gz) or an nsys SQLite export (.sqlite)") from None
+
+
+def _time_scale(events: list[dict[str, Any]], unit: str) -> tuple[float, str]:
+    """Factor that converts the file's timestamps to microseconds, and the unit found."""
+    if unit == "us":
+        return 1.0, "us"
+    if unit == "ns":
+        return 1e-3, "ns"
+    ts = [e["ts"] for e in events[:2000] if isinstance(e.get("ts"), (int, float))]
+    if ts and max(ts) > 1e17:  # epoch nanoseconds (epoch microseconds are ~1.7e15)
+        return 1e-3, "ns"
+    # The quickest calls show the unit: a runtime call (cudaLaunchKernel, cudaEventQuery) or a
+    # small aten operator (aten::empty) takes ~1-5 us, i.e. thousands of nanoseconds.
+    for cats in (_RUNTIME_CATS, _OP_CATS):
+        durs = [e["dur"] for e in events
+                if e.get("cat") in cats and isinstance(e.get("dur"), (int, float))][:20000]
+        if len(durs) >= 5:
+            return (1e-3, "ns") if float(np.percentile(durs, 10)) > 300 else (1.0, "us")
+    return 1.0, "us"
+
+
+def _rank_of(meta: dict[str, Any], path: Path, default: int) -> int:
+    info = meta.get("distributedInfo") or {}
+    if isinstance(info, dict) and isinstance(info.get("rank"), int):
+        return info["rank"]
+    m = re.search(r"rank[_-]?(\d+)", path.name)
+    return int(m.group(1)) if m else default
+
+
+def _as_int(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Trace:
+    """Read one Chrome trace written by torch.profiler / Kineto."""
+    path = Path(path)
+    data = read_json(path)
+    meta: dict[str, Any] = data if isinstance(data, dict) else {}
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise TraceError(f"{path}: no 'traceEvents' list; this is not a PyTorch profiler / "
+                         "Chrome trace (a memory timeline? pass it with --memory-timeline)")
+    events = [e for e in events if isinstance(e, dict)]
+    if not events:
+        raise TraceError(f"{path}: the trace has no events (did the profiler schedule reach its "
+                         "active steps before the run stopped?)")
+    scale, unit = _time_scale(events, time_unit)
+    cols: dict[str, tuple[list, ...]] = {k: ([], [], [], [], [], []) for k in ("gpu", "rt", "cpu")}
+    memory: list[tuple[float, float, float, int]] = []
+    for e in events:
+        cat, ph = e.get("cat"), e.get("ph")
+        if ph == "X":
+            key = ("gpu" if cat in _GPU_CATS else "rt" if cat in _RUNTIME_CATS
+                   else "cpu" if cat in _CPU_CATS else None)
+            if key is None:
+                continue
+            try:
+                ts, dur = float(e["ts"]) * scale, float(e.get("dur", 0)) * scale
+            except (KeyError, TypeError, ValueError):
+                raise TraceError(f"{path}: event '{e.get('name')}' has no valid ts/dur; the trace "
+                                 "is damaged") from None
+            args = e.get("args") or {}
+            c = cols[key]
+            c[0].append(str(e.get("name", "")))
+            c[1].append(ts)
+            c[2].append(dur)
+            c[3].append(_as_int(e.get("tid")))
+            c[4].append(_as_int(args.get("correlation", args.get("correlation id", -1))))
+            c[5].append(_as_int(args.get("stream", -1)) if key == "gpu" else -1)
+        elif e.get("name") == "[memory]" and ph in ("i", "I"):
+            a = e.get("args") or {}
+            if "Total Allocated" in a:
+                memory.append((float(e.get("ts", 0)) * scale, float(a["Total Allocated"]),
+                               float(a.get("Total Reserved", 0)), _as_int(a.get("Device Type"))))
+    gpu, rt, cpu = (_whole_us(Spans.from_columns(cols[k])) for k in ("gpu", "rt", "cpu"))
+    return assemble(str(path), meta, _rank_of(meta, path, rank), unit, gpu, rt, cpu, memory)
+
+
+def _whole_us(s: Spans) -> Spans:
+    """Round sub-microsecond times inward (start up, end down) as HTA does: Kineto's
+    nanosecond-resolution timestamps can make consecutive kernels on one stream overlap
+    (pytorch/pytorch#122425)."""
+    if len(s) and (np.any(s.ts != np.floor(s.ts)) or np.any(s.dur != np.floor(s.dur))):
+        start, end = np.ceil(s.ts), np.floor(s.ts + s.dur)
+        s.ts, s.dur = start, np.maximum(end - start, 0.0)
+    return s
+
+
+def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans, rt: Spans,
+             cpu: Spans, memory: list[tuple[float, float, float, int]]) -> Trace:
+    """Steps, HTA's event window, launch times and device facts from the parsed columns."""
+    steps = sorted(
+        (int(m.group(1)), float(t), float(t + d))
+        for n, t, d in zip(cpu.name, cpu.ts, cpu.dur) if (m := _STEP_RE.search(n))
+    )
+    steps = list(dict.fromkeys(steps))
+    n_steps = len(steps)
+    if len(gpu) and n_steps >= 2:
+        cutoff = steps[-1][1]
+        cpu = cpu.take(cpu.ts < cutoff)
+        rt = rt.take(rt.ts < cutoff)
+        gpu = gpu.take(np.isin(gpu.corr, rt.corr))
+        steps = steps[:-1]
+    gpu = gpu.take(np.argsort(gpu.ts, kind="stable"))
+    kinds = np.array([kernel_kind(n) for n in gpu.name], dtype=np.int8)
+    launch = np.full(len(gpu), np.nan)
+    if len(gpu) and len(rt):
+        by_corr = dict(zip(rt.corr.tolist(), rt.ts.tolist()))
+        launch = np.array([by_corr.get(c, np.nan) for c in gpu.corr.tolist()])
+    props = meta.get("deviceProperties") or []
+    dev = props[0] if props and isinstance(props[0], dict) else {}
+    hip = any(n.startswith("hip") for n in rt.name[:500])
+    platform = "cpu" if not len(gpu) else (
+        "rocm" if hip or "AMD" in str(dev.get("name")) else "cuda")
+    mem = np.asarray(memory, dtype=np.float64).reshape(-1, 4)
+    mem_device = None
+    if len(mem):
+        on_gpu = mem[:, 3] > 0  # Device Type 0 is the CPU
+        mem = mem[on_gpu] if on_gpu.any() else mem
+        mem_device = "gpu" if on_gpu.any() else "cpu"
+        mem = mem[np.argsort(mem[:, 0], kind="stable")]
+    info = meta.get("distributedInfo") or {}
+    world = info.get("world_size") if isinstance(info, dict) else None
+    return Trace(
+        source=source, rank=rank, world_size=world, platform=platform,
+        device_name=dev.get("name"), device_memory=dev.get("totalGlobalMem"), steps=steps,
+        gpu=gpu, gpu_kind=kinds, launch_ts=launch, runtime=rt, cpu=cpu, memory=mem[:, :3],
+        memory_device=mem_device, time_unit=unit, all_steps=n_steps,
+    )
+
+
+def load(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Trace:
+    """A Kineto Chrome trace (.json / .json.gz) or an Nsight Systems SQLite export."""
+    p = Path(path)
+    if p.is_dir():
+        raise TraceError(f"{p}: a directory; pass the trace files in it (one per rank)")
+    if p.is_file():
+        with p.open("rb") as f:
+            head = f.read(16)
+        if head.startswith(b"SQLite format 3"):
+            from scaletrain.profiling.nsys import load_nsys
+
+            return load_nsys(p, rank=rank)
+        if p.suffix in (".nsys-rep", ".qdrep"):
+            raise TraceError(f"{p}: an Nsight Systems report; export it first with "
+                             f"`nsys export --type sqlite {p}` and pass the .sqlite file")
+    return load_kineto(p, rank=rank, time_unit=time_unit)

@@ -1,0 +1,115 @@
+"""CPU-side analyses: time per step in each training phase, and the breakdown of CPU-only runs.
+
+Phases are recognised by the names of record_function ranges: scaletrain's own
+(`scaletrain/data`, `scaletrain/forward`, `scaletrain/backward`, `scaletrain/optimizer`,
+`scaletrain/comm/...`) and the ones PyTorch and common trainers emit (`enumerate(DataLoader)...`,
+`## forward ##`, `DistributedDataParallel.forward`, autograd's `evaluate_function`,
+`Optimizer.step#...`, `nccl:all_reduce`, `gloo:all_reduce`, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from scaletrain.profiling import intervals
+from scaletrain.profiling.trace import Trace
+
+PHASES: dict[str, re.Pattern[str]] = {
+    "data": re.compile(r"^scaletrain/data|^enumerate\(DataLoader\)|DataLoaderIter.*__next__|"
+                       r"^## data"),
+    "forward": re.compile(r"^scaletrain/forward|^## forward ##|^DistributedDataParallel\.forward|"
+                          r"^FullyShardedDataParallel\.forward|^forward$"),
+    "backward": re.compile(r"^scaletrain/backward|^## backward ##|"
+                           r"^autograd::engine::evaluate_function"),
+    "optimizer": re.compile(r"^scaletrain/optimizer|^Optimizer\.step#|^Optimizer\.zero_grad#|"
+                            r"^## optimizer ##"),
+}
+COMM_RE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):|^c10d::|^record_param_comms|^scaletrain/comm")
+_STEP_RE = re.compile(r"^ProfilerStep\s*#")
+
+Ranges = tuple[np.ndarray, np.ndarray]
+
+
+def window(trace: Trace) -> tuple[float, float, int]:
+    """(start, end, number of steps) of the analysed steps; the whole CPU timeline if none."""
+    if trace.steps:
+        return trace.steps[0][1], trace.steps[-1][2], len(trace.steps)
+    c = trace.cpu
+    if not len(c):
+        return 0.0, 0.0, 0
+    return float(c.ts.min()), float(c.end.max()), 1
+
+
+def ranges(trace: Trace, pattern: re.Pattern[str]) -> Ranges:
+    """The CPU ranges whose name matches, clipped to the analysed window."""
+    c = trace.cpu
+    sel = np.array([bool(pattern.search(n)) for n in c.name], dtype=bool)
+    lo, hi, _ = window(trace)
+    return intervals.clip(c.ts[sel], c.end[sel], lo, hi)
+
+
+def phase_times(trace: Trace) -> dict[str, Any]:
+    """Milliseconds per step in each phase and as a share of the step time."""
+    lo, hi, n = window(trace)
+    if n == 0 or hi <= lo:
+        return {"steps": 0}
+    step_us = (hi - lo) / n
+    out: dict[str, Any] = {"steps": n, "step_time_ms": step_us / 1e3,
+                           "step_numbers": [s[0] for s in trace.steps]}
+    per_step = []
+    for s in trace.steps:
+        per_step.append((s[2] - s[1]) / 1e3)
+    if per_step:
+        out["step_times_ms"] = per_step
+    phases: dict[str, Any] = {}
+    for name, pat in {**PHASES, "communication": COMM_RE}.items():
+        r = ranges(trace, pat)
+        if len(r[0]):
+            t = intervals.total(*r)
+            phases[name] = {"ms_per_step": t / n / 1e3, "share": t / (hi - lo)}
+    out["phases"] = phases
+    return out
+
+
+def cpu_only_breakdown(trace: Trace) -> dict[str, Any]:
+    """For a trace without GPU activity the CPU is the compute device: the analysed window is
+    split into communication (collective calls), compute (the forward/backward/optimizer
+    phases, or every operator when there are no phase ranges) and idle (the rest: waiting for
+    input, Python and framework overhead)."""
+    lo, hi, n = window(trace)
+    span = hi - lo
+    if span <= 0:
+        return {"span_us": 0.0, "breakdown": None}
+    comm = ranges(trace, COMM_RE)
+    work = [ranges(trace, PHASES[p]) for p in ("forward", "backward", "optimizer")]
+    if not any(len(w[0]) for w in work):
+        c = trace.cpu
+        sel = np.array([not _STEP_RE.search(x) and not PHASES["data"].search(x)
+                        for x in c.name], dtype=bool)
+        work = [intervals.clip(c.ts[sel], c.end[sel], lo, hi)]
+    work_s = np.concatenate([w[0] for w in work] + [comm[0]])
+    work_e = np.concatenate([w[1] for w in work] + [comm[1]])
+    busy = intervals.total(work_s, work_e)
+    comm_t = intervals.total(*comm)
+    data = ranges(trace, PHASES["data"])
+    data_t = intervals.total(*data) - intervals.intersect_length(data, (work_s, work_e))
+    idle = max(span - busy, 0.0)
+    return {
+        "span_us": span,
+        "breakdown": {"compute": (busy - comm_t) / span, "communication": comm_t / span,
+                      "memory": 0.0, "idle": idle / span},
+        "idle_breakdown": {"input": min(data_t, idle) / idle if idle > 0 else 0.0,
+                           "other": 1 - min(data_t, idle) / idle if idle > 0 else 0.0},
+        "input_wait": min(data_t, idle) / span,
+    }
+
+
+def input_wait_on_gpu(trace: Trace, gaps: Ranges, span: float) -> float:
+    """Share of the GPU span that is idle while the CPU is loading data."""
+    data = ranges(trace, PHASES["data"])
+    if not len(data[0]) or span <= 0:
+        return 0.0
+    return intervals.intersect_length(gaps, data) / span

@@ -47,7 +47,7 @@ def analyze(paths: list[str | Path], memory_timeline: str | Path | None = None,
         raise ValueError("no trace given")
     traces = []
     for i, p in enumerate(paths):
-        log.info("reading %s", p)
+        log.debug("reading %s", p)
         traces.append(load(p, rank=i, time_unit=time_unit))
     ranks = [analyze_trace(t, top) for t in traces]
     if memory_timeline is not None:

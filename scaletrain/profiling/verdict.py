@@ -87,7 +87,8 @@ def evidence(kind: str, r: dict[str, Any], s: dict[str, float]) -> list[str]:
                    "(Python and framework overhead)")
         q = _main_queue(r)
         if q is not None:
-            out.append(f"the launch queue is short: {q['mean']:.1f} outstanding launches on "
+            state = "short" if q["mean"] < 4 else "not the limit"
+            out.append(f"the launch queue is {state}: {q['mean']:.1f} outstanding launches on "
                        f"average (max {q['max']})")
         short = (r.get("launch") or {}).get("short_kernels")
         if short:

@@ -1,0 +1,54 @@
+"""`scaletrain diagnose TRACE [TRACE ...] [--json] [--html OUT] [--against OTHER ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scaletrain.profiling.trace import TraceError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scaletrain diagnose",
+        description="Read profiler traces (Kineto/PyTorch Chrome traces, one per rank, or an "
+                    "`nsys export --type sqlite` database) and report the time breakdown, top "
+                    "kernels, overlap, idle causes, memory, a bottleneck verdict and remedies.")
+    p.add_argument("traces", nargs="+", help="trace files (.json, .json.gz, .sqlite), one per rank")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--html", metavar="OUT", help="also write an HTML report with plots")
+    p.add_argument("--against", nargs="+", metavar="OTHER",
+                   help="traces of another run to compare with (what got faster or slower)")
+    p.add_argument("--memory-timeline", metavar="FILE",
+                   help="an export_memory_timeline file (.raw.json.gz or .json) for the peak")
+    p.add_argument("--time-unit", choices=("auto", "us", "ns"), default="auto",
+                   help="timestamp unit of the traces (default: detected)")
+    p.add_argument("--top", type=int, default=15, help="how many kernels to list")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from scaletrain.profiling import compare, report
+    from scaletrain.profiling.analyze import analyze
+
+    try:
+        result = analyze(args.traces, memory_timeline=args.memory_timeline,
+                         time_unit=args.time_unit, top=args.top)
+        if args.against:
+            other = analyze(args.against, time_unit=args.time_unit, top=max(args.top, 50))
+            result["against"] = compare.compare(result, other)
+    except (TraceError, ValueError) as e:
+        print(f"scaletrain diagnose: {e}", file=sys.stderr)
+        return 2
+    if args.html:
+        report.write_atomic(args.html, report.to_html(result))
+    if args.json:
+        print(report.to_json(result))
+    else:
+        print(report.terminal(result))
+        if "against" in result:
+            print(compare.terminal(result["against"]))
+        if args.html:
+            print(f"HTML report: {args.html}")
+    return 0

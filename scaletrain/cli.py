@@ -17,7 +17,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("scaletrain.commands.generate", "sample from a checkpoint with a KV cache"),
     "convert": ("scaletrain.commands.convert", "Hugging Face <-> native checkpoints"),
     "data": ("scaletrain.commands.data", "corpus pipeline: curate, dedup, tokenize, inspect, ..."),
-    "profile": ("scaletrain.commands.profile", "a few training steps under torch.profiler + report"),
+    "profile": ("scaletrain.commands.profile", "profile a few training steps, then diagnose"),
     "diagnose": ("scaletrain.commands.diagnose", "bottleneck verdict and remedies from traces"),
 }
 

@@ -209,7 +209,31 @@ class MetricsConfig:
 @dataclass
 class ProfilingConfig:
     enabled: bool = False
-    """Capture a torch.profiler trace (placeholder; the profiling issue fills this in)."""
+    """Run torch.profiler over some steps (traces under `<output>/profile`; see docs/profile.md)."""
+    wait: int = 1
+    """Profiler schedule: steps skipped before each profiling cycle."""
+    warmup: int = 1
+    """Profiler schedule: steps traced but discarded (tracing overhead settles)."""
+    active: int = 3
+    """Profiler schedule: steps recorded per cycle (GPU analyses leave out the last one)."""
+    repeat: int = 1
+    """Profiler schedule: number of cycles (0 = until training ends)."""
+    record_shapes: bool = True
+    """Record operator input shapes."""
+    profile_memory: bool = True
+    """Record allocations (peak memory and its phase in `scaletrain diagnose`)."""
+    with_stack: bool = False
+    """Record Python stacks (bigger traces)."""
+    memory_timeline: bool = False
+    """Export the memory timeline by category (implies with_stack; slow on long runs)."""
+    oom_snapshot: bool = True
+    """On CUDA: record allocator history; dump a snapshot at the end of profiling and when a step
+    runs out of memory (open it at pytorch.org/memory_viz)."""
+    nsys: bool = False
+    """On CUDA: call cudaProfilerStart/Stop around the active steps, for
+    `nsys profile --capture-range=cudaProfilerApi`."""
+    output_dir: str | None = None
+    """Where profiling output goes (default `<output>/profile`)."""
 
 
 @dataclass
@@ -400,6 +424,13 @@ def validate(cfg: Config) -> list[str]:
         errors.append(f"lr_schedule.decay_fraction must be in (0, 1] (got {s.decay_fraction})")
     if not 0 < cfg.data.val_fraction < 1:
         errors.append(f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
+    p = cfg.profiling
+    for name, value in (("profiling.wait", p.wait), ("profiling.warmup", p.warmup),
+                        ("profiling.repeat", p.repeat)):
+        if value < 0:
+            errors.append(f"{name} must not be negative (got {value})")
+    if p.active <= 0:
+        errors.append(f"profiling.active must be positive (got {p.active})")
     if cfg.data.dataset == "text_dir" and not cfg.data.path:
         errors.append('data.path is required with data.dataset = "text_dir"')
     if not errors:

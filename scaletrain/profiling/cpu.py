@@ -28,7 +28,7 @@ PHASES: dict[str, re.Pattern[str]] = {
                             r"^## optimizer ##"),
 }
 COMM_RE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):|^c10d::|^record_param_comms|^scaletrain/comm")
-_STEP_RE = re.compile(r"^ProfilerStep\s*#")
+_STEP_RE = re.compile(r"^(?:ProfilerStep|scaletrain/step)\s*#")
 
 Ranges = tuple[np.ndarray, np.ndarray]
 

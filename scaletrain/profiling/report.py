@@ -17,6 +17,10 @@ def pct(x: float | None) -> str:
     return "  n/a" if x is None else f"{100 * x:5.1f} %"
 
 
+def size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def short(name: str, n: int = 70) -> str:
     return name if len(name) <= n else name[: n - 3] + "..."
 
@@ -77,9 +81,11 @@ def terminal(r: dict[str, Any]) -> str:
                         f"max {q[1]['max']}" if q else ""))
     m = r.get("memory")
     if m:
-        text = f"Memory: peak {m['peak_allocated_bytes'] / 2**30:.2f} GiB allocated"
+        text = f"Memory: peak {size(m['peak_allocated_bytes'])} allocated"
+        if m.get("device"):
+            text += f" on the {m['device'].upper()}"
         if m.get("peak_reserved_bytes"):
-            text += f" ({m['peak_reserved_bytes'] / 2**30:.2f} GiB reserved"
+            text += f" ({size(m['peak_reserved_bytes'])} reserved"
             if m.get("peak_fraction_of_device"):
                 text += f", {pct(m['peak_fraction_of_device']).strip()} of the device"
             text += ")"
@@ -87,7 +93,7 @@ def terminal(r: dict[str, Any]) -> str:
             text += f", during {m['peak_phase']}"
         if m.get("at_peak"):
             text += "; at the peak: " + ", ".join(
-                f"{k} {v / 2**30:.2f} GiB" for k, v in m["at_peak"].items())
+                f"{k} {size(v)}" for k, v in m["at_peak"].items())
         lines.append(text)
     ar = r.get("across_ranks")
     if ar:

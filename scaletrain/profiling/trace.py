@@ -46,7 +46,7 @@ _GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
 _RUNTIME_CATS = {"cuda_runtime", "Runtime", "runtime", "cuda_driver"}
 _OP_CATS = {"cpu_op", "Operator", "operator"}
 _CPU_CATS = _OP_CATS | {"user_annotation", "User Annotation"}
-_STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
+_STEP_RE = re.compile(r"(?:ProfilerStep|scaletrain/step)\s*#\s*(\d+)")
 
 
 def kernel_kind(name: str) -> int:

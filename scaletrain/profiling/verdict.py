@@ -113,7 +113,8 @@ def evidence(kind: str, r: dict[str, Any], s: dict[str, float]) -> list[str]:
                        "device")
         out.append(f"memory copies/sets take {_pct(b.get('memory'))} of the GPU's time")
     else:
-        out.append(f"computation kernels keep the device busy {_pct(s['compute'])} of the time")
+        device = "CPU" if r.get("platform") == "cpu" else "GPU"
+        out.append(f"computation keeps the {device} busy {_pct(s['compute'])} of the time")
         q = _main_queue(r)
         if q is not None and q["mean"] > 100:
             out.append(f"the launch queue is full ({q['mean']:.0f} outstanding on average, max "
@@ -195,7 +196,7 @@ def remedies(verdict: str, r: dict[str, Any], cfg: Any | None = None) -> list[di
             rec["key"] = key
             current = _config_value(cfg, key)
             if current is not _MISSING:
-                rec["current"] = str(current)
+                rec["current"] = str(current).lower() if isinstance(current, bool) else str(current)
                 value = _resolve(value, current)
             if value[:1] in "x/":  # relative to a value we do not know
                 rec["value"] = ("double" if value[0] == "x" else "halve") + " it"

@@ -21,6 +21,7 @@ from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
+from scaletrain.profiling.capture import StepProfiler, phase
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.loss import count_valid, cross_entropy_sum
@@ -181,7 +182,8 @@ class Trainer:
         """The micro-batches of one optimizer step, on the device."""
         out = []
         for _ in range(self.ga):
-            x, y = next(self.train_stream)
+            with phase("data"):
+                x, y = next(self.train_stream)
             out.append((x.to(self.device, non_blocking=self.pin_memory),
                         y.to(self.device, non_blocking=self.pin_memory)))
         return out
@@ -197,11 +199,13 @@ class Trainer:
         n_valid = sum(count_valid(y) for _, y in batches).clamp(min=1)
         loss_sum = torch.zeros((), device=self.device)
         for x, y in batches:
-            with precision.autocast(self.device, self.dtype):
-                logits = self.model(x)
-            token_loss = self.loss_fn(logits, y)
+            with phase("forward"):
+                with precision.autocast(self.device, self.dtype):
+                    logits = self.model(x)
+                token_loss = self.loss_fn(logits, y)
             scaled = token_loss / n_valid
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            with phase("backward"):
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_sum += token_loss.detach()
         loss = (loss_sum / n_valid).item()
         if not math.isfinite(loss):
@@ -209,16 +213,17 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.schedule.step()
             return loss, float("nan")
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.training.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            max_norm = self.cfg.training.max_grad_norm or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         return loss, float(grad_norm)
 
@@ -259,16 +264,19 @@ class Trainer:
         metrics = MetricsLogger(self.output, cfg.training.steps, cfg.metrics.log_interval,
                                 cfg.metrics.tensorboard, cfg.metrics.progress_bar,
                                 start_step=self.step)
+        prof = StepProfiler(cfg.profiling, self.output, self.device, start_step=self.step).start()
         try:
             while self.step < cfg.training.steps:
                 t0 = time.perf_counter()
                 batches = self.next_batches()
                 data_wait = time.perf_counter() - t0
-                loss, grad_norm = self.train_step(batches)
+                with prof.oom_guard(cfg):
+                    loss, grad_norm = self.train_step(batches)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 step_time = time.perf_counter() - t0
                 self.step += 1
+                prof.step()
                 result.losses.append(loss)
                 tps = tokens_per_step / step_time
                 achieved = self.flops_per_token * tps
@@ -291,6 +299,7 @@ class Trainer:
             if cfg.checkpoint.save_final:
                 result.checkpoint = self.save_checkpoint()
         finally:
+            prof.stop()
             metrics.close()
         result.steps = self.step
         result.wall_time_s = time.perf_counter() - start

@@ -1,0 +1,87 @@
+"""`scaletrain profile [--config NAME_OR_TOML] [--section.field value ...]`.
+
+Runs just enough training steps for the profiler schedule (unless `--training.steps` is
+given), with `profiling.enabled` on, then diagnoses the traces it wrote: the report goes to the
+terminal, `<profile dir>/diagnosis.json` and `<profile dir>/report.html`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from scaletrain.config import ConfigError, load_config
+
+log = logging.getLogger("scaletrain")
+
+
+def _with_defaults(argv: list[str]) -> list[str]:
+    """Profiling on; a short run without final checkpoint or sample unless the user says so."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    extra = ["--profiling.enabled", "true"]
+    for flag, value in (("--checkpoint.save_final", "false"), ("--training.sample_tokens", "0"),
+                        ("--checkpoint.interval", "0"), ("--training.eval_interval", "0"),
+                        ("--training.eval_batches", "1")):
+        if flag not in given:
+            extra += [flag, value]
+    return [*argv, *extra]
+
+
+def latest_traces(folder: Path) -> list[Path]:
+    """The newest trace of each rank under `folder/traces`."""
+    newest: dict[str, tuple[int, Path]] = {}
+    for p in (folder / "traces").glob("rank*.step*.pt.trace.json.gz"):
+        rank, step = p.name.split(".")[:2]
+        n = int(step.removeprefix("step"))
+        if rank not in newest or n > newest[rank][0]:
+            newest[rank] = (n, p)
+    return [p for _, p in sorted(newest.values(), key=lambda t: t[1].name)]
+
+
+def main(argv: list[str]) -> int:
+    argv = _with_defaults(list(argv))
+    try:
+        cfg = load_config(argv, prog="scaletrain profile")
+    except ConfigError as e:
+        print(f"scaletrain profile: {e}", file=sys.stderr)
+        return 2
+    p = cfg.profiling
+    needed = p.wait + p.warmup + p.active * max(p.repeat, 1)
+    if "--training.steps" not in {a.split("=", 1)[0] for a in argv}:
+        cfg.training.steps = needed
+    elif cfg.training.steps < needed:
+        log.warning("training.steps (%d) ends before the profiler schedule (%d steps) completes",
+                    cfg.training.steps, needed)
+    from scaletrain.profiling import report
+    from scaletrain.profiling.analyze import analyze
+    from scaletrain.profiling.trace import TraceError
+    from scaletrain.train.checkpoint import CheckpointError
+    from scaletrain.train.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+    except (ConfigError, CheckpointError) as e:
+        print(f"scaletrain profile: {e}", file=sys.stderr)
+        return 2
+    folder = Path(p.output_dir) if p.output_dir else Path(cfg.output) / "profile"
+    traces = latest_traces(folder)
+    if not traces:
+        print(f"scaletrain profile: no trace was written under {folder}/traces; the run ended "
+              "before the profiler's active steps", file=sys.stderr)
+        return 1
+    timeline = folder / "memory_timeline_rank0.raw.json.gz"
+    try:
+        result = analyze(traces, memory_timeline=timeline if timeline.exists() else None,
+                         cfg=cfg)
+    except TraceError as e:
+        print(f"scaletrain profile: {e}", file=sys.stderr)
+        return 1
+    report.write_atomic(folder / "diagnosis.json", report.to_json(result))
+    report.write_atomic(folder / "report.html", report.to_html(result))
+    print(report.terminal(result))
+    print(f"traces: {', '.join(str(t) for t in traces)}\nreport: {folder / 'report.html'}, "
+          f"{folder / 'diagnosis.json'}\nopen a trace at https://ui.perfetto.dev or "
+          f"`tensorboard --logdir {folder}`")
+    return 0

@@ -1,0 +1,103 @@
+"""Read an Nsight Systems SQLite export (`nsys export --type sqlite report.nsys-rep`).
+
+Tables used (Nsight Systems' documented export schema; times are integer nanoseconds):
+- CUPTI_ACTIVITY_KIND_KERNEL(start, end, deviceId, streamId, correlationId, demangledName,
+  shortName) with names as ids into StringIds(id, value);
+- CUPTI_ACTIVITY_KIND_MEMCPY(start, end, streamId, correlationId, bytes, copyKind) and
+  CUPTI_ACTIVITY_KIND_MEMSET(start, end, streamId, correlationId, bytes);
+- CUPTI_ACTIVITY_KIND_RUNTIME(start, end, globalTid, correlationId, nameId): CUDA API calls;
+- NVTX_EVENTS(start, end, eventType, text, textId, globalTid): push/pop (59) and start/end (60)
+  ranges, which play the role of record_function ranges (steps, forward, backward, ...);
+- TARGET_INFO_GPU(name, totalMemory) when present.
+Missing tables are treated as empty; a file without any CUDA activity table is refused.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from scaletrain.profiling.trace import Spans, Trace, TraceError, assemble
+
+# CUpti_ActivityMemcpyKind -> the names Kineto uses, so memory ops classify the same way.
+_COPY_KIND = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
+              8: "DtoD", 9: "HtoH", 10: "PtoP"}
+_NVTX_RANGES = (59, 60)  # NvtxPushPopRange, NvtxStartEndRange
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _rows(db: sqlite3.Connection, table: str, cols: list[str]) -> list[tuple[Any, ...]]:
+    have = _columns(db, table)
+    if not have:
+        return []
+    select = ", ".join(c if c in have else "NULL" for c in cols)
+    return db.execute(f"SELECT {select} FROM {table}").fetchall()
+
+
+def load_nsys(path: str | Path, rank: int = 0) -> Trace:
+    p = Path(path)
+    try:
+        db = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as e:
+        raise TraceError(f"{p}: not a readable SQLite database ({e}); export it again with "
+                         "`nsys export --type sqlite`") from None
+    try:
+        if not tables & {"CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_RUNTIME"}:
+            raise TraceError(f"{p}: no CUDA activity tables (CUPTI_ACTIVITY_KIND_KERNEL/RUNTIME); "
+                             "profile with `nsys profile --trace=cuda,nvtx` and export to sqlite")
+        strings = dict(db.execute("SELECT id, value FROM StringIds").fetchall()) \
+            if "StringIds" in tables else {}
+        return _read(db, p, rank, strings)
+    except sqlite3.DatabaseError as e:
+        raise TraceError(f"{p}: damaged nsys export ({e})") from None
+    finally:
+        db.close()
+
+
+def _read(db: sqlite3.Connection, p: Path, rank: int, strings: dict[int, str]) -> Trace:
+    gpu: tuple[list, ...] = ([], [], [], [], [], [])
+
+    def add(c: tuple[list, ...], name: str, start: int, end: int, tid: int, corr: Any,
+            stream: Any) -> None:
+        c[0].append(name)
+        c[1].append(start / 1e3)
+        c[2].append(max(end - start, 0) / 1e3)
+        c[3].append(tid)
+        c[4].append(-1 if corr is None else int(corr))
+        c[5].append(-1 if stream is None else int(stream))
+
+    for start, end, stream, corr, dem, short in _rows(
+            db, "CUPTI_ACTIVITY_KIND_KERNEL",
+            ["start", "end", "streamId", "correlationId", "demangledName", "shortName"]):
+        name = strings.get(dem) or strings.get(short) or f"kernel#{dem}"
+        add(gpu, name, start, end, -1, corr, stream)
+    for start, end, stream, corr, kind in _rows(
+            db, "CUPTI_ACTIVITY_KIND_MEMCPY",
+            ["start", "end", "streamId", "correlationId", "copyKind"]):
+        add(gpu, f"Memcpy {_COPY_KIND.get(kind, 'Unknown')}", start, end, -1, corr, stream)
+    for start, end, stream, corr in _rows(db, "CUPTI_ACTIVITY_KIND_MEMSET",
+                                          ["start", "end", "streamId", "correlationId"]):
+        add(gpu, "Memset (Device)", start, end, -1, corr, stream)
+    rt: tuple[list, ...] = ([], [], [], [], [], [])
+    for start, end, gtid, corr, name_id in _rows(
+            db, "CUPTI_ACTIVITY_KIND_RUNTIME",
+            ["start", "end", "globalTid", "correlationId", "nameId"]):
+        add(rt, strings.get(name_id, "cudaRuntime"), start, end, (gtid or 0) & 0xFFFFFF, corr,
+            None)
+    cpu: tuple[list, ...] = ([], [], [], [], [], [])
+    for start, end, etype, text, text_id, gtid in _rows(
+            db, "NVTX_EVENTS", ["start", "end", "eventType", "text", "textId", "globalTid"]):
+        if etype in _NVTX_RANGES and end is not None and end >= start:
+            add(cpu, text or strings.get(text_id, ""), start, end, (gtid or 0) & 0xFFFFFF, None,
+                None)
+    meta: dict[str, Any] = {}
+    gpus = _rows(db, "TARGET_INFO_GPU", ["name", "totalMemory"])
+    if gpus:
+        meta["deviceProperties"] = [{"name": gpus[0][0], "totalGlobalMem": gpus[0][1]}]
+    return assemble(str(p), meta, rank, "ns", *(Spans.from_columns(c) for c in (gpu, rt, cpu)),
+                    memory=[])

@@ -294,6 +294,7 @@ class Trainer:
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 \
                         and not last:
                     result.checkpoint = self.save_checkpoint()
+            prof.stop()  # evaluation and the final checkpoint stay out of the trace
             result.val_loss = self.evaluate()
             metrics.log_eval(self.step, result.val_loss)
             if cfg.checkpoint.save_final:

@@ -1,0 +1,82 @@
+"""Our own profiler on CPU: traces are written, and a run made input-bound with a slow dataset is
+diagnosed input-bound, while the same run with DataLoader workers is not."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from scaletrain.commands.profile import latest_traces
+from scaletrain.data.loader import PackedSequences
+from scaletrain.profiling.analyze import analyze
+from scaletrain.train.trainer import Trainer
+from tests.trainer_helpers import tiny_config
+
+PROFILE = ["--profiling.enabled", "true", "--profiling.wait", "1", "--profiling.warmup", "1",
+           "--profiling.active", "3", "--training.steps", "5", "--training.eval_batches", "1",
+           "--checkpoint.save_final", "false",
+           # a model big enough that compute, not DataLoader IPC, fills the fixed run's step
+           "--data.seq_len", "64", "--model.dim", "128", "--model.ffn_dim", "256"]
+SAMPLE_DELAY_S = 0.004  # per sequence: 16 ms per batch of 4, longer than the tiny model's step
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("corpus-cache")
+
+
+@pytest.fixture
+def slow_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sequence takes SAMPLE_DELAY_S to load (like a dataset on a slow network disk)."""
+    fetch = PackedSequences.__getitem__
+
+    def slow(self, i):  # type: ignore[no-untyped-def]
+        time.sleep(SAMPLE_DELAY_S)
+        return fetch(self, i)
+
+    monkeypatch.setattr(PackedSequences, "__getitem__", slow)
+
+
+def _profile(out: Path, cache: Path, *extra: str) -> dict:
+    cfg = tiny_config(out, cache, *PROFILE, *extra)
+    Trainer(cfg).train()
+    traces = latest_traces(out / "profile")
+    assert len(traces) == 1
+    return analyze(traces, cfg=cfg)
+
+
+def test_trace_has_our_ranges_and_steps(tmp_path: Path, cache: Path) -> None:
+    r = _profile(tmp_path / "run", cache)
+    trace = latest_traces(tmp_path / "run" / "profile")[0]
+    events = json.load(gzip.open(trace))["traceEvents"]
+    names = {e.get("name") for e in events}
+    for phase in ("data", "forward", "backward", "optimizer"):
+        assert f"scaletrain/{phase}" in names
+        assert r["cpu"]["phases"][phase]["ms_per_step"] > 0
+    steps = sorted(n for n in names if n and n.startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]  # the active steps
+    assert r["platform"] == "cpu" and r["cpu"]["steps"] == 3
+    assert sum(r["breakdown"].values()) == pytest.approx(1.0)
+    assert r["memory"]["peak_allocated_bytes"] > 0  # profile_memory events
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_slow_dataset_is_input_bound_and_workers_fix_it(tmp_path: Path, cache: Path,
+                                                        slow_dataset: None) -> None:
+    slow = _profile(tmp_path / "slow", cache)
+    assert slow["verdict"] == "input-bound", slow["evidence"]
+    assert slow["input_wait"] > 0.3
+    keys = [r.get("key") for r in slow["remedies"]]
+    assert "data.num_workers" in keys
+    num_workers = next(r for r in slow["remedies"] if r.get("key") == "data.num_workers")
+    assert num_workers["current"] == "0" and num_workers["flag"] == "--data.num_workers 4"
+
+    fixed = _profile(tmp_path / "fixed", cache, "--data.num_workers", "4",
+                     "--data.prefetch_factor", "4", "--profiling.wait", "3",
+                     "--training.steps", "7")
+    assert fixed["verdict"] != "input-bound", fixed["evidence"]
+    assert fixed["input_wait"] < slow["input_wait"] / 3

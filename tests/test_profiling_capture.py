@@ -52,7 +52,8 @@ def _profile(out: Path, cache: Path, *extra: str) -> dict:
 def test_trace_has_our_ranges_and_steps(tmp_path: Path, cache: Path) -> None:
     r = _profile(tmp_path / "run", cache)
     trace = latest_traces(tmp_path / "run" / "profile")[0]
-    events = json.load(gzip.open(trace))["traceEvents"]
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
     names = {e.get("name") for e in events}
     for phase in ("data", "forward", "backward", "optimizer"):
         assert f"scaletrain/{phase}" in names

@@ -49,6 +49,10 @@ def analyze(paths: list[str | Path], memory_timeline: str | Path | None = None,
     for i, p in enumerate(paths):
         log.debug("reading %s", p)
         traces.append(load(p, rank=i, time_unit=time_unit))
+    if len({t.rank for t in traces}) < len(traces):
+        log.warning("traces share rank numbers; numbering them by their order on the command line")
+        for i, t in enumerate(traces):
+            t.rank = i
     ranks = [analyze_trace(t, top) for t in traces]
     if memory_timeline is not None:
         ranks[0]["memory"] = memory.from_timeline(memory_timeline, traces[0])

@@ -1,0 +1,122 @@
+"""Nsight Systems SQLite exports, built here with the documented export schema."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from scaletrain.profiling.analyze import analyze
+from scaletrain.profiling.trace import TraceError, load
+
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1"
+ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>"
+US = 1000  # the export's unit is the nanosecond
+
+SCHEMA = """
+CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INT NOT NULL, end INT NOT NULL,
+  deviceId INT NOT NULL, contextId INT NOT NULL, streamId INT NOT NULL,
+  correlationId INT, globalPid INT, demangledName INT NOT NULL, shortName INT NOT NULL,
+  mangledName INT, gridX INT, gridY INT, gridZ INT, blockX INT, blockY INT, blockZ INT);
+CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INT NOT NULL, end INT NOT NULL,
+  deviceId INT NOT NULL, contextId INT NOT NULL, streamId INT NOT NULL, correlationId INT,
+  globalPid INT, bytes INT NOT NULL, copyKind INT NOT NULL, srcKind INT, dstKind INT);
+CREATE TABLE CUPTI_ACTIVITY_KIND_MEMSET (start INT NOT NULL, end INT NOT NULL,
+  deviceId INT NOT NULL, contextId INT NOT NULL, streamId INT NOT NULL, correlationId INT,
+  globalPid INT, value INT NOT NULL, bytes INT NOT NULL);
+CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INT NOT NULL, end INT NOT NULL,
+  eventClass INT NOT NULL, globalTid INT, correlationId INT, nameId INT NOT NULL,
+  returnValue INT NOT NULL, callchainId INT);
+CREATE TABLE NVTX_EVENTS (start INT NOT NULL, end INT, eventType INT NOT NULL, rangeId INT,
+  category INT, color INT, text TEXT, globalTid INT, endGlobalTid INT, textId INT,
+  domainId INT, uint64Value INT, int64Value INT, doubleValue REAL, uint32Value INT,
+  int32Value INT, floatValue REAL, jsonTextId INT, jsonText TEXT);
+"""
+
+
+def build(path: Path) -> Path:
+    """Three 10 ms steps (the last is left out, as in HTA). Per step on stream 7: five 500 us
+    bf16 GEMMs queued early with 100 us gaps, a 1 ms elementwise kernel launched late (host
+    wait), a 200 us host-to-device copy and a 50 us memset that overlaps it on stream 8."""
+    db = sqlite3.connect(path)
+    db.executescript(SCHEMA)
+    names = {1: GEMM, 2: ELEMENTWISE, 3: "cudaLaunchKernel_v7000", 4: "cudaMemcpyAsync_v3020",
+             5: "scaletrain/data", 6: "cudaMemsetAsync_v3020"}
+    db.executemany("INSERT INTO StringIds VALUES (?, ?)", names.items())
+    tid = (1234 << 24) | 1234
+    corr = 0
+
+    def launch(t_us: float, name_id: int) -> int:
+        nonlocal corr
+        corr += 1
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?,?,1,?,?,?,0,0)",
+                   (int(t_us * US), int((t_us + 5) * US), tid, corr, name_id))
+        return corr
+
+    def kernel(start_us: float, dur_us: float, name_id: int, c: int) -> None:
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES "
+                   "(?,?,0,1,7,?,1,?,?,0,1,1,1,128,1,1)",
+                   (int(start_us * US), int((start_us + dur_us) * US), c, name_id, name_id))
+
+    for s in range(3):
+        base = s * 10_000
+        db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) "
+                   "VALUES (?,?,59,?,?)", (base * US, (base + 10_000) * US, f"scaletrain/step#{s}",
+                                          tid))
+        db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, textId, globalTid) "
+                   "VALUES (?,?,59,5,?)", ((base + 4900) * US, (base + 5000) * US, tid))
+        for k in range(5):
+            kernel(base + 100 + 600 * k, 500, 1, launch(base + 10 * k, 3))
+        kernel(base + 5010, 1000, 2, launch(base + 5000, 3))
+        c = launch(base + 6100, 4)
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (?,?,0,1,7,?,1,1048576,1,0,1)",
+                   ((base + 6110) * US, (base + 6310) * US, c))
+        c = launch(base + 6101, 6)
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET VALUES (?,?,0,1,8,?,1,0,4096)",
+                   ((base + 6150) * US, (base + 6200) * US, c))
+    db.commit()
+    db.close()
+    return path
+
+
+def test_nsys_export_analysis(tmp_path: Path) -> None:
+    r = analyze([build(tmp_path / "report.sqlite")])
+    assert r["platform"] == "cuda" and r["time_unit"] == "ns"
+    assert r["cpu"]["step_numbers"] == [0, 1]  # step 2 is left out
+    span = 16_310 - 100
+    assert r["span_us"] == pytest.approx(span)
+    b = r["breakdown"]
+    assert b["compute"] == pytest.approx(2 * 3500 / span)
+    assert b["memory"] == pytest.approx(2 * 200 / span)
+    assert b["idle"] == pytest.approx((span - 7400) / span)
+    # host wait: the late elementwise launch (2010 us), the copy (100 us), between steps (3790)
+    assert r["idle_breakdown"]["host_wait"] == pytest.approx(8010 / 8810)
+    assert r["idle_breakdown"]["other"] == pytest.approx(800 / 8810)
+    # nsys cuda_gpu_kern_sum's Time %: a kernel's total over all kernel time
+    top = {k["name"]: k for k in r["top_kernels"]}
+    assert top[GEMM]["share"] == pytest.approx(5000 / 7000)
+    assert top[GEMM]["count"] == 10 and top[GEMM]["tensor_core_gemm"]
+    assert r["kernels_summary"]["tensor_core_gemm_share"] == pytest.approx(5000 / 7000)
+    assert r["kernels_summary"]["memory_ops_share_of_gpu_time"] == pytest.approx(500 / 7500)
+    assert r["input_wait"] == pytest.approx(200 / span)  # NVTX data range over idle GPU time
+    assert r["cpu"]["phases"]["data"]["ms_per_step"] == pytest.approx(0.1)
+    assert r["verdict"] == "cpu/launch-bound"
+
+
+def test_nsys_errors(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.sqlite"
+    sqlite3.connect(empty).execute("CREATE TABLE StringIds (id INTEGER, value TEXT)").connection \
+        .close()
+    with pytest.raises(TraceError, match="no CUDA activity tables"):
+        load(empty)
+    whole = build(tmp_path / "r.sqlite").read_bytes()
+    cut = tmp_path / "cut.sqlite"
+    cut.write_bytes(whole[:4096])
+    with pytest.raises(TraceError, match="nsys"):
+        load(cut)
+    rep = tmp_path / "x.nsys-rep"
+    rep.write_bytes(b"\0" * 32)
+    with pytest.raises(TraceError, match="nsys export --type sqlite"):
+        load(rep)

@@ -81,3 +81,20 @@ def test_slow_dataset_is_input_bound_and_workers_fix_it(tmp_path: Path, cache: P
                      "--training.steps", "7")
     assert fixed["verdict"] != "input-bound", fixed["evidence"]
     assert fixed["input_wait"] < slow["input_wait"] / 3
+
+
+def test_profile_verb_writes_report(tmp_path: Path, cache: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain.commands import profile
+    from tests.trainer_helpers import tiny_argv
+
+    out = tmp_path / "p"
+    argv = tiny_argv(out, cache)
+    i = argv.index("--training.steps")
+    del argv[i : i + 2]  # the verb runs as many steps as the profiler schedule needs
+    assert profile.main(argv) == 0
+    report = json.loads((out / "profile" / "diagnosis.json").read_text())
+    assert report["verdict"] in {"compute-bound", "cpu/launch-bound", "input-bound"}
+    assert report["cpu"]["steps"] == 3  # wait 1 + warmup 1 + active 3 steps were run
+    assert "<svg" in (out / "profile" / "report.html").read_text()
+    assert "VERDICT" in capsys.readouterr().out

@@ -180,9 +180,10 @@ def launches(trace: Trace) -> dict[str, Any]:
 
 
 def queue_length(trace: Trace) -> dict[str, Any]:
-    """Per stream: mean and max outstanding launches (HTA's event-based definition)."""
+    """Per stream: mean and max outstanding launches (HTA's event-based definition: kernel,
+    memcpy and memset launch calls; work from CUDA-graph launches is not counted)."""
     g = trace.gpu
-    known = ~np.isnan(trace.launch_ts)
+    known = ~np.isnan(trace.launch_ts) & trace.direct_launch
     out: dict[str, Any] = {}
     for stream in np.unique(g.stream[known]):
         sel = known & (g.stream == stream)

@@ -46,6 +46,11 @@ _GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
 _RUNTIME_CATS = {"cuda_runtime", "Runtime", "runtime", "cuda_driver"}
 _OP_CATS = {"cpu_op", "Operator", "operator"}
 _CPU_CATS = _OP_CATS | {"user_annotation", "User Annotation"}
+# Calls that enqueue one kernel or copy (HTA's launch events; nsys adds a _vNNNN suffix).
+_DIRECT_LAUNCH = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|"
+                            r"cudaMemcpyAsync|cudaMemsetAsync|hipLaunchKernel|"
+                            r"hipExtModuleLaunchKernel|hipMemcpyAsync|hipMemsetAsync|"
+                            r"hipMemcpyWithStream)(_v\d+)?$")
 _STEP_RE = re.compile(r"(?:ProfilerStep|scaletrain/step)\s*#\s*(\d+)")
 
 
@@ -105,6 +110,7 @@ class Trace:
     gpu: Spans  # kernels, memcpys and memsets, sorted by start
     gpu_kind: np.ndarray  # COMPUTE / COMM / MEMORY / OTHER per gpu entry
     launch_ts: np.ndarray  # start of the launching runtime call (NaN when unknown)
+    direct_launch: np.ndarray  # launched by a kernel/memcpy/memset call (not a graph launch)
     runtime: Spans  # CUDA/HIP runtime calls
     cpu: Spans  # operators and record_function ranges
     memory: np.ndarray  # (n, 3): ts, allocated bytes, reserved bytes
@@ -245,9 +251,13 @@ def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans
     gpu = gpu.take(np.argsort(gpu.ts, kind="stable"))
     kinds = np.array([kernel_kind(n) for n in gpu.name], dtype=np.int8)
     launch = np.full(len(gpu), np.nan)
+    direct = np.zeros(len(gpu), dtype=bool)
     if len(gpu) and len(rt):
         by_corr = dict(zip(rt.corr.tolist(), rt.ts.tolist()))
         launch = np.array([by_corr.get(c, np.nan) for c in gpu.corr.tolist()])
+        api = dict(zip(rt.corr.tolist(), rt.name))
+        direct = np.array([_DIRECT_LAUNCH.match(api.get(c, "")) is not None
+                           for c in gpu.corr.tolist()], dtype=bool)
     props = meta.get("deviceProperties") or []
     dev = props[0] if props and isinstance(props[0], dict) else {}
     hip = any(n.startswith("hip") for n in rt.name[:500])
@@ -265,7 +275,8 @@ def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans
     return Trace(
         source=source, rank=rank, world_size=world, platform=platform,
         device_name=dev.get("name"), device_memory=dev.get("totalGlobalMem"), steps=steps,
-        gpu=gpu, gpu_kind=kinds, launch_ts=launch, runtime=rt, cpu=cpu, memory=mem[:, :3],
+        gpu=gpu, gpu_kind=kinds, launch_ts=launch, direct_launch=direct, runtime=rt, cpu=cpu,
+        memory=mem[:, :3],
         memory_device=mem_device, time_unit=unit, all_steps=n_steps,
     )
 

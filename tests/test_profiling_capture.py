@@ -92,9 +92,45 @@ def test_profile_verb_writes_report(tmp_path: Path, cache: Path,
     argv = tiny_argv(out, cache)
     i = argv.index("--training.steps")
     del argv[i : i + 2]  # the verb runs as many steps as the profiler schedule needs
-    assert profile.main(argv) == 0
+    assert profile.main([*argv, "--profiling.memory_timeline", "true"]) == 0
     report = json.loads((out / "profile" / "diagnosis.json").read_text())
+    memory = report["memory"]  # from the exported memory timeline, by category
+    assert memory["source"].startswith("memory timeline")
+    assert memory["at_peak"]["parameter"] > 0 and memory["at_peak"]["optimizer_state"] > 0
+    assert memory["peak_phase"] in {"forward", "backward", "optimizer"}
     assert report["verdict"] in {"compute-bound", "cpu/launch-bound", "input-bound"}
     assert report["cpu"]["steps"] == 3  # wait 1 + warmup 1 + active 3 steps were run
     assert "<svg" in (out / "profile" / "report.html").read_text()
     assert "VERDICT" in capsys.readouterr().out
+
+
+class _FakeProfiler:
+    def step(self) -> None:
+        pass
+
+
+def test_nsys_capture_range_follows_the_schedule(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """cudaProfilerStart/Stop bracket exactly the active steps (checked without a GPU)."""
+    import torch
+
+    from scaletrain.config import ProfilingConfig
+    from scaletrain.profiling.capture import StepProfiler
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append("stop"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda m: calls.append(f"push {m}"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))
+    cfg = ProfilingConfig(enabled=True, wait=1, warmup=1, active=2, repeat=1, nsys=True)
+    prof = StepProfiler(cfg, tmp_path, torch.device("cpu"), rank=0)
+    prof.cuda, prof._prof = True, _FakeProfiler()  # as if on a GPU with the profiler running
+    seen = []
+    for step in range(1, 7):  # the training loop: step N runs, then prof.step()
+        seen.append((step, prof._nsys_on))
+        prof.step()
+    prof._prof = None
+    prof.stop()
+    assert [s for s, on in seen if on] == [3, 4]  # wait 1 + warmup 1, then 2 active steps
+    assert calls == ["start", "push scaletrain/step#3", "pop", "push scaletrain/step#4", "pop",
+                     "stop"]

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,7 @@ def phase(name: str) -> Iterator[None]:
 def _atomic_export(export: Any, path: Path) -> None:
     """Run `export(tmp_path)` and rename the result to `path` only when it is complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
-    tmp = path.with_name(f".tmp{os.getpid()}.{path.stem}{suffix}")
+    tmp = path.with_name(f".tmp{os.getpid()}.{path.name}")  # same suffixes: they pick formats
     export(str(tmp))
     os.replace(tmp, path)
 
@@ -167,7 +167,9 @@ class StepProfiler:
         device = f"cuda:{self.device.index or 0}" if self.cuda else "cpu"
         path = self.dir / f"memory_timeline_rank{self.rank}.raw.json.gz"
         try:
-            _atomic_export(lambda p: prof.export_memory_timeline(p, device=device), path)
+            with warnings.catch_warnings():  # deprecated in favour of CUDA snapshots; CPU has none
+                warnings.simplefilter("ignore", FutureWarning)
+                _atomic_export(lambda p: prof.export_memory_timeline(p, device=device), path)
             log.info("profiling: memory timeline %s", path)
             import matplotlib  # noqa: F401
 

@@ -71,7 +71,9 @@ def from_timeline(path: str | Path, trace: Trace | None = None) -> dict[str, Any
         "source": f"memory timeline {p.name}",
         "peak_allocated_bytes": float(total[i]),
         "at_peak": {c: float(v) for c, v in zip(CATEGORIES, sizes[i]) if v},
-        "peak_phase": phase_at(trace, float(times[i])) if times[i] > 0 else None,
+        # timeline times are epoch microseconds; trace times are offset by baseTimeNanoseconds
+        "peak_phase": phase_at(trace, float(times[i]) - trace.base_us)
+        if trace is not None and times[i] > 0 else None,
         "series": _downsample(times, total),
     }
 

@@ -117,6 +117,7 @@ class Trace:
     memory_device: str | None = None
     time_unit: str = "us"
     all_steps: int = 0
+    base_us: float = 0.0  # add to a timestamp for epoch time (Kineto's baseTimeNanoseconds)
 
     @property
     def has_gpu(self) -> bool:
@@ -278,6 +279,7 @@ def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans
         gpu=gpu, gpu_kind=kinds, launch_ts=launch, direct_launch=direct, runtime=rt, cpu=cpu,
         memory=mem[:, :3],
         memory_device=mem_device, time_unit=unit, all_steps=n_steps,
+        base_us=float(meta.get("baseTimeNanoseconds") or 0) / 1e3,
     )
 
 

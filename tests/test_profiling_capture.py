@@ -134,3 +134,31 @@ def test_nsys_capture_range_follows_the_schedule(tmp_path: Path,
     assert [s for s, on in seen if on] == [3, 4]  # wait 1 + warmup 1, then 2 active steps
     assert calls == ["start", "push scaletrain/step#3", "pop", "push scaletrain/step#4", "pop",
                      "stop"]
+
+
+def test_oom_writes_snapshot_and_plan_estimate(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OOM path (CUDA-only) with the CUDA calls replaced: snapshot + summary, error kept."""
+    import sys
+    import types
+
+    import torch
+
+    from scaletrain.config import ProfilingConfig
+    from scaletrain.profiling import capture
+
+    monkeypatch.setattr(capture, "dump_snapshot", lambda p: Path(p).write_bytes(b"snapshot"))
+    monkeypatch.setattr(capture, "cuda_memory_stats", lambda d: {"max_allocated_bytes": 7})
+    plan = types.ModuleType("scaletrain.plan.memory")
+    plan.estimate_from_config = lambda cfg: {"total_bytes": 5, "model": cfg}  # type: ignore
+    monkeypatch.setitem(sys.modules, "scaletrain.plan.memory", plan)
+    prof = capture.StepProfiler(ProfilingConfig(), tmp_path, torch.device("cpu"), rank=3)
+    prof._history = True  # as if recording allocator history on a GPU
+    with pytest.raises(torch.OutOfMemoryError), prof.oom_guard("the-config"):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert (tmp_path / "profile" / "oom_snapshot_rank3.pickle").read_bytes() == b"snapshot"
+    info = json.loads((tmp_path / "profile" / "oom_rank3.json").read_text())
+    assert info["max_allocated_bytes"] == 7 and info["step"] == 1
+    assert info["plan_estimate"] == {"total_bytes": 5, "model": "the-config"}
+    monkeypatch.delitem(sys.modules, "scaletrain.plan.memory")
+    assert capture.plan_estimate(None) is None

@@ -217,13 +217,9 @@ class StepProfiler:
         if not self._history:
             return None
         snap = self.dir / f"oom_snapshot_rank{self.rank}.pickle"
-        _atomic_export(torch.cuda.memory._dump_snapshot, snap)
-        info: dict[str, Any] = {
-            "step": self.step_num + 1, "snapshot": str(snap),
-            "max_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
-            "max_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
-            "device_total_bytes": torch.cuda.get_device_properties(self.device).total_memory,
-        }
+        _atomic_export(dump_snapshot, snap)
+        info: dict[str, Any] = {"step": self.step_num + 1, "snapshot": str(snap),
+                                **cuda_memory_stats(self.device)}
         estimate = plan_estimate(run_cfg)
         if estimate is not None:
             info["plan_estimate"] = estimate
@@ -234,22 +230,43 @@ class StepProfiler:
         return snap
 
 
+def dump_snapshot(path: str) -> None:
+    """The CUDA caching allocator's history and state, for pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def cuda_memory_stats(device: torch.device) -> dict[str, int]:
+    return {
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "device_total_bytes": torch.cuda.get_device_properties(device).total_memory,
+    }
+
+
+_PLAN_MODULES = ("scaletrain.plan.memory", "scaletrain.plan.estimate", "scaletrain.plan")
+_PLAN_FUNCTIONS = ("estimate_for_config", "estimate_from_config", "plan_for_config",
+                   "estimate_memory", "estimate")
+
+
 def plan_estimate(run_cfg: Any) -> Any:
     """The planner's memory estimate for this config, when `scaletrain.plan` provides one
     (it is built separately; any failure leaves the field out)."""
     if run_cfg is None:
         return None
-    try:
-        from scaletrain.plan import memory as plan_memory  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    for name in ("estimate_from_config", "estimate", "estimate_memory"):
-        fn = getattr(plan_memory, name, None)
-        if callable(fn):
-            try:
-                est = fn(run_cfg)
-            except Exception as e:  # an estimate must never hide the OOM itself
-                log.warning("plan estimate failed: %s", e)
-                return None
-            return est.__dict__ if hasattr(est, "__dict__") else est
+    import importlib
+
+    for module_name in _PLAN_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in _PLAN_FUNCTIONS:
+            fn = getattr(module, name, None)
+            if callable(fn):
+                try:
+                    est = fn(run_cfg)
+                except Exception as e:  # an estimate must never hide the OOM itself
+                    log.warning("plan estimate failed: %s", e)
+                    return None
+                return vars(est) if hasattr(est, "__dict__") else est
     return None

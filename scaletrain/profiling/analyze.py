@@ -73,6 +73,7 @@ def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
     out: dict[str, Any] = {
         "sources": [r["source"] for r in ranks], "platform": first["platform"],
         "device": first["device"], "world_size": first["world_size"],
+        "span_us": _mean([r.get("span_us") for r in ranks]),
         "breakdown": _mean_dict([r.get("breakdown") for r in ranks]),
         "idle_breakdown": _mean_dict([r.get("idle_breakdown") for r in ranks]),
         "kernel_time_by_kind": _mean_dict([r.get("kernel_time_by_kind") for r in ranks]),

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from scaletrain.profiling import intervals
-from scaletrain.profiling.trace import COMM, COMPUTE, MEMORY, Trace
+from scaletrain.profiling.trace import COMM, COMPUTE, MEMORY, OTHER, Trace
 
 KERNEL_WAIT_US = 30.0
 SHORT_KERNEL_US = 10.0
@@ -34,12 +34,12 @@ _GEMM_RE = re.compile(r"gemm|matmul|cutlass|xmma|cublaslt|wgmma", re.I)
 _TENSOR_CORE_RE = re.compile(
     r"tensorop|h884|h1688|s1688|h16816|s16816|i8816|hmma|wgmma|bf16|f16|fp16|half|tf32|xmma|"
     r"sm80_|sm90_|sm100_|_e4m3|_e5m2|mfma", re.I)
-_KIND_BITS = {COMPUTE: 1, COMM: 2, MEMORY: 4}
+_KIND_BITS = {COMPUTE: 1, COMM: 2, MEMORY: 4, OTHER: 8}
 
 
 def sweep(trace: Trace) -> dict[int, float]:
-    """Time (us) per set of running kinds (bit 1 compute, 2 communication, 4 memory) over the
-    span; key 0 is idle. Kernels of kind OTHER count as compute here."""
+    """Time (us) per set of running kinds (bit 1 compute, 2 communication, 4 memory, 8 other)
+    over the span; key 0 is idle."""
     g = trace.gpu
     bits = np.array([_KIND_BITS.get(int(k), 1) for k in trace.gpu_kind], dtype=np.int64)
     times = np.concatenate([g.ts, g.end])
@@ -49,7 +49,7 @@ def sweep(trace: Trace) -> dict[int, float]:
     delta = np.concatenate([np.ones(len(g)), -np.ones(len(g))])[order]
     kind_bits = np.concatenate([bits, bits])[order]
     mask = np.zeros(len(times), dtype=np.int64)
-    for b in (1, 2, 4):
+    for b in (1, 2, 4, 8):
         running = np.cumsum(np.where(kind_bits == b, delta, 0)) > 0
         mask |= np.where(running, b, 0)
     widths = np.diff(times)
@@ -62,14 +62,17 @@ def sweep(trace: Trace) -> dict[int, float]:
 def breakdown(trace: Trace) -> dict[str, Any]:
     by_set = sweep(trace)
     span = float(trace.gpu.end.max() - trace.gpu.ts.min())
-    compute = sum(v for m, v in by_set.items() if m & 1)
-    comm = sum(v for m, v in by_set.items() if m & 2 and not m & 1)
-    memory = sum(v for m, v in by_set.items() if m & 4 and not m & 3)
+    # Unclassified kernels (HTA's "other") count as compute in the four-way breakdown; their
+    # own share is reported as `other_kernels` (HTA's compute = compute - other_kernels).
+    compute = sum(v for m, v in by_set.items() if m & 9)
+    other = sum(v for m, v in by_set.items() if m & 8 and not m & 1)
+    comm = sum(v for m, v in by_set.items() if m & 2 and not m & 9)
+    memory = sum(v for m, v in by_set.items() if m & 4 and not m & 11)
     idle = by_set.get(0, 0.0)
     busy = span - idle
-    names = {1: "computation", 2: "communication", 4: "memory"}
+    names = {1: "computation", 2: "communication", 4: "memory", 8: "other"}
     by_kind = {
-        "+".join(names[b] for b in (1, 2, 4) if m & b): v / busy
+        "+".join(names[b] for b in (1, 2, 4, 8) if m & b): v / busy
         for m, v in sorted(by_set.items()) if m and busy > 0
     }
     comm_total = sum(v for m, v in by_set.items() if m & 2)
@@ -79,6 +82,7 @@ def breakdown(trace: Trace) -> dict[str, Any]:
         "breakdown": {"compute": compute / span, "communication": comm / span,
                       "memory": memory / span, "idle": idle / span} if span > 0 else None,
         "kernel_time_by_kind": by_kind,
+        "other_kernels": other / span if span > 0 else 0.0,
         "overlap": overlapped / comm_total if comm_total > 0 else None,
         "communication_us": comm_total,
     }

@@ -37,7 +37,7 @@ KIND_NAMES = ("compute", "communication", "memory", "other")
 
 _COMM_RE = re.compile(r"^nccl.*Kernel|^rccl.*Kernel")
 _MEMORY_RE = re.compile(r"^Memcpy|^Memset|^dma")
-_NOT_COMPUTE_RE = re.compile(r"^nccl.*Kernel|.*Memcpy|.*Memset|.*Sync")
+_NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")  # HTA's, as is
 
 _KERNEL_CATS = {"kernel", "Kernel"}
 _MEMCPY_CATS = {"gpu_memcpy", "Memcpy"}

@@ -180,8 +180,9 @@ def _bars(kernels: list[dict[str, Any]]) -> str:
            "xmlns='http://www.w3.org/2000/svg'>"]
     for i, k in enumerate(kernels):
         y = 5 + i * row
+        color = _COLORS["communication" if k.get("kind") == "communication" else "compute"]
         out.append(f"<rect x='0' y='{y}' width='{w * k['share']:.1f}' height='{row - 4}' "
-                   f"fill='#2e7d32'/><text x='{w * k['share'] + 4:.1f}' y='{y + 13}' "
+                   f"fill='{color}'/><text x='{w * k['share'] + 4:.1f}' y='{y + 13}' "
                    f"font-size='11'>{100 * k['share']:.1f} % {html.escape(short(k['name'], 80))}"
                    "</text>")
     return "".join(out) + "</svg>"

@@ -71,7 +71,37 @@ def phase_times(trace: Trace) -> dict[str, Any]:
             t = intervals.total(*r)
             phases[name] = {"ms_per_step": t / n / 1e3, "share": t / (hi - lo)}
     out["phases"] = phases
+    out["outside_phases"] = outside_phases(trace, n)
     return out
+
+
+def outside_phases(trace: Trace, n_steps: int, top: int = 5) -> list[dict[str, Any]]:
+    """The biggest top-level CPU ranges of the step threads that fall outside every phase
+    range (what the rest of the step time is spent on), in ms per step."""
+    c = trace.cpu
+    steps = np.array([bool(_STEP_RE.search(x)) for x in c.name], dtype=bool)
+    lo, hi, _ = window(trace)
+    if not steps.any() or n_steps == 0:
+        return []
+    threads = set(c.tid[steps].tolist())
+    pats = list(PHASES.values()) + [COMM_RE]
+    in_phase = np.array([any(p.search(x) for p in pats) for x in c.name], dtype=bool)
+    ph_s, ph_e = intervals.merge(c.ts[in_phase], c.end[in_phase])
+    totals: dict[str, float] = {}
+    for tid in threads:
+        sel = np.flatnonzero((c.tid == tid) & ~steps & ~in_phase & (c.ts >= lo) & (c.ts < hi))
+        sel = sel[np.lexsort((-c.dur[sel], c.ts[sel]))]
+        run_end = -np.inf
+        for i in sel:  # top-level: not nested in an earlier range
+            if c.ts[i] < run_end:
+                continue
+            run_end = c.end[i]
+            k = np.searchsorted(ph_s, c.ts[i], side="right") - 1
+            if k >= 0 and ph_e[k] > c.ts[i]:
+                continue  # starts inside a phase
+            totals[c.name[i]] = totals.get(c.name[i], 0.0) + float(c.dur[i])
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [{"name": name, "ms_per_step": t / n_steps / 1e3} for name, t in rows]
 
 
 def cpu_only_breakdown(trace: Trace) -> dict[str, Any]:

@@ -69,6 +69,10 @@ def terminal(r: dict[str, Any]) -> str:
         parts = [f"{k} {v['ms_per_step']:.1f} ms" for k, v in phases.items()]
         lines.append(f"CPU per step ({cpu['step_time_ms']:.1f} ms): " + (" | ".join(parts) or
                                                                         "no phase ranges"))
+    outside = cpu.get("outside_phases") or []
+    if outside and phases:
+        lines.append("  outside those phases: " + ", ".join(
+            f"{o['name']} {o['ms_per_step']:.2f} ms" for o in outside[:4]))
     launch = r.get("launch") or {}
     if launch:
         d = launch.get("launch_delay_us") or {}

@@ -85,6 +85,10 @@ def evidence(kind: str, r: dict[str, Any], s: dict[str, float]) -> list[str]:
                    "for the CPU to launch work)" if r.get("platform") != "cpu" else
                    f"{_pct(s['cpu/launch'])} of each step is outside the model's operators "
                    "(Python and framework overhead)")
+        outside = (r.get("cpu") or {}).get("outside_phases") or []
+        if outside:
+            out.append("outside the training phases: " + ", ".join(
+                f"{o['name']} {o['ms_per_step']:.2f} ms" for o in outside[:3]) + " per step")
         q = _main_queue(r)
         if q is not None:
             state = "short" if q["mean"] < 4 else "not the limit"

@@ -6,9 +6,11 @@ from __future__ import annotations
 import gzip
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from scaletrain.commands.profile import latest_traces
 from scaletrain.data.loader import PackedSequences
@@ -21,12 +23,25 @@ PROFILE = ["--profiling.enabled", "true", "--profiling.wait", "1", "--profiling.
            "--checkpoint.save_final", "false",
            # a model big enough that compute, not DataLoader IPC, fills the fixed run's step
            "--data.seq_len", "64", "--model.dim", "128", "--model.ffn_dim", "256"]
-SAMPLE_DELAY_S = 0.004  # per sequence: 16 ms per batch of 4, longer than the tiny model's step
+# Per sequence: 60 ms per batch of 4, several times the model's step even on a loaded machine
+# (sleeping, like a slow network disk, so the delay does not grow with load the way compute does);
+# 8 workers deliver a batch every 7.5 ms, faster than the step even on an idle machine.
+SAMPLE_DELAY_S = 0.015
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("corpus-cache")
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on a loaded machine OpenMP's spinning threads slow tiny ops by
+    10-50x, which would let compute swamp any data delay."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture
@@ -67,7 +82,8 @@ def test_trace_has_our_ranges_and_steps(tmp_path: Path, cache: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_slow_dataset_is_input_bound_and_workers_fix_it(tmp_path: Path, cache: Path,
-                                                        slow_dataset: None) -> None:
+                                                        slow_dataset: None,
+                                                        one_thread: None) -> None:
     slow = _profile(tmp_path / "slow", cache)
     assert slow["verdict"] == "input-bound", slow["evidence"]
     assert slow["input_wait"] > 0.3
@@ -76,7 +92,7 @@ def test_slow_dataset_is_input_bound_and_workers_fix_it(tmp_path: Path, cache: P
     num_workers = next(r for r in slow["remedies"] if r.get("key") == "data.num_workers")
     assert num_workers["current"] == "0" and num_workers["flag"] == "--data.num_workers 4"
 
-    fixed = _profile(tmp_path / "fixed", cache, "--data.num_workers", "4",
+    fixed = _profile(tmp_path / "fixed", cache, "--data.num_workers", "8",
                      "--data.prefetch_factor", "4", "--profiling.wait", "3",
                      "--training.steps", "7")
     assert fixed["verdict"] != "input-bound", fixed["evidence"]

@@ -22,11 +22,13 @@ PROFILE = ["--profiling.enabled", "true", "--profiling.wait", "1", "--profiling.
            "--profiling.active", "3", "--training.steps", "5", "--training.eval_batches", "1",
            "--checkpoint.save_final", "false",
            # a model big enough that compute, not DataLoader IPC, fills the fixed run's step
-           "--data.seq_len", "64", "--model.dim", "128", "--model.ffn_dim", "256"]
-# Per sequence: 60 ms per batch of 4, several times the model's step even on a loaded machine
+           "--data.seq_len", "64", "--model.dim", "128", "--model.ffn_dim", "256",
+           "--training.micro_batch_size", "16"]
+# Per sequence: 80 ms per batch of 16, longer than the model's step even on a loaded machine
 # (sleeping, like a slow network disk, so the delay does not grow with load the way compute does);
-# 8 workers deliver a batch every 7.5 ms, faster than the step even on an idle machine.
-SAMPLE_DELAY_S = 0.015
+# 8 workers deliver a batch every 10 ms, faster than the step even on an idle machine. Batches of
+# 16 keep the fixed run's per-batch cost of receiving from a worker small against its compute.
+SAMPLE_DELAY_S = 0.005
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.commands.profile import latest_traces
 from scaletrain.data.loader import PackedSequences
-from scaletrain.profiling.analyze import analyze
+from scaletrain.profiling.analyze import analyze, latest_traces
 from scaletrain.train.trainer import Trainer
 from tests.trainer_helpers import tiny_config
 

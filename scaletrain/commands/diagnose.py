@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from scaletrain.profiling.analyze import latest_traces
 from scaletrain.profiling.trace import TraceError
 
 
@@ -14,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read profiler traces (Kineto/PyTorch Chrome traces, one per rank, or an "
                     "`nsys export --type sqlite` database) and report the time breakdown, top "
                     "kernels, overlap, idle causes, memory, a bottleneck verdict and remedies.")
-    p.add_argument("traces", nargs="+", help="trace files (.json, .json.gz, .sqlite), one per rank")
+    p.add_argument("traces", nargs="+",
+                   help="trace files (.json, .json.gz, .sqlite), one per rank, or folders of them")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--html", metavar="OUT", help="also write an HTML report with plots")
     p.add_argument("--against", nargs="+", metavar="OTHER",
@@ -27,16 +30,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_PATTERNS = ("*.pt.trace.json.gz", "*.pt.trace.json", "*.json.gz", "*.json", "*.sqlite")
+
+
+def expand(paths: list[str]) -> list[str]:
+    """Files as given; a folder stands for the traces in it (a `scaletrain profile` folder: the
+    newest trace of each rank)."""
+    out: list[str] = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            out.append(str(p))
+            continue
+        found = latest_traces(p.parent if p.name == "traces" else p)
+        if not found:
+            found = next((sorted(p.glob(g)) for g in _PATTERNS if list(p.glob(g))), [])
+        if not found:
+            raise TraceError(f"{p}: no trace files (.json, .json.gz, .sqlite) in this folder")
+        out.extend(str(f) for f in found)
+    return out
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from scaletrain.profiling import compare, report
     from scaletrain.profiling.analyze import analyze
 
     try:
-        result = analyze(args.traces, memory_timeline=args.memory_timeline,
+        result = analyze(expand(args.traces), memory_timeline=args.memory_timeline,
                          time_unit=args.time_unit, top=args.top)
         if args.against:
-            other = analyze(args.against, time_unit=args.time_unit, top=max(args.top, 50))
+            other = analyze(expand(args.against), time_unit=args.time_unit,
+                            top=max(args.top, 50))
             result["against"] = compare.compare(result, other)
     except (TraceError, ValueError) as e:
         print(f"scaletrain diagnose: {e}", file=sys.stderr)

@@ -8,10 +8,12 @@ terminal, `<profile dir>/diagnosis.json` and `<profile dir>/report.html`.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 from scaletrain.config import ConfigError, load_config
+from scaletrain.profiling.analyze import latest_traces
 
 log = logging.getLogger("scaletrain")
 
@@ -28,15 +30,14 @@ def _with_defaults(argv: list[str]) -> list[str]:
     return [*argv, *extra]
 
 
-def latest_traces(folder: Path) -> list[Path]:
-    """The newest trace of each rank under `folder/traces`."""
-    newest: dict[str, tuple[int, Path]] = {}
-    for p in (folder / "traces").glob("rank*.step*.pt.trace.json.gz"):
-        rank, step = p.name.split(".")[:2]
-        n = int(step.removeprefix("step"))
-        if rank not in newest or n > newest[rank][0]:
-            newest[rank] = (n, p)
-    return [p for _, p in sorted(newest.values(), key=lambda t: t[1].name)]
+def _is_rank0() -> bool:
+    """Under torchrun: wait for every rank's trace, then let rank 0 alone analyse them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def main(argv: list[str]) -> int:
@@ -65,6 +66,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"scaletrain profile: {e}", file=sys.stderr)
         return 2
+    if not _is_rank0():
+        return 0  # rank 0 diagnoses every rank's trace
     folder = Path(p.output_dir) if p.output_dir else Path(cfg.output) / "profile"
     traces = latest_traces(folder)
     if not traces:

@@ -15,6 +15,19 @@ from scaletrain.profiling.trace import Trace, load
 log = logging.getLogger("scaletrain.profiling")
 
 
+def latest_traces(folder: str | Path) -> list[Path]:
+    """The newest trace of each rank under `folder/traces` (what StepProfiler writes)."""
+    newest: dict[str, tuple[int, Path]] = {}
+    for p in (Path(folder) / "traces").glob("rank*.step*.pt.trace.json.gz"):
+        rank, step = p.name.split(".")[:2]
+        if not step.removeprefix("step").isdigit():
+            continue
+        n = int(step.removeprefix("step"))
+        if rank not in newest or n > newest[rank][0]:
+            newest[rank] = (n, p)
+    return [p for _, p in sorted(newest.values(), key=lambda t: t[1].name)]
+
+
 def analyze_trace(trace: Trace, top: int = 15) -> dict[str, Any]:
     """Every figure for one rank (keys documented in docs/profile.md)."""
     r: dict[str, Any] = {

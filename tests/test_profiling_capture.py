@@ -119,6 +119,10 @@ def test_profile_verb_writes_report(tmp_path: Path, cache: Path,
     assert report["cpu"]["steps"] == 3  # wait 1 + warmup 1 + active 3 steps were run
     assert "<svg" in (out / "profile" / "report.html").read_text()
     assert "VERDICT" in capsys.readouterr().out
+    from scaletrain.commands import diagnose
+
+    assert diagnose.main([str(out / "profile"), "--json"]) == 0  # a folder: its newest traces
+    assert json.loads(capsys.readouterr().out)["verdict"] == report["verdict"]
 
 
 class _FakeProfiler:

@@ -227,8 +227,8 @@ class ProfilingConfig:
     memory_timeline: bool = False
     """Export the memory timeline by category (implies with_stack; slow on long runs)."""
     oom_snapshot: bool = True
-    """On CUDA: record allocator history; dump a snapshot at the end of profiling and when a step
-    runs out of memory (open it at pytorch.org/memory_viz)."""
+    """On CUDA: dump the allocator snapshot when a step runs out of memory (with allocation
+    stacks while profiling), beside the plan's estimate; open it at pytorch.org/memory_viz."""
     nsys: bool = False
     """On CUDA: call cudaProfilerStart/Stop around the active steps, for
     `nsys profile --capture-range=cudaProfilerApi`."""

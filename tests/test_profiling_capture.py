@@ -174,7 +174,7 @@ def test_oom_writes_snapshot_and_plan_estimate(tmp_path: Path,
     plan.estimate_from_config = lambda cfg: {"total_bytes": 5, "model": cfg}  # type: ignore
     monkeypatch.setitem(sys.modules, "scaletrain.plan.memory", plan)
     prof = capture.StepProfiler(ProfilingConfig(), tmp_path, torch.device("cpu"), rank=3)
-    prof._history = True  # as if recording allocator history on a GPU
+    prof.cuda = True  # as if training on a GPU
     with pytest.raises(torch.OutOfMemoryError), prof.oom_guard("the-config"):
         raise torch.OutOfMemoryError("CUDA out of memory")
     assert (tmp_path / "profile" / "oom_snapshot_rank3.pickle").read_bytes() == b"snapshot"

@@ -86,10 +86,10 @@ class StepProfiler:
         self.stop(*exc)
 
     def start(self) -> StepProfiler:
-        if self.cuda and self.cfg.oom_snapshot:
-            self._start_history()
         if not self.enabled:
             return self
+        if self.cuda:
+            self._start_history()  # allocation stacks for the snapshots
         c = self.cfg
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
@@ -213,8 +213,9 @@ class StepProfiler:
             log.warning("profiling: cannot record CUDA allocator history: %s", e)
 
     def on_oom(self, run_cfg: Any = None) -> Path | None:
-        """Write the allocator snapshot and the plan's estimate after an out-of-memory error."""
-        if not self._history:
+        """Write the allocator snapshot (the state at the failure; with allocation stacks when
+        profiling records history) and the plan's estimate after an out-of-memory error."""
+        if not (self.cuda and self.cfg.oom_snapshot):
             return None
         snap = self.dir / f"oom_snapshot_rank{self.rank}.pickle"
         _atomic_export(dump_snapshot, snap)

@@ -1,0 +1,202 @@
+"""Activation bytes that scaletrain's own Transformer keeps for backward, per component.
+
+Derived from `models/transformer.py` (and checked against `saved_tensors_hooks` counts in the
+tests), one micro-batch, one rank. Notation: T tokens of the micro-batch on this rank
+(b * s / cp), h = dim, f = ffn width, a / g query / key-value heads, d head_dim, V vocabulary,
+c bytes of the compute dtype (autocast dtype, or the parameter dtype without autocast), r bytes of
+the residual stream (the parameter dtype: fp32 parameters under autocast keep an fp32 residual).
+
+Llama block (flash SDPA: no s x s scores; true for the CPU flash kernel and CUDA flash/cuDNN):
+- RMSNorm (x2): `x.float()` (4Th), the rstd (4T) and, on CPU where rms_norm is composite,
+  x * rstd (4Th); the fused CUDA kernel keeps only x and rstd.
+- its output feeds the projections: one saved tensor (c T h) when c == r; under autocast with an
+  fp32 residual each projection saves its own c-byte cast (3 for q/k/v, 2 for w1/w3, 1 for the head).
+- attention: q and k after RoPE (c T a d, c T g d), v (c T g d), the output (c T a d, shared with
+  the wo input) and the log-sum-exp (4 b a s, fp32).
+- SwiGLU: w1 x, w3 x, silu(w1 x) and the product (4 c T f).
+- once per model: the token ids (8 B each), the RoPE tables (2 s d r, shared by all layers), the
+  final norm and head input, and the loss's fp32 log-softmax (4 T V) with int64 targets.
+
+GPT-2 block: LayerNorm keeps its input plus fp32 mean and rstd (r Th + 8T), GELU keeps its input,
+w2 its output (2 c T f), learned positions keep the position ids.
+
+Tensor parallel (degree t) divides heads, ffn width and vocabulary; sequence parallel also
+divides the norm and residual tensors by t, while the projections keep their all-gathered input
+(as DTensor tensor parallelism does). Context parallel divides T by cp; with the all-gather-KV
+scheme each rank keeps the gathered keys and values of the whole sequence.
+
+Recomputation (`parallel/activation_checkpoint.py`): a checkpointed block keeps only its input
+(r T h); a checkpointed attention keeps its input (the norm output, r T h) and the rest of the
+block as usual. `selective` checkpoints every `every`-th block (or its attention). While a
+checkpointed region is recomputed in backward its activations exist once more (`recompute`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from scaletrain.models.args import ModelArgs
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+Kernels = Literal["cpu", "cuda"]
+RecomputeMode = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """What the activation estimate depends on besides the model dimensions."""
+
+    mbs: int
+    seq_len: int
+    compute_dtype: str = "fp32"
+    residual_dtype: str = "fp32"
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    recompute: RecomputeMode = "none"
+    every: int = 2
+    scope: Literal["block", "attention"] = "block"
+    kernels: Kernels = "cuda"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one context-parallel rank."""
+        return self.mbs * self.seq_len // self.cp
+
+    @property
+    def norm_tokens(self) -> int:
+        """Tokens of the norm/residual tensors (divided by t under sequence parallel)."""
+        return self.tokens // self.tp if self.sequence_parallel and self.tp > 1 else self.tokens
+
+
+def _norm(args: ModelArgs, spec: ActivationSpec) -> int:
+    tn, h = spec.norm_tokens, args.dim
+    if args.arch == "gpt2":  # native layer_norm: the input as it comes, fp32 mean and rstd
+        return DTYPE_BYTES[spec.residual_dtype] * tn * h + 8 * tn
+    extra = 4 * tn * h if spec.kernels == "cpu" else 0
+    return 4 * tn * h + 4 * tn + extra
+
+
+def _norm_output(args: ModelArgs, spec: ActivationSpec, consumers: int) -> int:
+    c, r = DTYPE_BYTES[spec.compute_dtype], DTYPE_BYTES[spec.residual_dtype]
+    copies = 1 if c == r else consumers
+    return copies * c * spec.tokens * args.dim
+
+
+def _attention_core(args: ModelArgs, spec: ActivationSpec) -> int:
+    c, t, d = DTYPE_BYTES[spec.compute_dtype], spec.tp, args.head_dim
+    a, g = args.n_heads // t, args.kv_heads // t
+    kv_tokens = spec.mbs * spec.seq_len if spec.cp > 1 else spec.tokens
+    q_and_out = 2 * c * spec.tokens * a * d
+    k_and_v = 2 * c * kv_tokens * g * d
+    lse = 4 * spec.mbs * a * (spec.seq_len // spec.cp)
+    return q_and_out + k_and_v + lse
+
+
+def _mlp(args: ModelArgs, spec: ActivationSpec) -> int:
+    c, f = DTYPE_BYTES[spec.compute_dtype], args.hidden_dim // spec.tp
+    n = 2 if args.arch == "gpt2" else 4
+    return n * c * spec.tokens * f
+
+
+def plain_layer(args: ModelArgs, spec: ActivationSpec) -> dict[str, int]:
+    """Bytes one block without recomputation keeps, by component."""
+    n_mlp_in = 1 if args.arch == "gpt2" else 2
+    return {
+        "norms": 2 * _norm(args, spec),
+        "attention": _norm_output(args, spec, 3) + _attention_core(args, spec),
+        "mlp": _norm_output(args, spec, n_mlp_in) + _mlp(args, spec),
+    }
+
+
+def checkpointed_layer(args: ModelArgs, spec: ActivationSpec, scope: str) -> dict[str, int]:
+    """Bytes a block keeps when it (scope `block`) or its attention is checkpointed."""
+    r = DTYPE_BYTES[spec.residual_dtype]
+    if scope == "block":
+        return {"norms": 0, "attention": r * spec.norm_tokens * args.dim, "mlp": 0}
+    plain = plain_layer(args, spec)
+    return {"norms": plain["norms"], "attention": r * spec.norm_tokens * args.dim,
+            "mlp": plain["mlp"]}
+
+
+def is_checkpointed(index: int, spec: ActivationSpec) -> bool:
+    """Mirrors `apply_ac`: which block indices are wrapped."""
+    if spec.recompute == "none":
+        return False
+    if spec.recompute == "full":
+        return True
+    return index % spec.every == spec.every - 1
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation bytes of one micro-batch on one rank, by component."""
+
+    layers: dict[str, int]
+    embedding: int
+    rope_tables: int
+    head: int
+    loss: int
+    recompute: int
+    rope_tables_autograd: bool
+    """Whether autograd saves the RoPE tables (a checkpoint keeps them outside its hooks)."""
+
+    @property
+    def saved(self) -> int:
+        """Bytes kept from forward to backward (what saved_tensors_hooks count, plus the RoPE
+        tables when a checkpoint holds them)."""
+        return (sum(self.layers.values()) + self.embedding + self.rope_tables + self.head
+                + self.loss)
+
+    @property
+    def autograd_saved(self) -> int:
+        """Only what autograd's saved-tensor hooks see (for the measurement)."""
+        return self.saved - (0 if self.rope_tables_autograd else self.rope_tables)
+
+
+def activation_bytes(args: ModelArgs, spec: ActivationSpec, layer_indices: range | None = None,
+                     first_stage: bool = True, last_stage: bool = True) -> ActivationBytes:
+    """Activations of the blocks `layer_indices` (default: all) for one micro-batch.
+
+    `first_stage` adds the embedding's saved ids, `last_stage` the final norm, head input and
+    loss (pipeline stages hold only their own part).
+    """
+    indices = range(args.n_layers) if layer_indices is None else layer_indices
+    r = DTYPE_BYTES[spec.residual_dtype]
+    layers = {"norms": 0, "attention": 0, "mlp": 0}
+    plain = plain_layer(args, spec)
+    ckpt = checkpointed_layer(args, spec, "block" if spec.recompute == "full" else spec.scope)
+    rope_seen = False
+    for i in indices:
+        wrapped = is_checkpointed(i, spec)
+        rope_seen |= not wrapped
+        for k, v in (ckpt if wrapped else plain).items():
+            layers[k] += v
+    t_ids = spec.tokens
+    embedding = 8 * t_ids if first_stage else 0
+    if first_stage and args.arch == "gpt2":
+        embedding += 8 * (spec.seq_len // spec.cp)
+    rope = 0
+    if args.arch == "llama" and len(indices):
+        rope = 2 * (spec.seq_len // spec.cp) * args.head_dim * r
+    head = loss = 0
+    if last_stage:
+        head = _norm(args, spec) + _norm_output(args, spec, 1)
+        loss = 4 * t_ids * args.vocab_size // spec.tp + 8 * t_ids + 4
+    recompute = 0
+    if spec.recompute != "none" and len(indices):
+        # The largest checkpointed region is rebuilt during its backward.
+        region = sum(plain.values()) if spec.recompute == "full" or spec.scope == "block" \
+            else plain["attention"]
+        recompute = region
+    return ActivationBytes(layers=layers, embedding=embedding, rope_tables=rope, head=head,
+                           loss=loss, recompute=recompute,
+                           rope_tables_autograd=rope_seen and args.arch == "llama")
+
+
+def logits_buffer_bytes(args: ModelArgs, spec: ActivationSpec) -> int:
+    """Transient loss memory beyond the saved log-softmax: the logits themselves (c bytes, alive
+    through backward) and two fp32 gradient buffers of logits size in the loss backward."""
+    c = DTYPE_BYTES[spec.compute_dtype]
+    return (c + 8) * spec.tokens * args.vocab_size // spec.tp

@@ -1,0 +1,71 @@
+"""Measure what a forward pass keeps for backward, to check the activation estimate.
+
+Counts each storage once (views share storage), leaves out parameters and the autocast copies
+of parameters (those are weights, reported apart as `weight_copies`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scaletrain.config import ActivationCheckpointConfig
+from scaletrain.models.args import ModelArgs
+from scaletrain.models.transformer import build_model
+from scaletrain.parallel.activation_checkpoint import apply_ac
+from scaletrain.train.loss import cross_entropy_sum
+
+_PASS_THROUGH = ("TBackward0", "ToCopyBackward0", "ViewBackward0", "TransposeBackward0",
+                 "ExpandBackward0")
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    activations: int
+    weight_copies: int
+
+
+def _from_parameter(t: torch.Tensor) -> bool:
+    """True when `t` is a parameter seen through casts, transposes and views only."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        if fn.name() == "torch::autograd::AccumulateGrad":
+            return True
+        if fn.name() not in _PASS_THROUGH:
+            return False
+        fn = next((f for f, _ in fn.next_functions if f is not None), None)
+    return False
+
+
+def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "fp32",
+                        param_dtype: str = "fp32",
+                        ac: ActivationCheckpointConfig | None = None) -> SavedBytes:
+    """Run one forward + loss of a fresh model and count the bytes saved for backward."""
+    model = build_model(args, seed=0)
+    if ac is not None:
+        apply_ac(model, ac)
+    if param_dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    copies: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in params:
+            return t
+        (copies if _from_parameter(t) else seen)[key] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, args.vocab_size, (mbs, seq_len + 1))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast:
+            logits = model(tokens[:, :-1])
+        loss = cross_entropy_sum(logits, tokens[:, 1:])
+    del loss, logits
+    return SavedBytes(activations=sum(seen.values()), weight_copies=sum(copies.values()))

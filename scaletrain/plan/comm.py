@@ -1,0 +1,80 @@
+"""Bytes one rank communicates per optimizer step, by collective kind and by mesh dimension.
+
+Volumes are what a ring algorithm moves through each rank: an all-reduce of S bytes over n
+ranks 2 (n-1)/n S, an all-gather or reduce-scatter (n-1)/n S (of the full size S), a pipeline
+send the tensor itself.
+
+- data parallel (over dp x cp ranks, which share the parameters): DDP all-reduces gradients once
+  per step (no sync during accumulation); ZeRO-1/2 reduce-scatter gradients and all-gather the
+  updated weights once per step; ZeRO-3 (FSDP) all-gathers weights in forward and backward and
+  reduce-scatters gradients for every micro-batch.
+- tensor parallel: per layer and micro-batch two collectives of the (b s h) activation in
+  forward and two in backward (all-reduces, or all-gather + reduce-scatter pairs with sequence
+  parallel: the same volume); full recomputation repeats the forward ones.
+- context parallel (all-gather KV): keys and values gathered in forward, their gradients
+  reduce-scattered in backward, per layer and micro-batch.
+- pipeline: each micro-batch sends its activation forward and its gradient back, once per
+  model chunk (v times when interleaved).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scaletrain.models.args import ModelArgs
+from scaletrain.plan.activations import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from scaletrain.plan.estimate import Layout
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_bytes: float,
+               g_bytes: float) -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes by collective kind, bytes by mesh dimension) for one rank and one step."""
+    dims, m = lay.dims, lay.grad_accum
+    c = DTYPE_BYTES[lay.precision]
+    kinds = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
+    by_dim = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
+    # Gradients travel in the dtype they are kept in (fp32 under the Megatron convention).
+    grad_wire = 4.0 if g_bytes == 4.0 else w_bytes
+    n = dims.dp * dims.cp
+    if n > 1:
+        if lay.zero == 0:
+            v = {"all_reduce": 2 * _ring(n) * stage_params * grad_wire}
+        elif lay.zero in (1, 2):
+            v = {"reduce_scatter": _ring(n) * stage_params * grad_wire,
+                 "all_gather": _ring(n) * stage_params * w_bytes}
+        else:
+            v = {"all_gather": 2 * m * _ring(n) * stage_params * w_bytes,
+                 "reduce_scatter": m * _ring(n) * stage_params * grad_wire}
+        for k, x in v.items():
+            kinds[k] += x
+            by_dim["dp"] += x
+    tokens = lay.mbs * lay.seq_len // dims.cp
+    if dims.tp > 1:
+        per_collective = _ring(dims.tp) * tokens * args.dim * c
+        count = 4 + (2 if lay.recompute == "full" else 0)
+        if lay.sequence_parallel:
+            total = layers * m * count * per_collective
+            kinds["all_gather"] += total / 2
+            kinds["reduce_scatter"] += total / 2
+        else:
+            total = layers * m * count * 2 * per_collective
+            kinds["all_reduce"] += total
+        by_dim["tp"] += total
+    if dims.cp > 1:
+        kv = 2 * lay.mbs * lay.seq_len * args.kv_heads // dims.tp * args.head_dim * c
+        per_layer = _ring(dims.cp) * kv
+        kinds["all_gather"] += layers * m * per_layer
+        kinds["reduce_scatter"] += layers * m * per_layer
+        by_dim["cp"] += 2 * layers * m * per_layer
+    if dims.pp > 1:
+        shard = dims.tp if lay.sequence_parallel else 1
+        x = 2 * m * lay.vpp * tokens * args.dim * c / shard
+        kinds["send_recv"] += x
+        by_dim["pp"] += x
+    return ({k: int(v) for k, v in kinds.items()}, {k: int(v) for k, v in by_dim.items()})

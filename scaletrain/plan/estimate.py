@@ -1,0 +1,272 @@
+"""`estimate(args, layout)`: memory, FLOPs, bubble and communication of the most loaded rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from scaletrain.models.args import ModelArgs, count_params
+from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
+from scaletrain.plan.activations import (
+    DTYPE_BYTES,
+    ActivationSpec,
+    activation_bytes,
+    logits_buffer_bytes,
+)
+from scaletrain.plan.comm import comm_bytes
+from scaletrain.plan.flops import flops_per_token
+from scaletrain.plan.memory import (
+    GradConvention,
+    layer_range,
+    sharded_state,
+    stage_params,
+    state_bytes,
+)
+
+DDP_BUCKET_BYTES = 25 * 2**20
+Schedule = Literal["1F1B", "GPipe", "Interleaved1F1B"]
+
+
+class PlanError(ValueError):
+    """A layout or input the planner cannot estimate; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything besides the model that decides memory and time of one training step."""
+
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    mbs: int = 1
+    seq_len: int = 2048
+    gbs: int | None = None
+    """Sequences per optimizer step (None: one micro-batch per data-parallel rank)."""
+    zero: int = 0
+    sequence_parallel: bool = True
+    vpp: int = 1
+    schedule: Schedule = "1F1B"
+    precision: str = "bf16"
+    param_dtype: str | None = None
+    """Dtype the parameters are stored in; None: 16-bit with fp32 masters for a 16-bit
+    precision, fp32 otherwise."""
+    grad_convention: GradConvention = "playbook"
+    optimizer: str = "adamw"
+    offload: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    every: int = 2
+    scope: Literal["block", "attention"] = "block"
+    kernels: Literal["cpu", "cuda"] = "cuda"
+
+    @property
+    def stored_dtype(self) -> str:
+        if self.param_dtype is not None:
+            return self.param_dtype
+        return "fp32" if self.precision == "fp32" else self.precision
+
+    @property
+    def grad_accum(self) -> int:
+        per_step = self.mbs * self.dims.dp
+        if self.gbs is None:
+            return 1
+        return self.gbs // per_step
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that share (and shard, under ZeRO) the same parameters: dp_shard x cp."""
+        return self.dims.dp_shard * self.dims.cp
+
+    def replace(self, **changes: Any) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+
+def layout_problems(args: ModelArgs, lay: Layout) -> list[str]:
+    """Every reason `lay` cannot run `args`, each naming the value and the fix."""
+    out: list[str] = []
+    for name in ("mbs", "seq_len", "vpp", "every"):
+        if getattr(lay, name) <= 0:
+            out.append(f"{name} must be positive (got {getattr(lay, name)})")
+    if lay.gbs is not None and lay.gbs <= 0:
+        out.append(f"gbs must be positive (got {lay.gbs})")
+    if out:
+        return out
+    if lay.precision not in DTYPE_BYTES or lay.stored_dtype not in ("fp32", "bf16", "fp16"):
+        out.append(f"precision must be fp32, bf16 or fp16 (got {lay.precision})")
+    out += lay.dims.model_problems(args, lay.seq_len, lay.vpp)
+    if lay.gbs is not None and lay.gbs % (lay.mbs * lay.dims.dp):
+        out.append(f"the global batch ({lay.gbs} sequences) must be divisible by micro-batch x "
+                   f"data parallel ({lay.mbs} x {lay.dims.dp})")
+    if lay.vpp > 1 and lay.dims.pp == 1:
+        out.append("virtual pipeline stages (--vpp) need pipeline parallelism (--pp > 1)")
+    if lay.seq_len > args.max_seq_len:
+        out.append(f"seq_len ({lay.seq_len}) exceeds the model's max_seq_len "
+                   f"({args.max_seq_len}); pass --set model.max_seq_len={lay.seq_len}")
+    return out
+
+
+@dataclass
+class Plan:
+    """The estimate for the most loaded rank (`stage` is its pipeline stage)."""
+
+    args: ModelArgs
+    layout: Layout
+    params: int
+    params_per_rank: int
+    stage: int
+    flops_per_token: float
+    hardware_flops_per_token: float
+    memory_bytes: dict[str, int]
+    bubble_fraction: float
+    in_flight_microbatches: float
+    comm_bytes_per_step: dict[str, int]
+    comm_bytes_by_dim: dict[str, int]
+    activation_breakdown: dict[str, int]
+    cpu_offload_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.memory_bytes["total"]
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "model": self.args.to_dict(),
+            "layout": {
+                **lay.dims.mesh_shape, "dp": lay.dims.dp, "zero": lay.zero, "mbs": lay.mbs,
+                "ga": lay.grad_accum, "seq_len": lay.seq_len, "vpp": lay.vpp,
+                "sequence_parallel": lay.sequence_parallel, "precision": lay.precision,
+                "param_dtype": lay.stored_dtype, "grad_convention": lay.grad_convention,
+                "optimizer": lay.optimizer, "offload": lay.offload, "recompute": lay.recompute,
+                "schedule": lay.schedule,
+            },
+            "params": self.params,
+            "params_per_rank": self.params_per_rank,
+            "most_loaded_stage": self.stage,
+            "flops_per_token": self.flops_per_token,
+            "hardware_flops_per_token": self.hardware_flops_per_token,
+            "memory_bytes": self.memory_bytes,
+            "activation_bytes": self.activation_breakdown,
+            "cpu_offload_bytes": self.cpu_offload_bytes,
+            "bubble_fraction": self.bubble_fraction,
+            "comm_bytes_per_step": self.comm_bytes_per_step,
+            "comm_bytes_by_dim": self.comm_bytes_by_dim,
+        }
+
+
+def bubble_fraction(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1F1B") -> float:
+    """Idle time over ideal compute time: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved
+    (Narayanan et al. 2021)."""
+    if pp <= 1:
+        return 0.0
+    v = vpp if schedule == "Interleaved1F1B" or vpp > 1 else 1
+    return (pp - 1) / (v * microbatches)
+
+
+def in_flight(pp: int, stage: int, microbatches: int, vpp: int, schedule: str) -> float:
+    """Micro-batches of activations a stage holds at its peak, in units of its whole share.
+
+    GPipe: all m. 1F1B: p - stage (at most m). Interleaved with v chunks: Megatron's warm-up of
+    2(p-1) + (v-1)p + 1 chunk forwards on the first stage, each 1/v of the stage's layers.
+    """
+    if pp <= 1:
+        return 1.0
+    if schedule == "GPipe":
+        return float(microbatches)
+    if vpp > 1:
+        chunks = 2 * (pp - 1 - stage) + (vpp - 1) * pp + 1
+        return min(chunks, microbatches * vpp) / vpp
+    return float(min(pp - stage, microbatches))
+
+
+def _spec(args: ModelArgs, lay: Layout) -> ActivationSpec:
+    return ActivationSpec(
+        mbs=lay.mbs, seq_len=lay.seq_len, compute_dtype=lay.precision,
+        residual_dtype=lay.stored_dtype, tp=lay.dims.tp,
+        sequence_parallel=lay.sequence_parallel, cp=lay.dims.cp, recompute=lay.recompute,
+        every=lay.every, scope=lay.scope, kernels=lay.kernels,
+    )
+
+
+def hardware_flops_per_token(args: ModelArgs, lay: Layout) -> float:
+    """Model FLOPs plus the forward of every recomputed region."""
+    model = flops_per_token(args, lay.seq_len)
+    if lay.recompute == "none":
+        return model
+    c = count_params(args)
+    attn_core = 4 * args.n_heads * args.head_dim * lay.seq_len
+    layer_fwd = 2 * (c.attention + c.mlp) / args.n_layers + attn_core
+    attn_fwd = 2 * c.attention / args.n_layers + attn_core
+    if lay.recompute == "full":
+        return model + args.n_layers * layer_fwd
+    wrapped = sum(1 for i in range(args.n_layers) if i % lay.every == lay.every - 1)
+    return model + wrapped * (layer_fwd if lay.scope == "block" else attn_fwd)
+
+
+def estimate(args: ModelArgs, lay: Layout) -> Plan:
+    """The plan of the most loaded rank; raises PlanError for a layout that cannot run."""
+    problems = layout_problems(args, lay)
+    if problems:
+        raise PlanError("invalid layout:\n  - " + "\n  - ".join(problems))
+    dims = lay.dims
+    try:
+        per_param = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer,
+                                lay.grad_convention)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    spec = _spec(args, lay)
+    m = lay.grad_accum
+    stages = sorted({0, dims.pp - 1})
+    best: Plan | None = None
+    for stage in stages:
+        sp = stage_params(args, dims.pp, dims.tp, stage, lay.vpp)
+        states = sharded_state(per_param, sp.total, lay.zero, lay.shard_group)
+        offloaded = 0
+        if lay.offload:
+            offloaded = int(states["optimizer"] + states["master_weights"])
+            states["optimizer"] = states["master_weights"] = 0.0
+        act = activation_bytes(args, spec, layer_range(args, dims.pp, stage, lay.vpp),
+                               first_stage=stage == 0, last_stage=stage == dims.pp - 1)
+        flight = in_flight(dims.pp, stage, m, lay.vpp, lay.schedule)
+        activations = int(act.saved * flight) + act.recompute
+        c = DTYPE_BYTES[lay.precision]
+        mem = {k: int(v) for k, v in states.items()}
+        mem["activations"] = activations
+        mem["logits_loss"] = logits_buffer_bytes(args, spec) if stage == dims.pp - 1 else 0
+        mem["cast_weights"] = sp.total * c if lay.stored_dtype == "fp32" and c < 4 else 0
+        w = per_param.weights
+        if lay.zero == 3 and lay.shard_group > 1:
+            # FSDP: the unsharded block being computed and the prefetched next one, plus the
+            # unsharded gradients of one block before its reduce-scatter.
+            mem["comm_buffers"] = int(sp.per_layer * (2 * w + per_param.gradients))
+        elif dims.dp > 1 or dims.cp > 1:
+            mem["comm_buffers"] = 2 * DDP_BUCKET_BYTES
+        else:
+            mem["comm_buffers"] = 0
+        mem["total"] = sum(mem.values())
+        plan = Plan(
+            args=args, layout=lay, params=count_params(args).total, params_per_rank=sp.total,
+            stage=stage, flops_per_token=flops_per_token(args, lay.seq_len),
+            hardware_flops_per_token=hardware_flops_per_token(args, lay),
+            memory_bytes=mem, bubble_fraction=bubble_fraction(dims.pp, m, lay.vpp, lay.schedule),
+            in_flight_microbatches=flight, comm_bytes_per_step={}, comm_bytes_by_dim={},
+            activation_breakdown={**act.layers, "embedding": act.embedding,
+                                  "rope_tables": act.rope_tables, "head": act.head,
+                                  "loss": act.loss, "recompute": act.recompute},
+            cpu_offload_bytes=offloaded,
+        )
+        if best is None or plan.total_bytes > best.total_bytes:
+            best = plan
+    assert best is not None
+    sp = stage_params(args, dims.pp, dims.tp, best.stage, lay.vpp)
+    layers = sp.layers
+    by_kind, by_dim = comm_bytes(args, lay, sp.total, layers, per_param.weights,
+                                 per_param.gradients)
+    best.comm_bytes_per_step, best.comm_bytes_by_dim = by_kind, by_dim
+    return best
+
+
+def check_dims(world_size: int, **degrees: int) -> ParallelDims:
+    """`ParallelDims.resolve` with its error turned into a PlanError."""
+    try:
+        return ParallelDims.resolve(world_size, **degrees)
+    except ParallelDimsError as e:
+        raise PlanError(str(e)) from None

@@ -1,0 +1,235 @@
+"""Layout search: the layouts that fit a cluster, ranked by an estimated step time.
+
+The procedure practitioners follow: fix the global batch (in tokens) and the sequence length;
+try tensor parallel only inside a node, pipeline parallel across nodes, context parallel for
+long sequences; every micro-batch size that divides the batch; data parallel takes the rest and
+gradient accumulation is GBS / (MBS x DP); ZeRO stages and recomputation are added only when
+they are needed: they cost time (recomputation FLOPs, ZeRO-3 gathers) and ties go to the
+simpler layout.
+
+Step time = (compute + exposed tensor/context/pipeline communication) x (1 + bubble) +
+data-parallel communication not hidden behind backward. Compute = hardware FLOPs / (peak x
+efficiency); the efficiency falls for small matmuls (few tokens per micro-batch, narrow
+tensor-parallel shards). Communication = bytes / bandwidth of the link the group spans.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from scaletrain.models.args import ModelArgs
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.plan.estimate import Layout, Plan, PlanError, estimate, layout_problems
+from scaletrain.plan.hardware import Device
+
+RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    gpus: int
+    gpus_per_node: int = 8
+    headroom: float = 0.08
+    """Share of device memory kept free for the CUDA context, NCCL and fragmentation."""
+    efficiency: float = 0.6
+    """Fraction of peak a large matmul reaches."""
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.device.memory_bytes * (1 - self.headroom)
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    fits: bool
+    step_time_s: float
+    mfu: float
+    times: dict[str, float]
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        d = lay.dims
+        return {
+            "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
+            "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "zero": lay.zero, "mbs": lay.mbs,
+            "ga": lay.grad_accum, "recompute": lay.recompute,
+            "memory_bytes_per_gpu": self.plan.total_bytes, "step_time_s": self.step_time_s,
+            "mfu": self.mfu, "bubble_fraction": self.plan.bubble_fraction,
+            "time_breakdown_s": self.times,
+        }
+
+
+def _bandwidth(cluster: Cluster, span: int) -> float:
+    """GB/s -> B/s of a group whose ranks lie `span` apart at most (inside a node or not)."""
+    dev = cluster.device
+    inside = span <= cluster.gpus_per_node and dev.intra_node_gbs > 0
+    return (dev.intra_node_gbs if inside else dev.inter_node_gbs) * 1e9
+
+
+def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dict[str, float]]:
+    """Estimated seconds per optimizer step and its parts."""
+    lay, args = plan.layout, plan.args
+    d = lay.dims
+    peak = cluster.device.peak_tflops.get(lay.precision)
+    if not peak:
+        raise PlanError(f"no peak FLOP/s for {cluster.device.name} in {lay.precision}")
+    tokens_mb = lay.mbs * lay.seq_len / d.cp
+    width = args.dim / d.tp
+    eff = cluster.efficiency * tokens_mb / (tokens_mb + 512) * width / (width + 256)
+    flops = plan.hardware_flops_per_token * gbs_tokens / cluster.gpus
+    compute = flops / (peak * 1e12 * eff)
+    by_dim = plan.comm_bytes_by_dim
+    tp = by_dim["tp"] / _bandwidth(cluster, d.tp)
+    cp = by_dim["cp"] / _bandwidth(cluster, d.tp * d.cp)
+    pp = by_dim["pp"] / _bandwidth(cluster, d.tp * d.cp * d.dp + 1)
+    dp_time = by_dim["dp"] / _bandwidth(cluster, d.tp * d.cp * d.dp)
+    # Gradient reduction overlaps backward (2/3 of compute); FSDP gathers overlap all of it.
+    hidden = compute * (1.0 if lay.zero == 3 else 2 / 3)
+    dp = max(0.0, dp_time - hidden)
+    busy = compute + tp + cp + pp
+    bubble = busy * plan.bubble_fraction
+    times = {"compute": compute, "tp_comm": tp, "cp_comm": cp, "pp_comm": pp,
+             "bubble": bubble, "dp_comm_exposed": dp}
+    return busy + bubble + dp, times
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _model_parallel_ladder(args: ModelArgs, cluster: Cluster) -> list[tuple[int, int]]:
+    """(tp, pp) pairs in the practitioners' order: tensor parallel grows inside a node first;
+    pipeline parallel (across nodes) only once tensor parallel fills the node."""
+    n = cluster.gpus
+    tps = [t for t in _divisors(cluster.gpus_per_node) if n % t == 0
+           and args.n_heads % t == 0 and args.kv_heads % t == 0]
+    out = [(t, 1) for t in tps]
+    top = tps[-1]
+    out += [(top, p) for p in _divisors(n // top) if 1 < p <= args.n_layers]
+    return out
+
+
+def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
+               base: Layout | None = None, max_cp: int = 32,
+               max_zero: int = 3) -> list[Candidate]:
+    """Every layout the search considers, evaluated (fitting or not).
+
+    Context parallel is added (2, 4, ... up to `max_cp`) only when no layout without it fits:
+    it is the tool for sequences whose activations do not fit otherwise.
+    """
+    if gbs_tokens % seq_len:
+        raise PlanError(f"--gbs-tokens ({gbs_tokens}) must be a multiple of --seq-len "
+                        f"({seq_len})")
+    gbs = gbs_tokens // seq_len
+    base = base or Layout()
+    out: list[Candidate] = []
+    for cp in (1, 2, 4, 8, 16, 32, 64):
+        if cp > max_cp or cluster.gpus % cp:
+            break
+        for tp, pp in _model_parallel_ladder(args, cluster):
+            if cluster.gpus % (tp * pp * cp):
+                continue
+            dp = cluster.gpus // (tp * pp * cp)
+            if gbs % dp:
+                continue
+            for zero, recompute, mbs, vpp in itertools.product(
+                    range(max_zero + 1), ("none", "selective", "full"), (1, 2, 4, 8, 16),
+                    (1, 2, 4)):
+                cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp, zero,
+                                 recompute, mbs, vpp)
+                if cand is not None:
+                    out.append(cand)
+        if any(c.fits for c in out):
+            break
+    return out
+
+
+def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tokens: int,
+              tp: int, cp: int, pp: int, dp: int, zero: int, recompute: str, mbs: int,
+              vpp: int) -> Candidate | None:
+    if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp):
+        return None
+    ga = gbs // (mbs * dp)
+    if (pp == 1 and vpp > 1) or (pp > 1 and ga < pp) or (vpp > 1 and ga % pp):
+        return None
+    dims = ParallelDims(pp=pp, dp_replicate=dp if zero == 0 else 1,
+                        dp_shard=1 if zero == 0 else dp, cp=cp, tp=tp)
+    lay = base.replace(dims=dims, mbs=mbs, seq_len=base.seq_len, gbs=gbs, zero=zero,
+                       recompute=recompute, vpp=vpp,
+                       schedule="Interleaved1F1B" if vpp > 1 else base.schedule)
+    if layout_problems(args, lay):
+        return None
+    plan = estimate(args, lay)
+    t, times = step_time(plan, cluster, gbs_tokens)
+    peak = cluster.device.peak_tflops[lay.precision] * 1e12
+    mfu = plan.flops_per_token * gbs_tokens / (t * cluster.gpus * peak)
+    return Candidate(plan, plan.total_bytes <= cluster.usable_bytes, t, mfu, times)
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Fastest first; among equal times (within ~0.5 %) the simpler layout."""
+    lay = c.layout
+    return (_bucket(c.step_time_s), lay.zero, RECOMPUTE_COST[lay.recompute], lay.dims.cp,
+            lay.dims.pp, lay.vpp, lay.dims.tp, -lay.mbs)
+
+
+def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
+           base: Layout | None = None,
+           max_zero: int = 3) -> tuple[list[Candidate], list[Candidate]]:
+    """(fitting layouts best first, all evaluated layouts). `max_zero` 1 restricts the search to
+    Megatron-style layouts (sharded optimizer, replicated weights)."""
+    base = (base or Layout()).replace(seq_len=seq_len)
+    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero)
+    fitting = sorted((c for c in every if c.fits), key=rank_key)
+    return fitting, every
+
+
+def _bucket(t: float) -> float:
+    """Step times within ~0.5 % compare equal, so ties go to the simpler layout."""
+    return round(math.log(t) / 0.005) if t > 0 else 0.0
+
+
+KNOBS = ("tp", "pp", "cp", "zero", "recompute", "mbs", "vpp")
+
+
+def knob(c: Candidate, name: str) -> object:
+    lay = c.layout
+    return getattr(lay.dims, name) if name in ("tp", "pp", "cp") else getattr(lay, name)
+
+
+def alternatives(best: Candidate, every: list[Candidate]) -> list[tuple[str, Candidate]]:
+    """For each knob, the best layout that differs from `best` in that knob only if one exists,
+    else in that knob at least (fitting ones first)."""
+    out = []
+    for name in KNOBS:
+        others = [c for c in every if knob(c, name) != knob(best, name)]
+        if not others:
+            continue
+        same_rest = [c for c in others if all(knob(c, k) == knob(best, k)
+                                              for k in KNOBS if k != name)]
+        pool = same_rest or others
+        pool.sort(key=lambda c: (not c.fits, c.step_time_s))
+        out.append((name, pool[0]))
+    return out
+
+
+def why_lost(best: Candidate, alt: Candidate, usable_bytes: float) -> str:
+    """One sentence: why `alt` ranks below `best`."""
+    gib = 2**30
+    if not alt.fits:
+        return (f"does not fit: {alt.plan.total_bytes / gib:.1f} GiB > "
+                f"{usable_bytes / gib:.1f} GiB usable")
+    if alt.step_time_s <= best.step_time_s * 1.005:
+        return "as fast, but more complex (ties go to fewer sharding/recompute features)"
+    deltas = {k: alt.times[k] - best.times.get(k, 0.0) for k in alt.times}
+    worst = max(deltas, key=deltas.get)  # type: ignore[arg-type]
+    slower = alt.step_time_s / best.step_time_s - 1
+    return f"{slower:.0%} slower, mostly {worst.replace('_', ' ')} (+{deltas[worst]:.2f} s)"

@@ -9,8 +9,9 @@ the residual stream (the parameter dtype: fp32 parameters under autocast keep an
 Llama block (flash SDPA: no s x s scores; true for the CPU flash kernel and CUDA flash/cuDNN):
 - RMSNorm (x2): `x.float()` (4Th), the rstd (4T) and, on CPU where rms_norm is composite,
   x * rstd (4Th); the fused CUDA kernel keeps only x and rstd.
-- its output feeds the projections: one saved tensor (c T h) when c == r; under autocast with an
-  fp32 residual each projection saves its own c-byte cast (3 for q/k/v, 2 for w1/w3, 1 for the head).
+- its output feeds the projections: one saved tensor (c T h) when c == r; under autocast with
+  an fp32 residual each projection saves its own c-byte cast (3 for q/k/v, 2 for w1/w3, 1 for
+  the head).
 - attention: q and k after RoPE (c T a d, c T g d), v (c T g d), the output (c T a d, shared with
   the wo input) and the log-sum-exp (4 b a s, fp32).
 - SwiGLU: w1 x, w3 x, silu(w1 x) and the product (4 c T f).

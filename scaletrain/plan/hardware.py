@@ -93,8 +93,7 @@ def get_device(name: str) -> Device:
         near = difflib.get_close_matches(name.upper(), list(DEVICES), n=1)
         hint = f" Did you mean '{near[0]}'?" if near else ""
         raise ValueError(
-            f"unknown GPU '{name}'.{hint} Known: {', '.join(DEVICES)}; or give its memory and "
-            "peak with --gpu-mem and --peak-tflops"
+            f"unknown GPU '{name}'.{hint} Known: {', '.join(DEVICES)}"
         )
     return dev
 

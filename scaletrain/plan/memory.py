@@ -23,8 +23,9 @@ from typing import Literal
 from scaletrain.models.args import ModelArgs, count_params
 
 GradConvention = Literal["playbook", "megatron", "bf16"]
-OPTIMIZER_BYTES = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2.0}
-"""Optimizer state per parameter: Adam's two fp32 moments, SGD's momentum, two 8-bit moments."""
+OPTIMIZER_BYTES = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2.0, "adafactor": 0.0}
+"""Optimizer state per parameter: Adam's two fp32 moments, SGD's momentum, two 8-bit moments;
+Adafactor's factored moments (rows + columns per matrix) are counted as negligible."""
 
 
 @dataclass(frozen=True)

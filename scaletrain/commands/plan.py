@@ -1,0 +1,161 @@
+"""`scaletrain plan ...` (estimate one layout) and `scaletrain plan search ...` (find layouts)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from scaletrain.models.args import ModelArgs, get_preset
+from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate
+from scaletrain.plan.hardware import Device, get_device
+
+GIB, GB = 2**30, 1e9
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value})")
+    return n
+
+
+def _model(name: str, sets: list[str]) -> ModelArgs:
+    args = get_preset(name)
+    fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
+    changes = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        key = key.removeprefix("model.")
+        if not sep or key not in fields:
+            raise PlanError(f"--set {item}: expected model.FIELD=VALUE with FIELD one of "
+                            f"{', '.join(fields)}")
+        current = getattr(args, key)
+        if isinstance(current, bool):
+            changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(current, int) or key in ("n_kv_heads", "ffn_dim"):
+            changes[key] = int(value)
+        elif isinstance(current, float):
+            changes[key] = float(value)
+        else:
+            changes[key] = value
+    return args.replace(**changes) if changes else args
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model preset (see `scaletrain models`)")
+    p.add_argument("--set", action="append", default=[], metavar="model.FIELD=VALUE",
+                   help="override a model dimension (repeatable)")
+    p.add_argument("--seq-len", type=_positive, required=True, help="tokens per sequence")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="dtype parameters are stored in (default: 16-bit with fp32 masters "
+                        "for 16-bit precision)")
+    p.add_argument("--grad-convention", choices=["playbook", "megatron", "bf16"],
+                   default="playbook", help="gradient bytes under mixed precision: 2+4, 4 or 2")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "adamw8bit"], default="adamw")
+    p.add_argument("--kernels", choices=["cuda", "cpu"], default="cuda",
+                   help="whose saved tensors to model (CPU keeps one more tensor per RMSNorm)")
+    p.add_argument("--gpu", default=None, help="device name (A100-40GB, A100-80GB, H100, H200, "
+                                               "B200, ...)")
+    p.add_argument("--gpu-mem", type=float, default=None, help="override device memory (GiB)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _device(name: str | None, mem: float | None) -> Device | None:
+    if name is None:
+        return None if mem is None else Device("custom", mem)
+    dev = get_device(name)
+    return dataclasses.replace(dev, memory_gib=mem) if mem is not None else dev
+
+
+def _estimate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="scaletrain plan", description="Memory, FLOPs and "
+                                "communication of one model + layout, for the most loaded rank.")
+    _common(p)
+    p.add_argument("--mbs", type=_positive, required=True, help="micro-batch (sequences)")
+    p.add_argument("--gbs", type=_positive, default=None, help="global batch (sequences)")
+    for name, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"),
+                       ("cp", "context")):
+        p.add_argument(f"--{name}", type=_positive, default=1, help=f"{what}-parallel degree")
+    p.add_argument("--vpp", type=_positive, default=1, help="model chunks per pipeline rank")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--every", type=_positive, default=2, help="selective: every n-th block")
+    p.add_argument("--scope", choices=["block", "attention"], default="block")
+    p.add_argument("--offload", action="store_true", help="optimizer state and masters on CPU")
+    p.add_argument("--gpus", type=_positive, default=None, help="world size (default: product "
+                                                                "of the degrees)")
+    a = p.parse_args(argv)
+    args = _model(a.model, a.set)
+    world = a.gpus or a.dp * a.tp * a.pp * a.cp
+    dp = {"dp_replicate": a.dp, "dp_shard": 1} if a.zero == 0 else {"dp_shard": a.dp}
+    dims = check_dims(world, pp=a.pp, cp=a.cp, tp=a.tp, **dp)
+    lay = Layout(dims=dims, mbs=a.mbs, seq_len=a.seq_len, gbs=a.gbs, zero=a.zero,
+                 sequence_parallel=a.sequence_parallel, vpp=a.vpp,
+                 schedule="Interleaved1F1B" if a.vpp > 1 else "1F1B", precision=a.precision,
+                 param_dtype=a.param_dtype, grad_convention=a.grad_convention,
+                 optimizer=a.optimizer, offload=a.offload, recompute=a.recompute,
+                 every=a.every, scope=a.scope, kernels=a.kernels)
+    plan = estimate(args, lay)
+    device = _device(a.gpu, a.gpu_mem)
+    if a.json:
+        out = plan.to_json()
+        if device is not None:
+            out["device"] = {"name": device.name, "memory_bytes": device.memory_bytes,
+                             "fits": plan.total_bytes <= device.memory_bytes}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan, device))
+    return 0
+
+
+def format_plan(plan: Plan, device: Device | None = None) -> str:
+    """The human-readable plan."""
+    lay, d = plan.layout, plan.layout.dims
+    lines = [
+        f"layout: pp={d.pp} (vpp={lay.vpp}) dp={d.dp} (replicate {d.dp_replicate} x shard "
+        f"{d.dp_shard}) cp={d.cp} tp={d.tp}{' +SP' if lay.sequence_parallel else ''} "
+        f"zero={lay.zero}  mbs={lay.mbs} ga={lay.grad_accum} seq={lay.seq_len}  "
+        f"{lay.precision} (params {lay.stored_dtype}"
+        f"{', grads ' + lay.grad_convention if lay.stored_dtype != 'fp32' else ''})  "
+        f"recompute={lay.recompute}",
+        f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
+        f"(pipeline stage {plan.stage})",
+        f"FLOPs per token: {plan.flops_per_token:.4g} model (6N + attention), "
+        f"{plan.hardware_flops_per_token:.4g} hardware (with recomputation)",
+        f"pipeline bubble: {plan.bubble_fraction:.1%} of compute; activations of "
+        f"{plan.in_flight_microbatches:g} micro-batch(es) in flight",
+        "",
+        f"{'memory (most loaded rank)':<28}{'bytes':>18}{'GiB':>10}{'GB':>10}",
+    ]
+    for k, v in plan.memory_bytes.items():
+        if k == "total":
+            lines.append("-" * 66)
+        lines.append(f"{k:<28}{v:>18,}{v / GIB:>10.2f}{v / GB:>10.2f}")
+    if plan.cpu_offload_bytes:
+        lines.append(f"{'(offloaded to CPU)':<28}{plan.cpu_offload_bytes:>18,}"
+                     f"{plan.cpu_offload_bytes / GIB:>10.2f}")
+    if device is not None:
+        fits = plan.total_bytes <= device.memory_bytes
+        lines.append(f"device {device.name}: {device.memory_gib:.1f} GiB -> "
+                     f"{'fits' if fits else 'DOES NOT FIT'} "
+                     f"({plan.total_bytes / device.memory_bytes:.0%} of memory)")
+    comm = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in plan.comm_bytes_per_step.items() if v)
+    lines += ["", f"communication per step (this rank): {comm or 'none'}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv and argv[0] == "search":
+            from scaletrain.commands.plan_search import main as search_main
+
+            return search_main(argv[1:])
+        return _estimate_main(argv)
+    except (PlanError, KeyError, ValueError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) else str(e)
+        print(f"scaletrain plan: {msg}", file=sys.stderr)
+        return 2

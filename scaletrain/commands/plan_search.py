@@ -1,0 +1,68 @@
+"""`scaletrain plan search`: the layouts that fit a cluster, best first, with reasons."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from scaletrain.commands.plan import GIB, _common, _device, _model, _positive
+from scaletrain.plan.estimate import Layout, PlanError
+from scaletrain.plan.search import Cluster, alternatives, search, why_lost
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="scaletrain plan search", description="Search the "
+                                "layouts that fit, ranked by estimated step time.")
+    _common(p)
+    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs")
+    p.add_argument("--gpus-per-node", type=_positive, default=8)
+    p.add_argument("--gbs-tokens", type=_positive, required=True,
+                   help="global batch in tokens")
+    p.add_argument("--max-zero", type=int, choices=[0, 1, 2, 3], default=3,
+                   help="highest ZeRO stage to consider (1: Megatron-style)")
+    p.add_argument("--efficiency", type=float, default=0.6,
+                   help="fraction of peak a large matmul reaches")
+    p.add_argument("--top", type=_positive, default=5)
+    a = p.parse_args(argv)
+    if a.gpu is None:
+        raise PlanError("--gpu is required for a search (e.g. --gpu H100)")
+    device = _device(a.gpu, a.gpu_mem)
+    assert device is not None
+    if not 0 < a.efficiency <= 1:
+        raise PlanError(f"--efficiency must be in (0, 1] (got {a.efficiency})")
+    args = _model(a.model, a.set)
+    cluster = Cluster(device, a.gpus, a.gpus_per_node, efficiency=a.efficiency)
+    base = Layout(precision=a.precision, param_dtype=a.param_dtype,
+                  grad_convention=a.grad_convention, optimizer=a.optimizer, kernels=a.kernels)
+    fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero)
+    if a.json:
+        print(json.dumps([c.to_json() for c in fitting[:a.top]], indent=2))
+        return 0 if fitting else 1
+    if not fitting:
+        smallest = min(every, key=lambda c: c.plan.total_bytes, default=None)
+        need = "" if smallest is None else \
+            f"; the smallest needs {smallest.plan.total_bytes / GIB:.1f} GiB per GPU"
+        print(f"no layout of {a.model} fits {a.gpus} x {device.name} "
+              f"({cluster.usable_bytes / GIB:.1f} GiB usable){need}. More GPUs, a shorter "
+              "sequence or a smaller global batch may help.")
+        return 1
+    print(f"{len(fitting)} of {len(every)} layouts fit {a.gpus} x {device.name} "
+          f"({cluster.usable_bytes / GIB:.1f} GiB usable per GPU)\n")
+    head = f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'zero':>4} " \
+           f"{'mbs':>4} {'ga':>5} {'recompute':>9} {'GiB/GPU':>8} {'step s':>8} {'MFU':>6}"
+    print(head)
+    for i, c in enumerate(fitting[:a.top], 1):
+        j = c.to_json()
+        print(f"{i:>2} {j['dp']:>5} {j['tp']:>3} {j['pp']:>3} {j['vpp']:>3} {j['cp']:>3} "
+              f"{j['zero']:>4} {j['mbs']:>4} {j['ga']:>5} {j['recompute']:>9} "
+              f"{j['memory_bytes_per_gpu'] / GIB:>8.1f} {j['step_time_s']:>8.2f} "
+              f"{j['mfu']:>6.1%}")
+    best = fitting[0]
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in best.times.items() if v > 0.005)
+    print(f"\nwhy #1: fastest estimated step ({parts}); it fits with "
+          f"{(cluster.usable_bytes - best.plan.total_bytes) / GIB:.1f} GiB to spare.")
+    print("nearest alternatives:")
+    for name, alt in alternatives(best, every):
+        value = alt.to_json().get(name, getattr(alt.layout, name, None))
+        print(f"  {name}={value}: {why_lost(best, alt, cluster.usable_bytes)}")
+    return 0

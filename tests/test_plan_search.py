@@ -1,0 +1,92 @@
+"""Layout search: sane anchors (where teams that trained such models landed), JSON, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletrain.cli import main as cli
+from scaletrain.models.args import get_preset
+from scaletrain.plan.hardware import get_device
+from scaletrain.plan.search import Cluster, search
+
+H100 = get_device("H100")
+M = 2**20
+
+
+def _best(model: str, gpus: int, seq: int, gbs_tokens: int, **kw: int):
+    args = get_preset(model)
+    if seq > args.max_seq_len:
+        args = args.replace(max_seq_len=seq)
+    fitting, every = search(args, Cluster(H100, gpus), seq, gbs_tokens, **kw)
+    assert fitting, "no layout fits"
+    return fitting, every
+
+
+def test_every_fitting_layout_fits_and_respects_the_procedure() -> None:
+    fitting, every = _best("llama3-70b", 64, 8192, 4 * M)
+    usable = Cluster(H100, 64).usable_bytes
+    assert any(not c.fits for c in every)
+    for c in fitting:
+        d = c.layout.dims
+        assert c.plan.total_bytes <= usable
+        assert d.tp <= 8  # tensor parallel never leaves the node
+        assert d.pp == 1 or d.tp == 8  # pipeline only once tensor parallel fills the node
+        assert d.world_size == 64
+        assert c.layout.grad_accum * c.layout.mbs * d.dp * 8192 == 4 * M
+    times = [c.step_time_s for c in fitting]
+    assert times[0] <= min(times) * 1.005
+
+
+def test_llama3_70b_on_eight_nodes_uses_tensor_parallel_in_the_node() -> None:
+    fitting, _ = _best("llama3-70b", 64, 8192, 4 * M)
+    best = fitting[0].layout
+    assert best.dims.tp == 8 and best.dims.cp == 1
+    # Megatron-style (no ZeRO-3): tensor parallel in the node, pipeline across nodes.
+    fitting, _ = _best("llama3-70b", 64, 8192, 4 * M, max_zero=1)
+    best = fitting[0].layout
+    assert best.dims.tp == 8 and best.dims.pp > 1 and best.dims.cp == 1
+
+
+def test_llama3_405b_context_parallel_only_for_long_sequences() -> None:
+    short, _ = _best("llama3.1-405b", 2048, 8192, 16 * M, max_zero=1)
+    assert short[0].layout.dims.cp == 1
+    assert short[0].layout.dims.tp == 8 and short[0].layout.dims.pp >= 4
+    long, _ = _best("llama3.1-405b", 2048, 131072, 16 * M)
+    assert long[0].layout.dims.cp > 1 and long[0].layout.dims.tp == 8
+
+
+def test_small_model_stays_data_parallel() -> None:
+    fitting, _ = _best("llama3.2-1b", 8, 4096, M // 2)
+    best = fitting[0].layout
+    assert best.dims.dp == 8 and best.dims.tp == 1 and best.recompute == "none"
+    assert best.zero in (0, 1)  # ZeRO-1 frees memory at no cost; ZeRO-3 only when needed
+
+
+def test_cli_search_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli(["plan", "search", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100",
+              "--seq-len", "8192", "--gbs-tokens", str(M), "--json", "--top", "3"])
+    rows = json.loads(capsys.readouterr().out)
+    assert rc == 0 and 1 <= len(rows) <= 3
+    for key in ("dp", "tp", "pp", "vpp", "cp", "zero", "mbs", "ga", "recompute",
+                "memory_bytes_per_gpu", "step_time_s", "mfu"):
+        assert key in rows[0]
+    assert rows[0]["step_time_s"] <= rows[-1]["step_time_s"] * 1.005
+    assert 0 < rows[0]["mfu"] < 1
+    rc = cli(["plan", "search", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100",
+              "--seq-len", "8192", "--gbs-tokens", str(M), "--top", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "why #1" in out and "nearest alternatives" in out
+
+
+def test_cli_search_bad_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli(["plan", "search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "Z80",
+              "--seq-len", "8192", "--gbs-tokens", str(M)])
+    assert rc == 2 and "unknown GPU 'Z80'" in capsys.readouterr().err
+    rc = cli(["plan", "search", "--model", "llama3-8b", "--gpus", "8", "--gpu", "H100",
+              "--seq-len", "8192", "--gbs-tokens", "1000"])
+    assert rc == 2 and "multiple of --seq-len" in capsys.readouterr().err
+    rc = cli(["plan", "search", "--model", "llama3.1-405b", "--gpus", "8", "--gpu", "A100-40GB",
+              "--seq-len", "8192", "--gbs-tokens", str(M)])
+    assert rc == 1 and "no layout" in capsys.readouterr().out

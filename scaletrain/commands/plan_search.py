@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from scaletrain.commands.plan import GIB, _common, _device, _model, _positive
@@ -22,12 +23,29 @@ def main(argv: list[str]) -> int:
                    help="highest ZeRO stage to consider (1: Megatron-style)")
     p.add_argument("--efficiency", type=float, default=0.6,
                    help="fraction of peak a large matmul reaches")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="override the device's peak TFLOP/s in --precision")
+    p.add_argument("--intra-node-gbs", type=float, default=None,
+                   help="override the intra-node bandwidth (GB/s per GPU and direction)")
+    p.add_argument("--inter-node-gbs", type=float, default=None,
+                   help="override the inter-node bandwidth (GB/s per GPU and direction)")
     p.add_argument("--top", type=_positive, default=5)
     a = p.parse_args(argv)
     if a.gpu is None:
         raise PlanError("--gpu is required for a search (e.g. --gpu H100)")
     device = _device(a.gpu, a.gpu_mem)
     assert device is not None
+    for flag, value in (("--peak-tflops", a.peak_tflops), ("--intra-node-gbs", a.intra_node_gbs),
+                        ("--inter-node-gbs", a.inter_node_gbs)):
+        if value is not None and value <= 0:
+            raise PlanError(f"{flag} must be positive (got {value})")
+    if a.peak_tflops is not None:
+        device = dataclasses.replace(
+            device, peak_tflops={**device.peak_tflops, a.precision: a.peak_tflops})
+    if a.intra_node_gbs is not None:
+        device = dataclasses.replace(device, intra_node_gbs=a.intra_node_gbs)
+    if a.inter_node_gbs is not None:
+        device = dataclasses.replace(device, inter_node_gbs=a.inter_node_gbs)
     if not 0 < a.efficiency <= 1:
         raise PlanError(f"--efficiency must be in (0, 1] (got {a.efficiency})")
     args = _model(a.model, a.set)
@@ -49,14 +67,15 @@ def main(argv: list[str]) -> int:
     print(f"{len(fitting)} of {len(every)} layouts fit {a.gpus} x {device.name} "
           f"({cluster.usable_bytes / GIB:.1f} GiB usable per GPU)\n")
     head = f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'zero':>4} " \
-           f"{'mbs':>4} {'ga':>5} {'recompute':>9} {'GiB/GPU':>8} {'step s':>8} {'MFU':>6}"
+           f"{'mbs':>4} {'ga':>5} {'recompute':>9} {'GiB/GPU':>8} {'step s':>8} {'MFU':>6}  " \
+           "largest overhead"
     print(head)
     for i, c in enumerate(fitting[:a.top], 1):
         j = c.to_json()
         print(f"{i:>2} {j['dp']:>5} {j['tp']:>3} {j['pp']:>3} {j['vpp']:>3} {j['cp']:>3} "
               f"{j['zero']:>4} {j['mbs']:>4} {j['ga']:>5} {j['recompute']:>9} "
               f"{j['memory_bytes_per_gpu'] / GIB:>8.1f} {j['step_time_s']:>8.2f} "
-              f"{j['mfu']:>6.1%}")
+              f"{j['mfu']:>6.1%}  {_overhead(c)}")
     best = fitting[0]
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in best.times.items() if v > 0.005)
     print(f"\nwhy #1: fastest estimated step ({parts}); it fits with "
@@ -66,3 +85,15 @@ def main(argv: list[str]) -> int:
         value = alt.to_json().get(name, getattr(alt.layout, name, None))
         print(f"  {name}={value}: {why_lost(best, alt, cluster.usable_bytes)}")
     return 0
+
+
+def _overhead(c) -> str:
+    """What besides compute costs this layout most (the reason it ranks where it does)."""
+    extra = {k: v for k, v in c.times.items() if k != "compute"}
+    if c.layout.recompute != "none":
+        extra["recompute"] = c.times["compute"] * (
+            1 - c.plan.flops_per_token / c.plan.hardware_flops_per_token)
+    name = max(extra, key=extra.get)
+    if extra[name] < 0.005 * c.step_time_s:
+        return "none (compute bound)"
+    return f"{name.replace('_', ' ')} {extra[name] / c.step_time_s:.1%}"

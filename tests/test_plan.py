@@ -182,3 +182,13 @@ def test_train_dry_run_prints_the_plan_and_builds_nothing(
     assert "parameters: 7,342,336 total" in out and "recompute=full" in out
     assert "fits" in out and "activations" in out
     assert not out_dir.exists()
+
+
+def test_profiler_oom_summary_finds_the_config_estimate() -> None:
+    from scaletrain.config import load_config
+    from scaletrain.profiling.capture import plan_estimate
+
+    cfg = load_config(["--training.device", "cpu"])
+    est = plan_estimate(cfg)
+    assert est is not None and est["params"] == 7_342_336
+    assert est["memory_bytes"]["total"] > est["memory_bytes"]["activations"] > 0

@@ -270,3 +270,17 @@ def check_dims(world_size: int, **degrees: int) -> ParallelDims:
         return ParallelDims.resolve(world_size, **degrees)
     except ParallelDimsError as e:
         raise PlanError(str(e)) from None
+
+
+def estimate_for_config(cfg: Any) -> dict[str, Any]:
+    """The plan of a training `Config` as JSON-ready data (the profiler's OOM summary uses it;
+    `scaletrain train --dry-run` prints the same plan)."""
+    from scaletrain.plan.from_config import plan_config
+    from scaletrain.train.trainer import resolve_device
+
+    plan, device = plan_config(cfg, resolve_device(cfg.training.device))
+    out = plan.to_json()
+    if device is not None:
+        out["device"] = {"name": device.name, "memory_bytes": device.memory_bytes,
+                         "fits": plan.total_bytes <= device.memory_bytes}
+    return out

@@ -64,10 +64,6 @@ _TOKENS = re.compile(
     r"|[sr]k_live_[0-9A-Za-z]{20,}"  # Stripe
     r"|hf_[A-Za-z0-9]{30,})\b"  # Hugging Face
 )
-_ASSIGNED_SECRET = re.compile(
-    r"(?i)(?:aws_secret_access_key|secret(?:_key)?|api[_-]?key|access[_-]?token|auth[_-]?token"
-    r"|password|passwd|client_secret)[\"']?\s*[:=]\s*[\"']([A-Za-z0-9/+=_\-.]{16,})[\"']"
-)
 
 
 def luhn_ok(digits: str) -> bool:
@@ -94,47 +90,94 @@ def _public_ip(s: str) -> bool:
         return False
 
 
+# Cheap trigger patterns find candidate regions; the precise patterns above run only on a
+# window around each (Python's regex engine is slow when a pattern with optional prefixes or
+# lookbehinds is tried at every position of a long text).
+_TRIG_DIGITS = re.compile(r"[0-9][0-9 ().+-]{8,}")
+_TRIG_IPV4 = re.compile(r"[0-9]{1,3}\.[0-9][0-9.]{4,}")
+_TRIG_IPV6 = re.compile(r":[0-9A-Fa-f]{0,4}:[0-9A-Fa-f]{0,4}:")
+_TRIG_ASSIGN = re.compile(r"[:=]\s*[\"'][A-Za-z0-9/+=_\-.]{16,}[\"']")
+_TOKEN_LITERALS = ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ghp_", "gho_", "ghu_", "ghs_",
+                   "ghr_", "github_pat_", "xoxa-", "xoxb-", "xoxp-", "xoxr-", "xoxs-", "AIza",
+                   "sk-", "k_live_", "hf_")
+
+
+def _windowed(text: str, trigger: re.Pattern[str] | str, precise: re.Pattern[str],
+              before: int, after: int) -> Iterable[re.Match[str]]:
+    """Matches of `precise` in windows around each `trigger` match (or literal), deduplicated.
+
+    The window keeps `before`/`after` characters of context so lookarounds see the text."""
+    seen: set[int] = set()
+    if isinstance(trigger, str):
+        starts, pos = [], text.find(trigger)
+        while pos >= 0:
+            starts.append((pos, pos + len(trigger)))
+            pos = text.find(trigger, pos + 1)
+    else:
+        starts = [(m.start(), m.end()) for m in trigger.finditer(text)]
+    for a, b in starts:
+        lo, hi = max(0, a - before), min(len(text), b + after)
+        for m in precise.finditer(text, lo, hi):
+            # a match touching the window's end could not see what follows it: skip it (the
+            # window is wider than any trigger match, so real matches end inside it)
+            if m.start() not in seen and (m.end() < hi or hi == len(text)):
+                seen.add(m.start())
+                yield m
+
+
 def _emails(text: str) -> Iterable[Span]:
-    for m in _EMAIL.finditer(text):
+    for m in _windowed(text, "@", _EMAIL, 66, 256):
         yield Span(m.start(), m.end(), "email")
 
 
 def _ips(text: str) -> Iterable[Span]:
-    for m in _IPV4.finditer(text):
+    for m in _windowed(text, _TRIG_IPV4, _IPV4, 1, 1):
         before = text[max(0, m.start() - 8) : m.start()].lower()
         if "version" in before or before.endswith(("v", "v.")):
             continue
         if _public_ip(m.group()):
             yield Span(m.start(), m.end(), "ip_address")
-    for m in _IPV6.finditer(text):
+    for m in _windowed(text, _TRIG_IPV6, _IPV6, 40, 40):
         s = m.group()
         if s.count(":") >= 3 and sum(c.isdigit() for c in s) and _public_ip(s):
             yield Span(m.start(), m.end(), "ip_address")
 
 
 def _phones(text: str) -> Iterable[Span]:
-    for m in _PHONE.finditer(text):
+    for m in _windowed(text, _TRIG_DIGITS, _PHONE, 3, 1):
         n = sum(c.isdigit() for c in m.group())
         if 10 <= n <= 15:
             yield Span(m.start(), m.end(), "phone")
 
 
 def _cards(text: str) -> Iterable[Span]:
-    for m in _CARD.finditer(text):
+    for m in _windowed(text, _TRIG_DIGITS, _CARD, 1, 1):
         digits = re.sub(r"\D", "", m.group())
         if 13 <= len(digits) <= 19 and _CARD_PREFIX.match(digits) and luhn_ok(digits):
             yield Span(m.start(), m.end(), "credit_card")
 
 
+_KEY_NAME = re.compile(
+    r"(?i)(?:aws_secret_access_key|secret(?:_key)?|api[_-]?key|access[_-]?token|auth[_-]?token"
+    r"|password|passwd|client_secret)[\"']?\s*$"
+)
+
+
 def _secrets(text: str) -> Iterable[Span]:
-    for m in _PRIVATE_KEY.finditer(text):
-        yield Span(m.start(), m.end(), "private_key")
-    for m in _TOKENS.finditer(text):
-        yield Span(m.start(), m.end(), "secret")
-    for m in _ASSIGNED_SECRET.finditer(text):
-        value = m.group(1)
+    if "PRIVATE KEY" in text:
+        for m in _PRIVATE_KEY.finditer(text):
+            yield Span(m.start(), m.end(), "private_key")
+    if any(lit in text for lit in _TOKEN_LITERALS):
+        for m in _TOKENS.finditer(text):
+            yield Span(m.start(), m.end(), "secret")
+    for m in _TRIG_ASSIGN.finditer(text):
+        if not _KEY_NAME.search(text, max(0, m.start() - 40), m.start()):
+            continue
+        q = m.group().lstrip(":= \t")[0]
+        start = text.index(q, m.start()) + 1
+        value = text[start : m.end() - 1]
         if entropy(value) >= 3.5 and any(c.isdigit() for c in value):
-            yield Span(m.start(1), m.end(1), "secret")
+            yield Span(start, m.end() - 1, "secret")
 
 
 DETECTORS: dict[str, Callable[[str], Iterable[Span]]] = {

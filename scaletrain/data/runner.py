@@ -39,6 +39,8 @@ DROPPED_DIR = "_dropped"
 class GlobalStep(Step):
     """A step that sees the whole corpus first (`fit`), then drops documents by id."""
 
+    fit_seconds: float = 0.0
+
     def fit(self, shards: list[Shard], executor: Executor, work_dir: str) -> None:
         raise NotImplementedError
 
@@ -49,16 +51,20 @@ class RunOptions:
 
     tasks: int | None = None  # None: about one task per `task_bytes` of input
     task_bytes: int = 32 << 20
+    min_tasks: int = 4  # with tasks=None: at least this many (when there are enough shards)
     output_format: str = "jsonl"
     shard_bytes: int = 256 << 20
     write_dropped: bool = False
     keep_work: bool = False  # keep intermediate stages after a successful run
 
 
-def group_shards(shards: list[Shard], n_tasks: int | None, task_bytes: int) -> list[list[Shard]]:
+def group_shards(shards: list[Shard], n_tasks: int | None, task_bytes: int,
+                 min_tasks: int = 1) -> list[list[Shard]]:
     """Pack shards, in order, into tasks of about equal input bytes."""
     sizes = [_shard_bytes(s) for s in shards]
     total = sum(sizes)
+    if not n_tasks and min_tasks > 1 and total < task_bytes * min_tasks:
+        n_tasks = min(min_tasks, len(shards))
     if n_tasks:
         task_bytes = max(1, -(-total // n_tasks))
     groups: list[list[Shard]] = [[]]
@@ -148,7 +154,7 @@ def run_stage(steps: list[Step], shards: list[Shard], out_dir: str, job_dir: str
               executor: Executor, opts: RunOptions, desc: str,
               dropped_dir: str | None = None) -> list[dict[str, Any]]:
     """Run per-document steps over shards into `out_dir`; returns per-task results."""
-    tasks = group_shards(shards, opts.tasks, opts.task_bytes)
+    tasks = group_shards(shards, opts.tasks, opts.task_bytes, opts.min_tasks)
     pipeline = Pipeline(steps)
     _prepare_job(job_dir, _fingerprint(steps, tasks, opts), out_dir, len(tasks))
     fn = functools.partial(process_task, tasks=tasks, pipeline=pipeline, out_dir=out_dir,
@@ -194,12 +200,15 @@ def run_pipeline(steps: list[Step], inputs: str | list[str], output_dir: str,
     for k, stage in enumerate(stages):
         head = stage[0]
         if isinstance(head, GlobalStep):
+            t_fit = time.perf_counter()
             head.fit(shards, executor, os.path.join(work, f"fit-{k}-{head.name}"))
+            head.fit_seconds = time.perf_counter() - t_fit
         last = k == len(stages) - 1
         out_dir = output_dir if last else os.path.join(work, f"stage-{k}")
         stage_dropped = os.path.join(dropped_dir, f"stage-{k}") if dropped_dir else None
         results = run_stage(stage, shards, out_dir, os.path.join(work, f"job-{k}"), executor,
-                            opts if last else RunOptions(opts.tasks, opts.task_bytes),
+                            opts if last else RunOptions(opts.tasks, opts.task_bytes,
+                                                         opts.min_tasks),
                             f"stage {k + 1}/{len(stages)}", stage_dropped)
         all_results.append(results)
         shards = output_shards(out_dir, results)
@@ -227,6 +236,7 @@ def summarize(steps: list[Step], stage_results: list[list[dict[str, Any]]], exec
             malformed += r["malformed"]
             examples += r["malformed_examples"]
     descr = {s.name: s.describe() for s in steps}
+    fits = {s.name: s for s in steps if isinstance(s, GlobalStep)}
     first, last = stage_results[0], stage_results[-1]
     return {
         "executor": executor.name,
@@ -237,5 +247,17 @@ def summarize(steps: list[Step], stage_results: list[list[dict[str, Any]]], exec
         "tasks": len(last),
         "malformed_records": malformed,
         "malformed_examples": examples[:20],
-        "steps": [{**s.to_dict(), "settings": descr.get(s.name, s.name)} for s in step_stats],
+        "steps": [_step_entry(s, descr.get(s.name, s.name), fits.get(s.name))
+                  for s in step_stats],
     }
+
+
+def _step_entry(s: StepStats, settings: str, fitted: GlobalStep | None) -> dict[str, Any]:
+    """A step's statistics; a global step's fit (map tasks + reduce, wall time) is added to
+    its seconds and reported on its own as well."""
+    d = {**s.to_dict(), "settings": settings}
+    if fitted is not None:
+        d["fit_seconds"] = round(fitted.fit_seconds, 4)
+        d["seconds"] = round(d["seconds"] + fitted.fit_seconds, 4)
+        d["fit"] = getattr(fitted, "fit_stats", {})
+    return d

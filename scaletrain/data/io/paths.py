@@ -14,6 +14,7 @@ from typing import IO, Any
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 WARC_SUFFIXES = (".warc", ".arc")
+HTML_SUFFIXES = (".html", ".htm")
 COMPRESSIONS = (".gz", ".zst")
 # Files in an input directory that are never documents.
 SKIP_NAMES = frozenset({"stats.json", "_SUCCESS", "report.html"})
@@ -47,7 +48,7 @@ def compression_of(path: str) -> str | None:
 
 
 def format_of(path: str) -> str:
-    """'jsonl', 'parquet', 'warc' or 'text' (any other file: one document per file)."""
+    """'jsonl', 'parquet', 'warc', 'html' or 'text' (any other file: one document per file)."""
     name = path.lower()
     comp = compression_of(name)
     if comp:
@@ -58,6 +59,8 @@ def format_of(path: str) -> str:
         return "parquet"
     if name.endswith(WARC_SUFFIXES):
         return "warc"
+    if name.endswith(HTML_SUFFIXES):
+        return "html"
     return "text"
 
 

@@ -134,6 +134,14 @@ def _read_text(shard: Shard, report: ReadReport) -> Iterator[Document]:
         text = data.decode("utf-8", errors="replace")
         report.add(shard.path, "not valid UTF-8; undecodable bytes replaced by U+FFFD")
     rel = _rel_id(shard)
+    if shard.format == "html":
+        from scaletrain.data.io.warc import extract_html
+
+        extracted = extract_html(text)
+        if not extracted:
+            report.add(shard.path, "no main text extracted from HTML")
+            return
+        text = extracted
     yield Document(id=rel, text=text, metadata={"source": rel})
 
 

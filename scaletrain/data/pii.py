@@ -48,7 +48,11 @@ _PHONE = re.compile(
     r"(?<![\w.+/-])(?<!\d )(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]"
     r"\d{3,4}(?![ .-]?\d)(?!\w)"
 )
-_CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])")
+# 4-4-4-1..7 groups with one consistent separator (or none), or Amex 4-6-5
+_CARD = re.compile(
+    r"(?<![\d.,-])(?:\d{4}([ -]?)\d{4}\1\d{4}\1\d{1,7}|\d{4}([ -]?)\d{6}\2\d{5})"
+    r"(?![.,-]?\d)(?! \d)"
+)
 _CARD_PREFIX = re.compile(r"^(?:4|5[1-5]|2[2-7]|3[47]|6(?:011|5)|3(?:0[0-5]|[68]))")
 _PRIVATE_KEY = re.compile(
     r"-----BEGIN (?:[A-Z]+ )*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?-----END (?:[A-Z]+ )*PRIVATE"
@@ -97,6 +101,7 @@ _TRIG_DIGITS = re.compile(r"[0-9][0-9 ().+-]{8,}")
 _TRIG_IPV4 = re.compile(r"[0-9]{1,3}\.[0-9][0-9.]{4,}")
 _TRIG_IPV6 = re.compile(r":[0-9A-Fa-f]{0,4}:[0-9A-Fa-f]{0,4}:")
 _TRIG_ASSIGN = re.compile(r"[:=]\s*[\"'][A-Za-z0-9/+=_\-.]{16,}[\"']")
+_NOT_IP_CONTEXT = ("version", "section", "release", "rfc", "\u00a7")
 _TOKEN_LITERALS = ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ghp_", "gho_", "ghu_", "ghs_",
                    "ghr_", "github_pat_", "xoxa-", "xoxb-", "xoxp-", "xoxr-", "xoxs-", "AIza",
                    "sk-", "k_live_", "hf_")
@@ -132,9 +137,9 @@ def _emails(text: str) -> Iterable[Span]:
 
 def _ips(text: str) -> Iterable[Span]:
     for m in _windowed(text, _TRIG_IPV4, _IPV4, 1, 1):
-        before = text[max(0, m.start() - 8) : m.start()].lower()
-        if "version" in before or before.endswith(("v", "v.")):
-            continue
+        before = text[max(0, m.start() - 12) : m.start()].lower()
+        if any(w in before for w in _NOT_IP_CONTEXT) or before.endswith(("v", "v.")):
+            continue  # a version or section number, not an address
         if _public_ip(m.group()):
             yield Span(m.start(), m.end(), "ip_address")
     for m in _windowed(text, _TRIG_IPV6, _IPV6, 40, 40):

@@ -65,9 +65,14 @@ def group_shards(shards: list[Shard], n_tasks: int | None, task_bytes: int,
     total = sum(sizes)
     if not n_tasks and min_tasks > 1 and total < task_bytes * min_tasks:
         n_tasks = min(min_tasks, len(shards))
-    if n_tasks:
-        task_bytes = max(1, -(-total // n_tasks))
-    groups: list[list[Shard]] = [[]]
+    if n_tasks:  # contiguous groups with boundaries at k * total / n_tasks bytes
+        groups: list[list[Shard]] = [[] for _ in range(n_tasks)]
+        acc = 0
+        for s, n in zip(shards, sizes):
+            groups[min(n_tasks - 1, acc * n_tasks // max(total, 1))].append(s)
+            acc += n
+        return [g for g in groups if g]
+    groups = [[]]
     acc = 0
     for s, n in zip(shards, sizes):
         if groups[-1] and acc + n > task_bytes:

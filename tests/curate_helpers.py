@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 
 _REPO = Path(__file__).resolve().parents[1]
-_CANDIDATES = [os.environ.get("SCALETRAIN_FIXTURES", ""), str(_REPO.parent / "shared" / "fixtures"),
-               "/work/shared/fixtures"]
+_CANDIDATES = [
+    os.environ.get("SCALETRAIN_FIXTURES", ""),
+    str(_REPO.parent / "shared" / "fixtures"),
+    "/work/shared/fixtures",
+]
 
 
 def fixture_dir() -> Path:

@@ -39,8 +39,14 @@ def test_exact_dedup_finds_the_stdlib_duplicate_files(tmp_path: Path) -> None:
     groups = [g for g in by_hash.values() if len(g) > 1]
     assert groups, "the stdlib should hold byte-identical files"
     out = tmp_path / "out"
-    run_pipeline([ExactDedup()], [str(f.path) for f in files], str(out), LocalExecutor(2),
-                 RunOptions(write_dropped=True), root=str(root))
+    run_pipeline(
+        [ExactDedup()],
+        [str(f.path) for f in files],
+        str(out),
+        LocalExecutor(2),
+        RunOptions(write_dropped=True),
+        root=str(root),
+    )
     kept = {d["id"] for d in read_output(out)}
     for g in groups:  # exactly one copy of every group survives: the first in input order
         assert [rel for rel in g if rel in kept] == [sorted(g)[0]], g
@@ -56,11 +62,17 @@ def test_exact_dedup_finds_the_stdlib_duplicate_files(tmp_path: Path) -> None:
 
 def test_exact_line_level_removes_repeated_lines(tmp_path: Path) -> None:
     boiler = "Copyright (c) 2024 Example Corporation. All rights reserved."
-    recs = [{"id": f"d{i}", "text": f"{boiler}\nUnique body number {i} with its own words."}
-            for i in range(4)]
+    recs = [
+        {"id": f"d{i}", "text": f"{boiler}\nUnique body number {i} with its own words."}
+        for i in range(4)
+    ]
     write_jsonl(tmp_path / "in.jsonl", recs)
-    run_pipeline([ExactDedup(level="line")], str(tmp_path / "in.jsonl"), str(tmp_path / "o"),
-                 LocalExecutor(1))
+    run_pipeline(
+        [ExactDedup(level="line")],
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "o"),
+        LocalExecutor(1),
+    )
     out = {d["id"]: d["text"] for d in read_output(tmp_path / "o")}
     assert out["d0"].startswith(boiler)  # first occurrence kept
     assert all(boiler not in out[f"d{i}"] and f"number {i}" in out[f"d{i}"] for i in (1, 2, 3))
@@ -119,7 +131,8 @@ def test_shingles_match_a_plain_python_reference() -> None:
     a = "The quick brown fox jumps over the lazy dog and keeps running far away"
     b = "The quick brown fox jumped over the lazy dog and keeps running far away"
     assert jaccard(word_ngram_shingles(a), word_ngram_shingles(b)) == pytest.approx(
-        _true_jaccard(a, b))
+        _true_jaccard(a, b)
+    )
 
 
 @pytest.mark.parametrize("verify", [False, True])
@@ -169,10 +182,19 @@ def test_union_find_roots_are_smallest() -> None:
 PARAPHRASES = [
     ("The cat is sleeping on the sofa.", "A cat sleeps on the couch."),
     ("How do I reset my password?", "What is the way to reset my password?"),
-    ("The meeting was moved to Friday afternoon.", "The meeting has been rescheduled to Friday afternoon."),
-    ("Stock markets fell sharply after the announcement.", "Share prices dropped steeply following the announcement."),
+    (
+        "The meeting was moved to Friday afternoon.",
+        "The meeting has been rescheduled to Friday afternoon.",
+    ),
+    (
+        "Stock markets fell sharply after the announcement.",
+        "Share prices dropped steeply following the announcement.",
+    ),
     ("She bought fresh vegetables at the market.", "She purchased fresh vegetables at the market."),
-    ("The train to London is delayed by twenty minutes.", "The London train is running twenty minutes late."),
+    (
+        "The train to London is delayed by twenty minutes.",
+        "The London train is running twenty minutes late.",
+    ),
 ]
 UNRELATED = [
     "Photosynthesis converts light energy into chemical energy in plants.",
@@ -197,14 +219,20 @@ def test_semantic_dedup_groups_paraphrases(tmp_path: Path) -> None:
     recs += [{"id": f"u{i}", "text": t} for i, t in enumerate(UNRELATED)]
     write_jsonl(tmp_path / "in.jsonl", recs)
     step = SemanticDedup(threshold=0.75, clusters=3)
-    run_pipeline([step], str(tmp_path / "in.jsonl"), str(tmp_path / "o"), LocalExecutor(1))
+    run_pipeline(
+        [step],
+        str(tmp_path / "in.jsonl"),
+        str(tmp_path / "o"),
+        LocalExecutor(1),
+        RunOptions(write_dropped=True),
+    )
     kept = {d["id"] for d in read_output(tmp_path / "o")}
+    dup_of = {d["id"]: d["metadata"]["duplicate_of"] for d in _dropped(tmp_path / "o")}
     removed = {f"p{i}b" for i in range(len(PARAPHRASES))} - kept
     assert len(removed) >= len(PARAPHRASES) - 1  # paraphrases found (second of each pair)
     assert {f"p{i}a" for i in range(len(PARAPHRASES))} <= kept  # the first one survives
     assert {f"u{i}" for i in range(len(UNRELATED))} <= kept  # unrelated sentences stay
-    assert all(step.remove[f"p{i}b"] == f"p{i}a" for i in range(len(PARAPHRASES))
-               if f"p{i}b" in step.remove)
+    assert dup_of == {f"p{i}b": f"p{i}a" for i in range(len(PARAPHRASES)) if f"p{i}b" in dup_of}
 
 
 def test_semdedup_cluster_keeps_first_of_near_identical_rows() -> None:

@@ -38,7 +38,21 @@ class KillOnce(Step):
 
 def _corpus(d: Path) -> Path:
     rng = random.Random(3)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu".split()
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+        "nu",
+    ]
     recs = []
     for i in range(400):
         text = " ".join(rng.choice(words) + str(rng.randrange(50)) for _ in range(60))
@@ -95,15 +109,24 @@ def test_rerun_of_a_complete_run_skips_every_task(tmp_path: Path, caplog) -> Non
     assert "3/3 tasks already complete" in caplog.text
     assert _snapshot(tmp_path / "o") == before
     with pytest.raises(ValueError, match="different pipeline"):
-        run_pipeline([CountsFilter(min_words=9)], str(src), str(tmp_path / "o"), LocalExecutor(1),
-                     RunOptions(tasks=3))
+        run_pipeline(
+            [CountsFilter(min_words=9)],
+            str(src),
+            str(tmp_path / "o"),
+            LocalExecutor(1),
+            RunOptions(tasks=3),
+        )
 
 
 @pytest.fixture(scope="module")
 def ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}},
+    )
     yield ray
     ray.shutdown()
 

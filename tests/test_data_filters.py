@@ -44,7 +44,9 @@ def test_gopher_quality_rules() -> None:
     assert _verdict(g, PROSE) == "keep"
     assert _verdict(g, "The cat sat with the dog.") == "too_few_words"
     assert _verdict(g, " ".join(["a", "b", "c", "the", "and"] * 20)) == "avg_word_too_short"
-    assert _verdict(g, " ".join(["internationalization"] * 60 + ["the", "and"])) == "avg_word_too_long"
+    assert (
+        _verdict(g, " ".join(["internationalization"] * 60 + ["the", "and"])) == "avg_word_too_long"
+    )
     assert _verdict(g, PROSE + " #tag" * 12) == "symbol_word_ratio"
     bullets = "\n".join(f"- item {i} with the thing and more" for i in range(20))
     assert _verdict(g, bullets) == "bullet_lines"
@@ -53,8 +55,13 @@ def test_gopher_quality_rules() -> None:
     assert _verdict(g, PROSE + " 1234 5678 ;; -- ++ == 42 7 8 9" * 10) == "non_alpha_words"
     no_stop = " ".join(["budget", "meeting", "library", "hours", "benches"] * 12)
     assert _verdict(g, no_stop) == "too_few_stop_words"
-    assert _verdict(GopherQualityFilter(min_words=None, min_stop_words=None),
-                    "Budget meeting library hours.") == "keep"  # None disables a rule
+    assert (
+        _verdict(
+            GopherQualityFilter(min_words=None, min_stop_words=None),
+            "Budget meeting library hours.",
+        )
+        == "keep"
+    )  # None disables a rule
 
 
 def test_gopher_repetition_rules() -> None:
@@ -71,17 +78,19 @@ def test_gopher_repetition_rules() -> None:
 
 def test_c4_removes_boilerplate_lines_and_applies_document_rules() -> None:
     c4 = C4Filter()
-    text = "\n".join([
-        "Home | About | Contact",  # no terminal punctuation
-        "Please enable JavaScript to view this site.",
-        "This site uses cookies to improve your experience.",
-        "The river flooded the valley in the spring of that year.[1]",
-        "Farmers moved their animals to the hills for several weeks.",
-        "The water left rich soil behind when it went down again.",
-        "Crops grew well in the following summer, better than before.",
-        "Historians still write about the flood and the harvest after it.",
-        "Ok.",  # too few words
-    ])
+    text = "\n".join(
+        [
+            "Home | About | Contact",  # no terminal punctuation
+            "Please enable JavaScript to view this site.",
+            "This site uses cookies to improve your experience.",
+            "The river flooded the valley in the spring of that year.[1]",
+            "Farmers moved their animals to the hills for several weeks.",
+            "The water left rich soil behind when it went down again.",
+            "Crops grew well in the following summer, better than before.",
+            "Historians still write about the flood and the harvest after it.",
+            "Ok.",  # too few words
+        ]
+    )
     doc = Document("x", text)
     res = c4.process(doc)
     assert isinstance(res, Document)
@@ -101,12 +110,20 @@ def test_c4_removes_boilerplate_lines_and_applies_document_rules() -> None:
 def test_fineweb_quality_rules() -> None:
     f = FineWebQualityFilter()
     assert _verdict(f, PROSE.replace(". ", ".\n")) == "keep"
-    assert _verdict(f, "\n".join(["Menu item without punctuation"] * 3 + ["Home", "News"])) \
+    assert (
+        _verdict(f, "\n".join(["Menu item without punctuation"] * 3 + ["Home", "News"]))
         == "line_punct_ratio"
+    )
     short = "\n".join(["Short line.", "Tiny one.", "Yes.", PROSE])
     assert _verdict(f, short) == "short_line_ratio"
-    dup = "\n".join([PROSE, "A repeated sentence that ends properly.",
-                     "A repeated sentence that ends properly.", PROSE + " More."])
+    dup = "\n".join(
+        [
+            PROSE,
+            "A repeated sentence that ends properly.",
+            "A repeated sentence that ends properly.",
+            PROSE + " More.",
+        ]
+    )
     assert _verdict(f, dup) == "keep"  # 4% of the characters are in a repeated line
     dup = "\n".join(["A repeated sentence that ends properly."] * 4 + [PROSE])
     assert _verdict(f, dup) == "dup_line_char_ratio"  # 19%
@@ -132,10 +149,14 @@ def test_language_filter_keeps_real_english_and_drops_others(ccnet: list[Documen
     kept = [lang.process(copy.deepcopy(d)) for d in ccnet]
     assert all(isinstance(k, Document) for k in kept)  # 20 real English CCNet documents
     assert all(k.metadata["language"] == "en" for k in kept)
-    fr = ("Le conseil municipal s'est réuni mardi pour discuter du budget de l'année prochaine. "
-          "Les membres ont convenu que la bibliothèque devrait ouvrir plus longtemps.")
-    de = ("Der Gemeinderat traf sich am Dienstag, um über den Haushalt des kommenden Jahres zu "
-          "sprechen. Die Mitglieder waren sich einig, dass die Bibliothek länger öffnen sollte.")
+    fr = (
+        "Le conseil municipal s'est réuni mardi pour discuter du budget de l'année prochaine. "
+        "Les membres ont convenu que la bibliothèque devrait ouvrir plus longtemps."
+    )
+    de = (
+        "Der Gemeinderat traf sich am Dienstag, um über den Haushalt des kommenden Jahres zu "
+        "sprechen. Die Mitglieder waren sich einig, dass die Bibliothek länger öffnen sollte."
+    )
     assert _verdict(lang, fr) == "language_fr"
     assert _verdict(lang, de) == "language_de"
     assert _verdict(LanguageFilter(["en", "fr"]), fr) == "keep"

@@ -21,8 +21,10 @@ from tests.curate_helpers import fixture_dir, write_jsonl
 
 
 def _records(n: int) -> list[dict]:
-    return [{"id": f"d{i}", "text": f"document number {i} " * (i % 5 + 1), "url": f"http://x/{i}"}
-            for i in range(n)]
+    return [
+        {"id": f"d{i}", "text": f"document number {i} " * (i % 5 + 1), "url": f"http://x/{i}"}
+        for i in range(n)
+    ]
 
 
 def test_jsonl_plain_gz_zst_and_parquet_roundtrip(tmp_path: Path) -> None:
@@ -37,7 +39,8 @@ def test_jsonl_plain_gz_zst_and_parquet_roundtrip(tmp_path: Path) -> None:
         assert not [f for f in files if f.name.endswith(".tmp")]
         back = list(read_documents(str(out)))
         assert [(d.id, d.text, d.metadata) for d in back] == [
-            (d.id, d.text, d.metadata) for d in docs], fmt
+            (d.id, d.text, d.metadata) for d in docs
+        ], fmt
         assert back[3].metadata["url"] == "http://x/3"  # top-level keys become metadata
 
 

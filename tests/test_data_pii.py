@@ -10,45 +10,81 @@ from scaletrain.data.pii import PIIRedactor, find_pii, luhn_ok, redact
 
 # (text, [(kind, exact planted string), ...]); every other part of the text must survive.
 LABELLED: list[tuple[str, list[tuple[str, str]]]] = [
-    ("For questions write to maria.gonzalez@example-mail.com before Friday.",
-     [("email", "maria.gonzalez@example-mail.com")]),
-    ("# Author: Barry Warsaw <barry@python.org>\n# Maintainer: fdrake@acm.org",
-     [("email", "barry@python.org"), ("email", "fdrake@acm.org")]),
-    ("Reply-To: support+tickets@shop.co.uk; CC: j_smith99@uni.edu",
-     [("email", "support+tickets@shop.co.uk"), ("email", "j_smith99@uni.edu")]),
-    ("The server at 8.8.4.4 answered, and 203.0.114.7 did not.",
-     [("ip_address", "8.8.4.4"), ("ip_address", "203.0.114.7")]),
+    (
+        "For questions write to maria.gonzalez@example-mail.com before Friday.",
+        [("email", "maria.gonzalez@example-mail.com")],
+    ),
+    (
+        "# Author: Barry Warsaw <barry@python.org>\n# Maintainer: fdrake@acm.org",
+        [("email", "barry@python.org"), ("email", "fdrake@acm.org")],
+    ),
+    (
+        "Reply-To: support+tickets@shop.co.uk; CC: j_smith99@uni.edu",
+        [("email", "support+tickets@shop.co.uk"), ("email", "j_smith99@uni.edu")],
+    ),
+    (
+        "The server at 8.8.4.4 answered, and 203.0.114.7 did not.",
+        [("ip_address", "8.8.4.4"), ("ip_address", "203.0.114.7")],
+    ),
     ("Blocked login from 185.220.101.45 at 03:14.", [("ip_address", "185.220.101.45")]),
-    ("Resolver 2606:4700:4700::1111 and 2a00:1450:4001:82b::200e are public.",
-     [("ip_address", "2606:4700:4700::1111"), ("ip_address", "2a00:1450:4001:82b::200e")]),
-    ("Call me at (415) 555-0132 or on +44 20 7946 0958 tomorrow.",
-     [("phone", "(415) 555-0132"), ("phone", "+44 20 7946 0958")]),
-    ("Office: 212-555-0147, fax 212.555.0199.", [("phone", "212-555-0147"), ("phone", "212.555.0199")]),
-    ("Pay with 4111 1111 1111 1111 or 5500-0000-0000-0004.",
-     [("credit_card", "4111 1111 1111 1111"), ("credit_card", "5500-0000-0000-0004")]),
+    (
+        "Resolver 2606:4700:4700::1111 and 2a00:1450:4001:82b::200e are public.",
+        [("ip_address", "2606:4700:4700::1111"), ("ip_address", "2a00:1450:4001:82b::200e")],
+    ),
+    (
+        "Call me at (415) 555-0132 or on +44 20 7946 0958 tomorrow.",
+        [("phone", "(415) 555-0132"), ("phone", "+44 20 7946 0958")],
+    ),
+    (
+        "Office: 212-555-0147, fax 212.555.0199.",
+        [("phone", "212-555-0147"), ("phone", "212.555.0199")],
+    ),
+    (
+        "Pay with 4111 1111 1111 1111 or 5500-0000-0000-0004.",
+        [("credit_card", "4111 1111 1111 1111"), ("credit_card", "5500-0000-0000-0004")],
+    ),
     ("amex 378282246310005 on file", [("credit_card", "378282246310005")]),
-    ("aws_access_key_id = AKIAIOSFODNN7EXAMPLE\n"
-     "aws_secret_access_key = \"wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\"",
-     [("secret", "AKIAIOSFODNN7EXAMPLE"), ("secret", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")]),
-    ("token = 'ghp_1a2B3c4D5e6F7g8H9i0JkLmNoPqRsTuVwXyZ12'",
-     [("secret", "ghp_1a2B3c4D5e6F7g8H9i0JkLmNoPqRsTuVwXyZ12")]),
-    ("export OPENAI_API_KEY=sk-proj-4f9Qx2LmZ8vB7nT1rY6uK3pW0sD5aH9jE2cF", [
-        ("secret", "sk-proj-4f9Qx2LmZ8vB7nT1rY6uK3pW0sD5aH9jE2cF")]),
-    ("key:\n-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAx4Ub1\nAbCdEf0123\n"
-     "-----END RSA PRIVATE KEY-----\nend",
-     [("private_key", "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAx4Ub1\nAbCdEf0123\n"
-                      "-----END RSA PRIVATE KEY-----")]),
+    (
+        "aws_access_key_id = AKIAIOSFODNN7EXAMPLE\n"
+        'aws_secret_access_key = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"',
+        [
+            ("secret", "AKIAIOSFODNN7EXAMPLE"),
+            ("secret", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"),
+        ],
+    ),
+    (
+        "token = 'ghp_1a2B3c4D5e6F7g8H9i0JkLmNoPqRsTuVwXyZ12'",
+        [("secret", "ghp_1a2B3c4D5e6F7g8H9i0JkLmNoPqRsTuVwXyZ12")],
+    ),
+    (
+        "export OPENAI_API_KEY=sk-proj-4f9Qx2LmZ8vB7nT1rY6uK3pW0sD5aH9jE2cF",
+        [("secret", "sk-proj-4f9Qx2LmZ8vB7nT1rY6uK3pW0sD5aH9jE2cF")],
+    ),
+    (
+        "key:\n-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAx4Ub1\nAbCdEf0123\n"
+        "-----END RSA PRIVATE KEY-----\nend",
+        [
+            (
+                "private_key",
+                "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAx4Ub1\nAbCdEf0123\n"
+                "-----END RSA PRIVATE KEY-----",
+            )
+        ],
+    ),
     # look-alikes only: nothing may change
     ("Python 3.11.7 and version 1.2.3.4 of the tool; see section 8.2.4.44 of the spec.", []),
     ("Private hosts 192.168.1.10, 10.0.0.1, 127.0.0.1, 172.16.5.4 and 0.0.0.0 stay.", []),
     ("Documentation ranges 192.0.2.1, 198.51.100.7 and 2001:db8::1 stay; so does fe80::1.", []),
     ("std::vector<int> v; auto t = 12:30:45; a[1:2:3]; x::y::z", []),
     ("@property\ndef name(self): return self._name  # decorator, not an e-mail", []),
-    ("git commit 3f786850e387550fdab836ed7e6dc881de23001b, uuid "
-     "123e4567-e89b-12d3-a456-426614174000", []),
+    (
+        "git commit 3f786850e387550fdab836ed7e6dc881de23001b, uuid "
+        "123e4567-e89b-12d3-a456-426614174000",
+        [],
+    ),
     ("Dates 2024-01-15 and 15.01.2024, ISBN 978-3-16-148410-0, order 2024 0115 77.", []),
     ("Not a card: 4111 1111 1111 1112 (fails Luhn); total 1234567890123 units.", []),
-    ("password = \"changeme\"  # too short and low entropy; user@localhost has no domain", []),
+    ('password = "changeme"  # too short and low entropy; user@localhost has no domain', []),
     ("pi = 3.14159265358979; big = 12345678901234567890; ratio 2.9999999999995183", []),
 ]
 

@@ -15,34 +15,70 @@ from scaletrain.data.pipeline import Step
 log = logging.getLogger("scaletrain.data")
 
 
-def stage_parser(prog: str, description: str, input_required: bool = True) -> argparse.ArgumentParser:
+def stage_parser(
+    prog: str, description: str, input_required: bool = True
+) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"scaletrain data {prog}", description=description)
-    p.add_argument("--input", "-i", nargs="+", required=input_required, metavar="PATH",
-                   help="files, folders or globs of JSONL(.gz/.zst)/Parquet/text/WARC documents")
-    p.add_argument("--output", "-o", required=input_required, metavar="DIR",
-                   help="where the kept documents (JSONL shards) and stats.json go")
+    p.add_argument(
+        "--input",
+        "-i",
+        nargs="+",
+        required=input_required,
+        metavar="PATH",
+        help="files, folders or globs of JSONL(.gz/.zst)/Parquet/text/WARC documents",
+    )
+    p.add_argument(
+        "--output",
+        "-o",
+        required=input_required,
+        metavar="DIR",
+        help="where the kept documents (JSONL shards) and stats.json go",
+    )
     add_run_options(p)
     return p
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
-    g.add_argument("--executor", choices=("local", "ray"), default=None,
-                   help="local worker processes (default) or a Ray cluster")
+    g.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default=None,
+        help="local worker processes (default) or a Ray cluster",
+    )
     g.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
     g.add_argument("--ray-address", default=None, help="Ray cluster address (default: local)")
-    g.add_argument("--tasks", type=int, default=None,
-                   help="number of tasks (default: one per ~32 MB of input)")
-    g.add_argument("--format", dest="output_format", default=None,
-                   choices=("jsonl", "jsonl.gz", "jsonl.zst", "parquet"), help="output format")
-    g.add_argument("--write-dropped", action="store_true", default=None,
-                   help="also write dropped documents with their reason to DIR/_dropped/")
-    g.add_argument("--overwrite", action="store_true",
-                   help="delete DIR first (otherwise a re-run resumes the run in DIR)")
+    g.add_argument(
+        "--tasks", type=int, default=None, help="number of tasks (default: one per ~32 MB of input)"
+    )
+    g.add_argument(
+        "--format",
+        dest="output_format",
+        default=None,
+        choices=("jsonl", "jsonl.gz", "jsonl.zst", "parquet"),
+        help="output format",
+    )
+    g.add_argument(
+        "--write-dropped",
+        action="store_true",
+        default=None,
+        help="also write dropped documents with their reason to DIR/_dropped/",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete DIR first (otherwise a re-run resumes the run in DIR)",
+    )
 
 
-def run_and_report(steps: list[Step], inputs: Any, output: str, args: argparse.Namespace,
-                   root: str | None = None, config: dict[str, Any] | None = None) -> int:
+def run_and_report(
+    steps: list[Step],
+    inputs: Any,
+    output: str,
+    args: argparse.Namespace,
+    root: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> int:
     """Run the steps, print the per-step table, write stats.json and report.html."""
     from scaletrain.data.executors import make_executor
     from scaletrain.data.report import html_report, terminal_table
@@ -58,13 +94,16 @@ def run_and_report(steps: list[Step], inputs: Any, output: str, args: argparse.N
         output_format=args.output_format or cfg.get("output_format", "jsonl"),
         write_dropped=bool(args.write_dropped or cfg.get("write_dropped", False)),
     )
-    summary = run_pipeline(steps, inputs, output, executor, opts, overwrite=args.overwrite,
-                           root=root)
+    summary = run_pipeline(
+        steps, inputs, output, executor, opts, overwrite=args.overwrite, root=root
+    )
     with open(os.path.join(output, "report.html"), "w", encoding="utf-8") as f:
         f.write(html_report(summary))
     print(terminal_table(summary))
-    print(f"\nkept documents: {output}/part-*.{opts.output_format}; statistics: "
-          f"{output}/stats.json; report: {output}/report.html")
+    print(
+        f"\nkept documents: {output}/part-*.{opts.output_format}; statistics: "
+        f"{output}/stats.json; report: {output}/report.html"
+    )
     return 0
 
 
@@ -82,7 +121,9 @@ def parse_params(items: list[str] | None) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for item in items or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ValueError(f"--set '{item}': write STEP.PARAM=VALUE, e.g. gopher_quality.min_words=30")
+            raise ValueError(
+                f"--set '{item}': write STEP.PARAM=VALUE, e.g. gopher_quality.min_words=30"
+            )
         key, value = item.split("=", 1)
         step, param = key.split(".", 1)
         try:

@@ -56,9 +56,12 @@ def _load_toml(path: str) -> dict[str, Any]:
 def _main(argv: list[str]) -> int:
     from scaletrain.data.registry import DEFAULT_CODE_PIPELINE, build_step
 
-    p = argparse.ArgumentParser(prog="scaletrain data curate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EXAMPLE)
+    p = argparse.ArgumentParser(
+        prog="scaletrain data curate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLE,
+    )
     p.add_argument("--config", "-c", help="pipeline TOML (default: the stdlib demo pipeline)")
     p.add_argument("--input", "-i", nargs="+", help="override the config's input")
     p.add_argument("--output", "-o", help="override the config's output")
@@ -67,8 +70,14 @@ def _main(argv: list[str]) -> int:
     root = None
     if args.config:
         cfg = _load_toml(args.config)
-        unknown = set(cfg) - {"input", "output", "steps", "executor", "output_format",
-                              "write_dropped"}
+        unknown = set(cfg) - {
+            "input",
+            "output",
+            "steps",
+            "executor",
+            "output_format",
+            "write_dropped",
+        }
         if unknown:
             raise ValueError(f"{args.config}: unknown key(s) {sorted(unknown)}; see --help")
         specs = cfg.get("steps") or []
@@ -80,14 +89,16 @@ def _main(argv: list[str]) -> int:
     output = args.output or cfg.get("output")
     if inputs is None:
         if args.config:
-            raise ValueError(f"{args.config}: no input; set input = \"...\" or pass --input")
+            raise ValueError(f'{args.config}: no input; set input = "..." or pass --input')
         from scaletrain.config import DataConfig
         from scaletrain.data.corpus import discover_files
 
         root_path, files = discover_files(DataConfig())
         inputs, root = [str(f.path) for f in files], str(root_path)
-        print(f"default corpus: {len(files)} Python files of the standard library in {root}",
-              file=sys.stderr)
+        print(
+            f"default corpus: {len(files)} Python files of the standard library in {root}",
+            file=sys.stderr,
+        )
     output = output or "runs/data-curate"
     steps = [build_step(s) for s in specs]
     print("pipeline: " + " -> ".join(s.describe() for s in steps), file=sys.stderr)

@@ -8,10 +8,14 @@ from scaletrain.commands._data_common import guarded, run_and_report, stage_pars
 def _main(argv: list[str]) -> int:
     from scaletrain.data.filters import CountsFilter
 
-    p = stage_parser("extract", "Extract the main text of HTML pages in WARC files "
-                     "(trafilatura); other inputs are passed through as documents.")
-    p.add_argument("--min-chars", type=int, default=1,
-                   help="drop extracted documents shorter than this")
+    p = stage_parser(
+        "extract",
+        "Extract the main text of HTML pages in WARC files "
+        "(trafilatura); other inputs are passed through as documents.",
+    )
+    p.add_argument(
+        "--min-chars", type=int, default=1, help="drop extracted documents shorter than this"
+    )
     args = p.parse_args(argv)
     return run_and_report([CountsFilter(min_chars=args.min_chars)], args.input, args.output, args)
 

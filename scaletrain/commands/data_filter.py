@@ -9,12 +9,19 @@ def _main(argv: list[str]) -> int:
     from scaletrain.data.registry import ALIASES, build_step
 
     p = stage_parser("filter", "Apply heuristic filters, each with its published thresholds.")
-    p.add_argument("--filters", default="gopher_quality,gopher_repetition,c4,fineweb_quality",
-                   help="comma-separated: gopher_quality, gopher_repetition, c4, "
-                        "fineweb_quality, language, url, counts, code")
-    p.add_argument("--set", action="append", metavar="STEP.PARAM=VALUE",
-                   help="change a threshold, e.g. --set gopher_quality.min_words=30 "
-                        "--set language.languages='[\"en\",\"fr\"]'")
+    p.add_argument(
+        "--filters",
+        default="gopher_quality,gopher_repetition,c4,fineweb_quality",
+        help="comma-separated: gopher_quality, gopher_repetition, c4, "
+        "fineweb_quality, language, url, counts, code",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="STEP.PARAM=VALUE",
+        help="change a threshold, e.g. --set gopher_quality.min_words=30 "
+        '--set language.languages=\'["en","fr"]\'',
+    )
     args = p.parse_args(argv)
     params = parse_params(args.set)
     names = [ALIASES.get(n.strip(), n.strip()) for n in args.filters.split(",") if n.strip()]

@@ -13,8 +13,9 @@ from typing import Any
 from scaletrain.commands._data_common import guarded
 
 
-def inspect_documents(path: str, samples: int = 3, seed: int = 0,
-                      max_docs: int | None = None) -> dict[str, Any]:
+def inspect_documents(
+    path: str, samples: int = 3, seed: int = 0, max_docs: int | None = None
+) -> dict[str, Any]:
     """Counts, length percentiles, metadata keys and value histograms, and random samples."""
     from scaletrain.data.io.readers import ReadReport, read_documents
 
@@ -22,8 +23,11 @@ def inspect_documents(path: str, samples: int = 3, seed: int = 0,
     chars: list[int] = []
     words: list[int] = []
     keys: Counter[str] = Counter()
-    categorical: dict[str, Counter[str]] = {"language": Counter(), "drop_reason": Counter(),
-                                            "dropped_by": Counter()}
+    categorical: dict[str, Counter[str]] = {
+        "language": Counter(),
+        "drop_reason": Counter(),
+        "dropped_by": Counter(),
+    }
     rng = random.Random(seed)
     reservoir: list[dict[str, Any]] = []
     n = 0
@@ -49,11 +53,15 @@ def inspect_documents(path: str, samples: int = 3, seed: int = 0,
         return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
 
     out: dict[str, Any] = {
-        "path": path, "documents": n, "characters": sum(chars), "words": sum(words),
+        "path": path,
+        "documents": n,
+        "characters": sum(chars),
+        "words": sum(words),
         "chars_per_doc": {f"p{int(q * 100)}": pct(chars, q) for q in (0.0, 0.5, 0.9, 0.99)}
         | {"max": max(chars, default=0)},
         "metadata_keys": dict(keys.most_common()),
-        "malformed_records": report.malformed, "malformed_examples": report.examples[:5],
+        "malformed_records": report.malformed,
+        "malformed_examples": report.examples[:5],
         "samples": reservoir,
     }
     out.update({k: dict(c.most_common(10)) for k, c in categorical.items() if c})
@@ -76,10 +84,14 @@ def _main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
         return 0
-    print(f"{info['path']}: {info['documents']:,} documents, {info['characters']:,} characters, "
-          f"{info['words']:,} words")
-    print("characters per document: " + ", ".join(f"{k} {v:,}" for k, v in
-                                                   info["chars_per_doc"].items()))
+    print(
+        f"{info['path']}: {info['documents']:,} documents, {info['characters']:,} characters, "
+        f"{info['words']:,} words"
+    )
+    print(
+        "characters per document: "
+        + ", ".join(f"{k} {v:,}" for k, v in info["chars_per_doc"].items())
+    )
     if info["metadata_keys"]:
         print("metadata keys: " + ", ".join(f"{k} ({v})" for k, v in info["metadata_keys"].items()))
     for k in ("language", "dropped_by", "drop_reason"):
@@ -95,7 +107,9 @@ def _main(argv: list[str]) -> int:
         print("\npipeline that wrote it:\n" + terminal_table(info["pipeline_stats"]))
     for s in info["samples"]:
         text = s["text"].replace("\n", "\\n")
-        print(f"\n--- {s['id']}  {json.dumps(s['metadata'], ensure_ascii=False)[:200]}\n{text[:300]}")
+        print(
+            f"\n--- {s['id']}  {json.dumps(s['metadata'], ensure_ascii=False)[:200]}\n{text[:300]}"
+        )
     return 0
 
 

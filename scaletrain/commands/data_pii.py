@@ -9,8 +9,11 @@ def _main(argv: list[str]) -> int:
     from scaletrain.data.pii import DETECTORS, PIIRedactor
 
     p = stage_parser("pii", "Replace e-mails, public IPs, phones, card numbers and secrets.")
-    p.add_argument("--kinds", default=",".join(DETECTORS),
-                   help=f"comma-separated, some of: {', '.join(DETECTORS)}")
+    p.add_argument(
+        "--kinds",
+        default=",".join(DETECTORS),
+        help=f"comma-separated, some of: {', '.join(DETECTORS)}",
+    )
     args = p.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     return run_and_report([PIIRedactor(kinds)], args.input, args.output, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,9 @@ class Document:
     id: str
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # where the document sits in a run's input ("shard:position"; set by the runner, never
+    # written): global steps decide by position, so repeated ids cannot confuse them
+    pos: str | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "text": self.text, "metadata": self.metadata}
@@ -38,10 +42,8 @@ class Document:
         rid = record.get("id")
         meta = record.get("metadata")
         if isinstance(meta, str):  # Parquet written by us stores metadata as a JSON string
-            try:
+            with contextlib.suppress(ValueError):
                 meta = json.loads(meta)
-            except ValueError:
-                pass
         extra = {k: v for k, v in record.items() if k not in ("id", "text", "metadata")}
         if isinstance(meta, dict):
             meta = {**extra, **meta}

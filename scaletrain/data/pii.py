@@ -102,13 +102,33 @@ _TRIG_IPV4 = re.compile(r"[0-9]{1,3}\.[0-9][0-9.]{4,}")
 _TRIG_IPV6 = re.compile(r":[0-9A-Fa-f]{0,4}:[0-9A-Fa-f]{0,4}:")
 _TRIG_ASSIGN = re.compile(r"[:=]\s*[\"'][A-Za-z0-9/+=_\-.]{16,}[\"']")
 _NOT_IP_CONTEXT = ("version", "section", "release", "rfc", "\u00a7")
-_TOKEN_LITERALS = ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "ghp_", "gho_", "ghu_", "ghs_",
-                   "ghr_", "github_pat_", "xoxa-", "xoxb-", "xoxp-", "xoxr-", "xoxs-", "AIza",
-                   "sk-", "k_live_", "hf_")
+_TOKEN_LITERALS = (
+    "AKIA",
+    "ASIA",
+    "AGPA",
+    "AIDA",
+    "AROA",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "github_pat_",
+    "xoxa-",
+    "xoxb-",
+    "xoxp-",
+    "xoxr-",
+    "xoxs-",
+    "AIza",
+    "sk-",
+    "k_live_",
+    "hf_",
+)
 
 
-def _windowed(text: str, trigger: re.Pattern[str] | str, precise: re.Pattern[str],
-              before: int, after: int) -> Iterable[re.Match[str]]:
+def _windowed(
+    text: str, trigger: re.Pattern[str] | str, precise: re.Pattern[str], before: int, after: int
+) -> Iterable[re.Match[str]]:
     """Matches of `precise` in windows around each `trigger` match (or literal), deduplicated.
 
     The window keeps `before`/`after` characters of context so lookarounds see the text."""

@@ -43,15 +43,27 @@ class StepStats:
         self.bytes_in += other.bytes_in
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "seen": self.seen, "kept": self.kept,
-                "dropped": dict(sorted(self.dropped.items())),
-                "counters": dict(sorted(self.counters.items())),
-                "seconds": round(self.seconds, 4), "bytes_in": self.bytes_in}
+        return {
+            "name": self.name,
+            "seen": self.seen,
+            "kept": self.kept,
+            "dropped": dict(sorted(self.dropped.items())),
+            "counters": dict(sorted(self.counters.items())),
+            "seconds": round(self.seconds, 4),
+            "bytes_in": self.bytes_in,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepStats:
-        return cls(d["name"], d["seen"], d["kept"], Counter(d["dropped"]),
-                   Counter(d["counters"]), d["seconds"], d.get("bytes_in", 0))
+        return cls(
+            d["name"],
+            d["seen"],
+            d["kept"],
+            Counter(d["dropped"]),
+            Counter(d["counters"]),
+            d["seconds"],
+            d.get("bytes_in", 0),
+        )
 
 
 class Step:
@@ -78,7 +90,9 @@ class Step:
         state["counters"] = Counter()
         return state
 
-    def _apply(self, docs: list[Document], stats: StepStats) -> Iterator[tuple[Document, str | None]]:
+    def _apply(
+        self, docs: list[Document], stats: StepStats
+    ) -> Iterator[tuple[Document, str | None]]:
         t0 = time.perf_counter()
         stats.seen += len(docs)
         stats.bytes_in += sum(len(d.text) for d in docs)
@@ -94,8 +108,9 @@ class Step:
                 stats.dropped[res] += 1
                 yield doc, res
 
-    def run(self, docs: Iterable[Document], stats: StepStats,
-            on_drop: DroppedSink | None = None) -> Iterator[Document]:
+    def run(
+        self, docs: Iterable[Document], stats: StepStats, on_drop: DroppedSink | None = None
+    ) -> Iterator[Document]:
         batch: list[Document] = []
         for doc in docs:
             batch.append(doc)
@@ -105,8 +120,9 @@ class Step:
         if batch:
             yield from self._emit(batch, stats, on_drop)
 
-    def _emit(self, batch: list[Document], stats: StepStats,
-              on_drop: DroppedSink | None) -> Iterator[Document]:
+    def _emit(
+        self, batch: list[Document], stats: StepStats, on_drop: DroppedSink | None
+    ) -> Iterator[Document]:
         for doc, reason in self._apply(batch, stats):
             if reason is None:
                 yield doc
@@ -146,8 +162,9 @@ class Pipeline:
     def new_stats(self) -> list[StepStats]:
         return [StepStats(s.name) for s in self.steps]
 
-    def run(self, docs: Iterable[Document], stats: list[StepStats],
-            on_drop: DroppedSink | None = None) -> Iterator[Document]:
+    def run(
+        self, docs: Iterable[Document], stats: list[StepStats], on_drop: DroppedSink | None = None
+    ) -> Iterator[Document]:
         stream: Iterable[Document] = docs
         for step, st in zip(self.steps, stats):
             stream = step.run(stream, st, on_drop)

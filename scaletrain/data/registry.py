@@ -27,9 +27,15 @@ STEP_TYPES: dict[str, str] = {
     "hf_score": "scaletrain.data.quality.hf_classifier:HFClassifierScorer",
     "score_filter": "scaletrain.data.quality.threshold:ScoreFilter",
 }
-ALIASES = {"gopher": "gopher_quality", "repetition": "gopher_repetition",
-           "fineweb": "fineweb_quality", "exact": "exact_dedup", "minhash": "minhash_dedup",
-           "semantic": "semantic_dedup", "lang": "language"}
+ALIASES = {
+    "gopher": "gopher_quality",
+    "repetition": "gopher_repetition",
+    "fineweb": "fineweb_quality",
+    "exact": "exact_dedup",
+    "minhash": "minhash_dedup",
+    "semantic": "semantic_dedup",
+    "lang": "language",
+}
 
 
 def step_class(name: str) -> type[Step]:

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,9 @@ class RunOptions:
     keep_work: bool = False  # keep intermediate stages after a successful run
 
 
-def group_shards(shards: list[Shard], n_tasks: int | None, task_bytes: int,
-                 min_tasks: int = 1) -> list[list[Shard]]:
+def group_shards(
+    shards: list[Shard], n_tasks: int | None, task_bytes: int, min_tasks: int = 1
+) -> list[list[Shard]]:
     """Pack shards, in order, into tasks of about equal input bytes."""
     sizes = [_shard_bytes(s) for s in shards]
     total = sum(sizes)
@@ -92,15 +94,26 @@ def _shard_bytes(s: Shard) -> int:
         return 1
 
 
-def process_task(i: int, *, tasks: list[list[Shard]], pipeline: Pipeline, out_dir: str,
-                 opts: RunOptions, dropped_dir: str | None) -> dict[str, Any]:
+def process_task(
+    i: int,
+    *,
+    tasks: list[list[Shard]],
+    pipeline: Pipeline,
+    out_dir: str,
+    opts: RunOptions,
+    dropped_dir: str | None,
+) -> dict[str, Any]:
     """One task: read its shards, run the steps, write kept (and dropped) documents."""
     report = ReadReport()
     stats = pipeline.new_stats()
-    docs = (d for s in tasks[i] for d in read_shard(s, report))
+    first = sum(len(t) for t in tasks[:i])  # index of this task's first shard in the stage
+    docs = _positioned(tasks[i], first, report)
     writer = make_writer(out_dir, opts.output_format, f"part-{i:05d}", opts.shard_bytes)
-    drop_writer = (make_writer(dropped_dir, "jsonl", f"dropped-{i:05d}", opts.shard_bytes)
-                   if dropped_dir else None)
+    drop_writer = (
+        make_writer(dropped_dir, "jsonl", f"dropped-{i:05d}", opts.shard_bytes)
+        if dropped_dir
+        else None
+    )
 
     def on_drop(step: str, doc: Document, reason: str) -> None:
         if drop_writer is not None:
@@ -120,9 +133,21 @@ def process_task(i: int, *, tasks: list[list[Shard]], pipeline: Pipeline, out_di
         if drop_writer is not None:
             drop_writer.abort()
         raise
-    return {"stats": [s.to_dict() for s in stats], "docs_in": n_in, "docs_out": writer.count,
-            "files": [os.path.basename(f) for f in files],
-            "malformed": report.malformed, "malformed_examples": report.examples}
+    return {
+        "stats": [s.to_dict() for s in stats],
+        "docs_in": n_in,
+        "docs_out": writer.count,
+        "files": [os.path.basename(f) for f in files],
+        "malformed": report.malformed,
+        "malformed_examples": report.examples,
+    }
+
+
+def _positioned(shards: list[Shard], first: int, report: ReadReport) -> Iterator[Document]:
+    for k, s in enumerate(shards):
+        for p, doc in enumerate(read_shard(s, report)):
+            doc.pos = f"{first + k}:{p}"
+            yield doc
 
 
 def _fingerprint(steps: list[Step], tasks: list[list[Shard]], opts: RunOptions) -> str:
@@ -147,23 +172,39 @@ def _prepare_job(job_dir: str, fingerprint: str, out_dir: str, n_tasks: int) -> 
     # leftovers of tasks killed half-way: temporary files, and outputs of unfinished tasks
     for tmp in glob.glob(os.path.join(glob.escape(out_dir), "*.tmp")):
         os.remove(tmp)
-    done = set(os.listdir(os.path.join(job_dir, "done"))) if os.path.isdir(
-        os.path.join(job_dir, "done")) else set()
+    done = (
+        set(os.listdir(os.path.join(job_dir, "done")))
+        if os.path.isdir(os.path.join(job_dir, "done"))
+        else set()
+    )
     for i in range(n_tasks):
         if f"{i:05d}.json" not in done:
             for f in glob.glob(os.path.join(glob.escape(out_dir), f"part-{i:05d}-*")):
                 os.remove(f)
 
 
-def run_stage(steps: list[Step], shards: list[Shard], out_dir: str, job_dir: str,
-              executor: Executor, opts: RunOptions, desc: str,
-              dropped_dir: str | None = None) -> list[dict[str, Any]]:
+def run_stage(
+    steps: list[Step],
+    shards: list[Shard],
+    out_dir: str,
+    job_dir: str,
+    executor: Executor,
+    opts: RunOptions,
+    desc: str,
+    dropped_dir: str | None = None,
+) -> list[dict[str, Any]]:
     """Run per-document steps over shards into `out_dir`; returns per-task results."""
     tasks = group_shards(shards, opts.tasks, opts.task_bytes, opts.min_tasks)
     pipeline = Pipeline(steps)
     _prepare_job(job_dir, _fingerprint(steps, tasks, opts), out_dir, len(tasks))
-    fn = functools.partial(process_task, tasks=tasks, pipeline=pipeline, out_dir=out_dir,
-                           opts=opts, dropped_dir=dropped_dir)
+    fn = functools.partial(
+        process_task,
+        tasks=tasks,
+        pipeline=pipeline,
+        out_dir=out_dir,
+        opts=opts,
+        dropped_dir=dropped_dir,
+    )
     log.info("%s: %d input shards in %d tasks on %s", desc, len(shards), len(tasks), executor.name)
     return executor.run(fn, len(tasks), job_dir, desc)
 
@@ -182,9 +223,15 @@ def split_stages(steps: list[Step]) -> list[list[Step]]:
     return stages
 
 
-def run_pipeline(steps: list[Step], inputs: str | list[str], output_dir: str,
-                 executor: Executor | None = None, opts: RunOptions | None = None,
-                 overwrite: bool = False, root: str | None = None) -> dict[str, Any]:
+def run_pipeline(
+    steps: list[Step],
+    inputs: str | list[str],
+    output_dir: str,
+    executor: Executor | None = None,
+    opts: RunOptions | None = None,
+    overwrite: bool = False,
+    root: str | None = None,
+) -> dict[str, Any]:
     """Run the whole pipeline; returns (and writes to OUTPUT/stats.json) the run summary.
 
     `root`: the directory text-file ids are relative to (default: each input's directory).
@@ -211,10 +258,16 @@ def run_pipeline(steps: list[Step], inputs: str | list[str], output_dir: str,
         last = k == len(stages) - 1
         out_dir = output_dir if last else os.path.join(work, f"stage-{k}")
         stage_dropped = os.path.join(dropped_dir, f"stage-{k}") if dropped_dir else None
-        results = run_stage(stage, shards, out_dir, os.path.join(work, f"job-{k}"), executor,
-                            opts if last else RunOptions(opts.tasks, opts.task_bytes,
-                                                         opts.min_tasks),
-                            f"stage {k + 1}/{len(stages)}", stage_dropped)
+        results = run_stage(
+            stage,
+            shards,
+            out_dir,
+            os.path.join(work, f"job-{k}"),
+            executor,
+            opts if last else RunOptions(opts.tasks, opts.task_bytes, opts.min_tasks),
+            f"stage {k + 1}/{len(stages)}",
+            stage_dropped,
+        )
         all_results.append(results)
         shards = output_shards(out_dir, results)
     summary = summarize(steps, all_results, executor, time.perf_counter() - t0, input_bytes)
@@ -229,8 +282,13 @@ def run_pipeline(steps: list[Step], inputs: str | list[str], output_dir: str,
     return summary
 
 
-def summarize(steps: list[Step], stage_results: list[list[dict[str, Any]]], executor: Executor,
-              seconds: float, input_bytes: int) -> dict[str, Any]:
+def summarize(
+    steps: list[Step],
+    stage_results: list[list[dict[str, Any]]],
+    executor: Executor,
+    seconds: float,
+    input_bytes: int,
+) -> dict[str, Any]:
     """Statistics of a run: per step (all tasks added up), read errors, totals."""
     step_stats: list[StepStats] = []
     malformed, examples = 0, []
@@ -252,8 +310,7 @@ def summarize(steps: list[Step], stage_results: list[list[dict[str, Any]]], exec
         "tasks": len(last),
         "malformed_records": malformed,
         "malformed_examples": examples[:20],
-        "steps": [_step_entry(s, descr.get(s.name, s.name), fits.get(s.name))
-                  for s in step_stats],
+        "steps": [_step_entry(s, descr.get(s.name, s.name), fits.get(s.name)) for s in step_stats],
     }
 
 

@@ -28,7 +28,8 @@ class DedupStep(GlobalStep):
 
     def __init__(self) -> None:
         super().__init__()
-        self.remove: dict[str, str] = {}  # id -> id of the document it duplicates
+        # "shard:position" of a removed document -> id of the document it duplicates
+        self.remove: dict[str, str] = {}
         self.fit_stats: dict[str, Any] = {}
 
     def map_shard(self, shard: Shard, out_path: str) -> dict[str, Any]:
@@ -36,7 +37,8 @@ class DedupStep(GlobalStep):
         raise NotImplementedError
 
     def reduce(self, shards: list[Shard], map_files: list[str]) -> dict[str, str]:
-        """Decide the removals from all map outputs (shard order): {id: duplicate_of}."""
+        """Decide the removals from all map outputs (shard order): {position key:
+        duplicate_of id}, position keys as `position_keys` makes them."""
         raise NotImplementedError
 
     def extra_state(self) -> Any:
@@ -69,12 +71,18 @@ class DedupStep(GlobalStep):
         self.remove = self.reduce(shards, files)
         tmp = decision + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"remove": self.remove, "stats": self.fit_stats,
-                       "extra": self.extra_state()}, f)
+            json.dump(
+                {"remove": self.remove, "stats": self.fit_stats, "extra": self.extra_state()}, f
+            )
         os.replace(tmp, decision)
 
+    @staticmethod
+    def position_keys(shard_index: int, n: int) -> list[str]:
+        """The keys of a shard's documents, as the runner sets `Document.pos`."""
+        return [f"{shard_index}:{p}" for p in range(n)]
+
     def process(self, doc: Document) -> Document | str:
-        dup_of = self.remove.get(doc.id)
+        dup_of = self.remove.get(doc.pos if doc.pos is not None else doc.id)
         if dup_of is None:
             return doc
         doc.metadata["duplicate_of"] = dup_of

@@ -71,17 +71,23 @@ class ExactDedup(DedupStep):
                     if len(n) >= self.min_unit_chars:
                         hashes.append(self._hash(n))
                         doc_of.append(k)
-        np.savez(out_path, ids=np.array(ids, dtype=object),
-                 hashes=np.array(hashes, dtype=np.uint64), doc=np.array(doc_of, dtype=np.int64))
+        np.savez(
+            out_path,
+            ids=np.array(ids, dtype=object),
+            hashes=np.array(hashes, dtype=np.uint64),
+            doc=np.array(doc_of, dtype=np.int64),
+        )
         return {"docs": len(ids)}
 
     def reduce(self, shards: list[Shard], map_files: list[str]) -> dict[str, str]:
         ids: list[str] = []
+        keys: list[str] = []
         hashes, docs = [], []
-        for f in map_files:
+        for si, f in enumerate(map_files):
             z = np.load(f, allow_pickle=True)
             docs.append(z["doc"] + len(ids))
             ids += z["ids"].tolist()
+            keys += self.position_keys(si, len(z["ids"]))
             hashes.append(z["hashes"])
         h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
         d = np.concatenate(docs) if docs else np.zeros(0, np.int64)
@@ -94,9 +100,9 @@ class ExactDedup(DedupStep):
         dup_mask = ~first
         self.fit_stats = {"units": int(len(h)), "duplicate_units": int(dup_mask.sum())}
         if self.level == "document":
-            return {ids[d[order[i]]]: ids[d[first_pos[i]]] for i in np.flatnonzero(dup_mask)}
+            return {keys[d[order[i]]]: ids[d[first_pos[i]]] for i in np.flatnonzero(dup_mask)}
         # unit level: remember the owner of every repeated unit; process() cuts the repeats
-        self.unit_owner = {int(hs[i]): ids[d[first_pos[i]]] for i in np.flatnonzero(dup_mask)}
+        self.unit_owner = {int(hs[i]): keys[d[first_pos[i]]] for i in np.flatnonzero(dup_mask)}
         return {}
 
     def extra_state(self) -> Any:
@@ -115,7 +121,8 @@ class ExactDedup(DedupStep):
             if len(n) >= self.min_unit_chars:
                 h = self._hash(n)
                 owner = self.unit_owner.get(h)
-                if (owner is not None and owner != doc.id) or h in seen_here:
+                me = doc.pos if doc.pos is not None else doc.id
+                if (owner is not None and owner != me) or h in seen_here:
                     self.counters[f"removed_{self.level}s"] += 1
                     continue
                 seen_here.add(h)

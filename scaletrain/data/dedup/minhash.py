@@ -62,10 +62,18 @@ class MinHashDedup(DedupStep):
     name = "minhash_dedup"
     reason_name = "near_duplicate"
 
-    def __init__(self, preset: str = "fineweb", shingle: str | None = None,
-                 ngram: int | None = None, bands: int | None = None, rows: int | None = None,
-                 threshold: float | None = None, verify: bool = False, seed: int = 1,
-                 batch_docs: int = 256):
+    def __init__(
+        self,
+        preset: str = "fineweb",
+        shingle: str | None = None,
+        ngram: int | None = None,
+        bands: int | None = None,
+        rows: int | None = None,
+        threshold: float | None = None,
+        verify: bool = False,
+        seed: int = 1,
+        batch_docs: int = 256,
+    ):
         super().__init__()
         if preset not in PRESETS:
             raise ValueError(f"MinHash preset '{preset}': use one of {sorted(PRESETS)}")
@@ -79,8 +87,10 @@ class MinHashDedup(DedupStep):
         self.verify, self.seed, self.batch_docs = verify, seed, batch_docs
 
     def describe(self) -> str:
-        return (f"{self.name}({self.shingle} {self.ngram}-grams, {self.bands}x{self.rows}, "
-                f"threshold {self.threshold}, verify={self.verify})")
+        return (
+            f"{self.name}({self.shingle} {self.ngram}-grams, {self.bands}x{self.rows}, "
+            f"threshold {self.threshold}, verify={self.verify})"
+        )
 
     def shingles(self, text: str) -> np.ndarray:
         if self.shingle == "word":
@@ -130,11 +140,13 @@ class MinHashDedup(DedupStep):
 
     def reduce(self, shards: list[Shard], map_files: list[str]) -> dict[str, str]:
         ids: list[str] = []
+        keys: list[str] = []
         sigs, shard_of, pos_of = [], [], []
         for si, f in enumerate(map_files):
             z = np.load(f, allow_pickle=True)
             n = len(z["ids"])
             ids += z["ids"].tolist()
+            keys += self.position_keys(si, n)
             sigs.append(z["sig"])
             shard_of.append(np.full(n, si))
             pos_of.append(np.arange(n))
@@ -155,25 +167,33 @@ class MinHashDedup(DedupStep):
             for comp in comps.values():
                 survivors: list[int] = []
                 for i in sorted(comp):
-                    best = next((s for s in survivors if jaccard(sh[i], sh[s]) >= self.threshold),
-                                None)
+                    best = next(
+                        (s for s in survivors if jaccard(sh[i], sh[s]) >= self.threshold), None
+                    )
                     if best is None:
                         survivors.append(i)
                         below += 1 if survivors[0] != i else 0
                     else:
-                        remove[ids[i]] = ids[best]
+                        remove[keys[i]] = ids[best]
             self.fit_stats["candidates_rejected_by_verification"] = below
         else:
             for root, comp in comps.items():
                 for i in comp:
                     if i != root:
-                        remove[ids[i]] = ids[root]
-        self.fit_stats.update({"documents": len(ids), "candidate_pairs": int(len(edges)),
-                               "components": len(comps), "removed": len(remove)})
+                        remove[keys[i]] = ids[root]
+        self.fit_stats.update(
+            {
+                "documents": len(ids),
+                "candidate_pairs": int(len(edges)),
+                "components": len(comps),
+                "removed": len(remove),
+            }
+        )
         return remove
 
-    def _load_shingles(self, shards: list[Shard], members: list[int],
-                       where: tuple[np.ndarray, np.ndarray]) -> dict[int, np.ndarray]:
+    def _load_shingles(
+        self, shards: list[Shard], members: list[int], where: tuple[np.ndarray, np.ndarray]
+    ) -> dict[int, np.ndarray]:
         """Shingle sets of the given documents, re-read from their shards."""
         wanted: dict[int, dict[int, int]] = defaultdict(dict)
         for g, s, p in zip(members, where[0].tolist(), where[1].tolist()):

@@ -33,8 +33,13 @@ def default_model_path() -> str:
 class Embedder:
     """Normalized sentence embeddings in batches (the model is loaded on first use)."""
 
-    def __init__(self, model: str | None = None, device: str | None = None,
-                 batch_size: int = 64, max_chars: int = 2000):
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str | None = None,
+        batch_size: int = 64,
+        max_chars: int = 2000,
+    ):
         self.model_path, self.device = model, device
         self.batch_size, self.max_chars = batch_size, max_chars
         self._model: Any = None
@@ -52,16 +57,21 @@ class Embedder:
                     "semantic dedup needs sentence-transformers: pip install 'scaletrain[curate]'"
                 ) from e
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._model = SentenceTransformer(self.model_path or default_model_path(),
-                                              device=device)
+            self._model = SentenceTransformer(
+                self.model_path or default_model_path(), device=device
+            )
         return self._model
 
     def __call__(self, texts: Sequence[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, 0), np.float32)
-        emb = self._load().encode([t[: self.max_chars] for t in texts],
-                                  batch_size=self.batch_size, normalize_embeddings=True,
-                                  convert_to_numpy=True, show_progress_bar=False)
+        emb = self._load().encode(
+            [t[: self.max_chars] for t in texts],
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
         return np.asarray(emb, dtype=np.float32)
 
 
@@ -73,7 +83,9 @@ def kmeans_labels(x: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     try:
         from sklearn.cluster import KMeans
     except ImportError as e:
-        raise RuntimeError("semantic dedup needs scikit-learn: pip install 'scaletrain[curate]'") from e
+        raise RuntimeError(
+            "semantic dedup needs scikit-learn: pip install 'scaletrain[curate]'"
+        ) from e
     return KMeans(n_clusters=k, n_init=3, random_state=seed).fit_predict(x).astype(np.int64)
 
 
@@ -100,9 +112,15 @@ class SemanticDedup(DedupStep):
     name = "semantic_dedup"
     reason_name = "semantic_duplicate"
 
-    def __init__(self, threshold: float = 0.9, clusters: int | None = None,
-                 model: str | None = None, device: str | None = None, batch_size: int = 64,
-                 seed: int = 0):
+    def __init__(
+        self,
+        threshold: float = 0.9,
+        clusters: int | None = None,
+        model: str | None = None,
+        device: str | None = None,
+        batch_size: int = 64,
+        seed: int = 0,
+    ):
         super().__init__()
         self.threshold, self.clusters, self.seed = threshold, clusters, seed
         self.embedder = Embedder(model, device, batch_size)
@@ -118,10 +136,12 @@ class SemanticDedup(DedupStep):
 
     def reduce(self, shards: list[Shard], map_files: list[str]) -> dict[str, str]:
         ids: list[str] = []
+        keys: list[str] = []
         embs = []
-        for f in map_files:
+        for si, f in enumerate(map_files):
             z = np.load(f, allow_pickle=True)
             ids += z["ids"].tolist()
+            keys += self.position_keys(si, len(z["ids"]))
             if len(z["ids"]):
                 embs.append(z["emb"])
         if not ids:
@@ -135,6 +155,6 @@ class SemanticDedup(DedupStep):
             dup_of = semdedup_cluster(emb[members], self.threshold)
             for i, j in zip(members.tolist(), dup_of.tolist()):
                 if j >= 0:
-                    remove[ids[i]] = ids[members[j]]
+                    remove[keys[i]] = ids[members[j]]
         self.fit_stats = {"documents": len(ids), "clusters": int(k), "removed": len(remove)}
         return remove

@@ -51,8 +51,9 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _window_hashes(values: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                   powers: _Powers) -> np.ndarray:
+def _window_hashes(
+    values: np.ndarray, starts: np.ndarray, ends: np.ndarray, powers: _Powers
+) -> np.ndarray:
     """Polynomial hash of values[s:e] for every (s, e), position-independent."""
     pw, ipw = powers.get(len(values) + 1)
     with np.errstate(over="ignore"):
@@ -98,8 +99,9 @@ def permutations(num_perm: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
-def minhash_batch(shingle_sets: list[np.ndarray], a: np.ndarray, b: np.ndarray,
-                  chunk_rows: int = 1 << 15) -> np.ndarray:
+def minhash_batch(
+    shingle_sets: list[np.ndarray], a: np.ndarray, b: np.ndarray, chunk_rows: int = 1 << 15
+) -> np.ndarray:
     """MinHash signatures (len(sets), num_perm) uint32 of several shingle sets at once."""
     sizes = np.array([len(s) for s in shingle_sets], np.int64)
     flat = np.concatenate(shingle_sets) if shingle_sets else np.zeros(0, np.uint64)
@@ -112,7 +114,9 @@ def minhash_batch(shingle_sets: list[np.ndarray], a: np.ndarray, b: np.ndarray,
         d1 = max(d1, d0 + 1)
         lo, hi = offsets[d0], offsets[d1]
         with np.errstate(over="ignore"):
-            vals = ((flat[lo:hi, None] * a[None, :] + b[None, :]) >> np.uint64(32)).astype(np.uint32)
+            vals = ((flat[lo:hi, None] * a[None, :] + b[None, :]) >> np.uint64(32)).astype(
+                np.uint32
+            )
         out[d0:d1] = np.minimum.reduceat(vals, offsets[d0:d1] - lo, axis=0)
         d0 = d1
     return out

@@ -4,8 +4,9 @@ from scaletrain.data.executors.base import Executor
 from scaletrain.data.executors.local import LocalExecutor
 
 
-def make_executor(kind: str = "local", workers: int | None = None,
-                  address: str | None = None) -> Executor:
+def make_executor(
+    kind: str = "local", workers: int | None = None, address: str | None = None
+) -> Executor:
     """'local' (worker processes) or 'ray' (a cluster at `address`, else a local one)."""
     if kind == "local":
         return LocalExecutor(workers)

@@ -68,8 +68,9 @@ class Executor(ABC):
         return [results[i] for i in range(n_tasks)]
 
     @abstractmethod
-    def _run_pending(self, fn: TaskFn, pending: list[int], job_dir: str,
-                     desc: str) -> list[tuple[int, dict]]:
+    def _run_pending(
+        self, fn: TaskFn, pending: list[int], job_dir: str, desc: str
+    ) -> list[tuple[int, dict]]:
         """Run the pending tasks (each through `run_and_mark`)."""
 
 

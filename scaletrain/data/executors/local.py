@@ -23,8 +23,9 @@ class LocalExecutor(Executor):
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.start_method = start_method
 
-    def _run_pending(self, fn: TaskFn, pending: list[int], job_dir: str,
-                     desc: str) -> list[tuple[int, dict]]:
+    def _run_pending(
+        self, fn: TaskFn, pending: list[int], job_dir: str, desc: str
+    ) -> list[tuple[int, dict]]:
         t0 = time.perf_counter()
         out: list[tuple[int, dict]] = []
         if self.workers == 1 or len(pending) == 1:
@@ -34,9 +35,12 @@ class LocalExecutor(Executor):
             return out
         method = self.start_method or ("fork" if "fork" in mp.get_all_start_methods() else None)
         ctx = mp.get_context(method)
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(pending)), mp_context=ctx) as pool:
-            futures: dict[Future, int] = {pool.submit(run_and_mark, fn, i, job_dir): i
-                                          for i in pending}
+        with ProcessPoolExecutor(
+            max_workers=min(self.workers, len(pending)), mp_context=ctx
+        ) as pool:
+            futures: dict[Future, int] = {
+                pool.submit(run_and_mark, fn, i, job_dir): i for i in pending
+            }
             remaining = set(futures)
             while remaining:
                 done, remaining = wait(remaining, return_when=FIRST_COMPLETED)

@@ -29,8 +29,13 @@ class RayExecutor(Executor):
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, num_cpus: int | None = None,
-                 cpus_per_task: float = 1.0, max_in_flight: int | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        num_cpus: int | None = None,
+        cpus_per_task: float = 1.0,
+        max_in_flight: int | None = None,
+    ):
         self.address, self.num_cpus = address, num_cpus
         self.cpus_per_task, self.max_in_flight = cpus_per_task, max_in_flight
 
@@ -45,8 +50,9 @@ class RayExecutor(Executor):
             ray.init(**kwargs)
         return ray
 
-    def _run_pending(self, fn: TaskFn, pending: list[int], job_dir: str,
-                     desc: str) -> list[tuple[int, dict]]:
+    def _run_pending(
+        self, fn: TaskFn, pending: list[int], job_dir: str, desc: str
+    ) -> list[tuple[int, dict]]:
         ray = self._ensure_init()
         remote = ray.remote(num_cpus=self.cpus_per_task, max_retries=0)(run_and_mark)
         fn_ref = ray.put(fn)

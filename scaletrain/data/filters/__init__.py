@@ -7,5 +7,13 @@ from scaletrain.data.filters.gopher import GopherQualityFilter, GopherRepetition
 from scaletrain.data.filters.language import LanguageFilter
 from scaletrain.data.filters.url import UrlFilter
 
-__all__ = ["C4Filter", "CodeFilter", "CountsFilter", "FineWebQualityFilter",
-           "GopherQualityFilter", "GopherRepetitionFilter", "LanguageFilter", "UrlFilter"]
+__all__ = [
+    "C4Filter",
+    "CodeFilter",
+    "CountsFilter",
+    "FineWebQualityFilter",
+    "GopherQualityFilter",
+    "GopherRepetitionFilter",
+    "LanguageFilter",
+    "UrlFilter",
+]

@@ -11,8 +11,14 @@ from scaletrain.data.pipeline import Step
 
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019]?(?:\s|$)")
-POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies",
-                  "use of cookies", "use cookies")
+POLICY_PHRASES = (
+    "terms of use",
+    "privacy policy",
+    "cookie policy",
+    "uses cookies",
+    "use of cookies",
+    "use cookies",
+)
 
 
 class C4Filter(Step):
@@ -24,11 +30,18 @@ class C4Filter(Step):
 
     name = "c4"
 
-    def __init__(self, min_words_per_line: int = 3, max_word_length: int = 1000,
-                 min_sentences: int = 5, remove_citations: bool = True,
-                 drop_no_terminal_punct: bool = True, drop_javascript: bool = True,
-                 drop_policy: bool = True, filter_lorem_ipsum: bool = True,
-                 filter_curly_bracket: bool = True):
+    def __init__(
+        self,
+        min_words_per_line: int = 3,
+        max_word_length: int = 1000,
+        min_sentences: int = 5,
+        remove_citations: bool = True,
+        drop_no_terminal_punct: bool = True,
+        drop_javascript: bool = True,
+        drop_policy: bool = True,
+        filter_lorem_ipsum: bool = True,
+        filter_curly_bracket: bool = True,
+    ):
         super().__init__()
         self.min_words_per_line, self.max_word_length = min_words_per_line, max_word_length
         self.min_sentences, self.remove_citations = min_sentences, remove_citations

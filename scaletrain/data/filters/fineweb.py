@@ -15,10 +15,14 @@ class FineWebQualityFilter(Filter):
 
     name = "fineweb_quality"
 
-    def __init__(self, min_line_punct_ratio: float | None = 0.12,
-                 max_short_line_ratio: float | None = 0.67, short_line_length: int = 30,
-                 max_dup_line_char_ratio: float | None = 0.1,
-                 max_newline_word_ratio: float | None = 0.3):
+    def __init__(
+        self,
+        min_line_punct_ratio: float | None = 0.12,
+        max_short_line_ratio: float | None = 0.67,
+        short_line_length: int = 30,
+        max_dup_line_char_ratio: float | None = 0.1,
+        max_newline_word_ratio: float | None = 0.3,
+    ):
         super().__init__()
         self.min_line_punct_ratio = min_line_punct_ratio
         self.max_short_line_ratio, self.short_line_length = max_short_line_ratio, short_line_length
@@ -30,9 +34,9 @@ class FineWebQualityFilter(Filter):
         if not ls:
             return "empty"
         n = len(ls)
-        if self.min_line_punct_ratio is not None:
-            if sum(ln.endswith(TERMINAL_PUNCT) for ln in ls) / n <= self.min_line_punct_ratio:
-                return "line_punct_ratio"
+        punct = sum(ln.endswith(TERMINAL_PUNCT) for ln in ls) / n
+        if self.min_line_punct_ratio is not None and punct <= self.min_line_punct_ratio:
+            return "line_punct_ratio"
         if self.max_short_line_ratio is not None:
             short = sum(len(ln) <= self.short_line_length for ln in ls)
             if short / n >= self.max_short_line_ratio:

@@ -28,16 +28,25 @@ class GopherQualityFilter(Filter):
 
     name = "gopher_quality"
 
-    def __init__(self, min_words: int | None = 50, max_words: int | None = 100_000,
-                 min_avg_word_length: float | None = 3, max_avg_word_length: float | None = 10,
-                 max_symbol_word_ratio: float | None = 0.1,
-                 max_bullet_lines_ratio: float | None = 0.9,
-                 max_ellipsis_lines_ratio: float | None = 0.3,
-                 min_alpha_words_ratio: float | None = 0.8,
-                 min_stop_words: int | None = 2, stop_words: Sequence[str] = STOP_WORDS):
+    def __init__(
+        self,
+        min_words: int | None = 50,
+        max_words: int | None = 100_000,
+        min_avg_word_length: float | None = 3,
+        max_avg_word_length: float | None = 10,
+        max_symbol_word_ratio: float | None = 0.1,
+        max_bullet_lines_ratio: float | None = 0.9,
+        max_ellipsis_lines_ratio: float | None = 0.3,
+        min_alpha_words_ratio: float | None = 0.8,
+        min_stop_words: int | None = 2,
+        stop_words: Sequence[str] = STOP_WORDS,
+    ):
         super().__init__()
         self.min_words, self.max_words = min_words, max_words
-        self.min_avg_word_length, self.max_avg_word_length = min_avg_word_length, max_avg_word_length
+        self.min_avg_word_length, self.max_avg_word_length = (
+            min_avg_word_length,
+            max_avg_word_length,
+        )
         self.max_symbol_word_ratio = max_symbol_word_ratio
         self.max_bullet_lines_ratio = max_bullet_lines_ratio
         self.max_ellipsis_lines_ratio = max_ellipsis_lines_ratio
@@ -64,12 +73,13 @@ class GopherQualityFilter(Filter):
             if symbols / n > self.max_symbol_word_ratio:
                 return "symbol_word_ratio"
         ls = lines(text)
-        if ls and self.max_bullet_lines_ratio is not None:
-            if sum(ln.startswith(BULLETS) for ln in ls) / len(ls) > self.max_bullet_lines_ratio:
-                return "bullet_lines"
-        if ls and self.max_ellipsis_lines_ratio is not None:
-            if sum(ln.endswith(ELLIPSES) for ln in ls) / len(ls) > self.max_ellipsis_lines_ratio:
-                return "ellipsis_lines"
+        n_lines = max(len(ls), 1)
+        bullets = sum(ln.startswith(BULLETS) for ln in ls) / n_lines
+        if self.max_bullet_lines_ratio is not None and bullets > self.max_bullet_lines_ratio:
+            return "bullet_lines"
+        ellipses = sum(ln.endswith(ELLIPSES) for ln in ls) / n_lines
+        if self.max_ellipsis_lines_ratio is not None and ellipses > self.max_ellipsis_lines_ratio:
+            return "ellipsis_lines"
         if self.min_alpha_words_ratio is not None:
             alpha = sum(any(c.isalpha() for c in w) for w in ws)
             if alpha / n < self.min_alpha_words_ratio:
@@ -81,9 +91,11 @@ class GopherQualityFilter(Filter):
         return None
 
     def describe(self) -> str:
-        return (f"{self.name}(words {self.min_words}-{self.max_words}, avg word "
-                f"{self.min_avg_word_length}-{self.max_avg_word_length}, stop words >= "
-                f"{self.min_stop_words})")
+        return (
+            f"{self.name}(words {self.min_words}-{self.max_words}, avg word "
+            f"{self.min_avg_word_length}-{self.max_avg_word_length}, stop words >= "
+            f"{self.min_stop_words})"
+        )
 
 
 class GopherRepetitionFilter(Filter):
@@ -92,13 +104,22 @@ class GopherRepetitionFilter(Filter):
 
     name = "gopher_repetition"
 
-    def __init__(self, max_dup_line_frac: float | None = 0.30,
-                 max_dup_para_frac: float | None = 0.30,
-                 max_dup_line_char_frac: float | None = 0.20,
-                 max_dup_para_char_frac: float | None = 0.20,
-                 top_ngrams: Sequence[tuple[int, float]] = ((2, 0.20), (3, 0.18), (4, 0.16)),
-                 dup_ngrams: Sequence[tuple[int, float]] = (
-                     (5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10))):
+    def __init__(
+        self,
+        max_dup_line_frac: float | None = 0.30,
+        max_dup_para_frac: float | None = 0.30,
+        max_dup_line_char_frac: float | None = 0.20,
+        max_dup_para_char_frac: float | None = 0.20,
+        top_ngrams: Sequence[tuple[int, float]] = ((2, 0.20), (3, 0.18), (4, 0.16)),
+        dup_ngrams: Sequence[tuple[int, float]] = (
+            (5, 0.15),
+            (6, 0.14),
+            (7, 0.13),
+            (8, 0.12),
+            (9, 0.11),
+            (10, 0.10),
+        ),
+    ):
         super().__init__()
         self.max_dup_line_frac, self.max_dup_para_frac = max_dup_line_frac, max_dup_para_frac
         self.max_dup_line_char_frac = max_dup_line_char_frac

@@ -14,7 +14,9 @@ def load_list(path: str | Path) -> list[str]:
     """One entry a line; blank lines and '#' comments ignored."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"URL block list '{p}' not found; give a text file, one entry a line")
+        raise FileNotFoundError(
+            f"URL block list '{p}' not found; give a text file, one entry a line"
+        )
     out = []
     for line in p.read_text(encoding="utf-8").splitlines():
         line = line.split("#", 1)[0].strip().lower()
@@ -30,9 +32,14 @@ class UrlFilter(Filter):
 
     name = "url"
 
-    def __init__(self, blocked_domains: Iterable[str] = (), banned_words: Iterable[str] = (),
-                 domains_file: str | None = None, url_key: str = "url",
-                 drop_missing: bool = False):
+    def __init__(
+        self,
+        blocked_domains: Iterable[str] = (),
+        banned_words: Iterable[str] = (),
+        domains_file: str | None = None,
+        url_key: str = "url",
+        drop_missing: bool = False,
+    ):
         super().__init__()
         domains = [d.lower().lstrip(".") for d in blocked_domains]
         if domains_file:

@@ -5,6 +5,16 @@ from scaletrain.data.io.readers import ReadReport, Shard, plan_shards, read_docu
 from scaletrain.data.io.writers import JsonlWriter, ParquetWriter, ShardedWriter, make_writer
 
 __all__ = [
-    "InputError", "JsonlWriter", "ParquetWriter", "ReadReport", "Shard", "ShardedWriter",
-    "expand_inputs", "format_of", "make_writer", "plan_shards", "read_documents", "read_shard",
+    "InputError",
+    "JsonlWriter",
+    "ParquetWriter",
+    "ReadReport",
+    "Shard",
+    "ShardedWriter",
+    "expand_inputs",
+    "format_of",
+    "make_writer",
+    "plan_shards",
+    "read_documents",
+    "read_shard",
 ]

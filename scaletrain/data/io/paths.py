@@ -66,9 +66,7 @@ def format_of(path: str) -> str:
 
 def _walk_local(root: Path) -> Iterator[str]:
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS
-        )
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
         for name in sorted(filenames):
             if not name.startswith(".") and name not in SKIP_NAMES and ".tmp" not in name:
                 yield os.path.join(dirpath, name)

@@ -114,7 +114,9 @@ def _read_parquet(shard: Shard, report: ReadReport) -> Iterator[Document]:
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise InputError(f"cannot read Parquet file '{shard.path}': {e}") from e
         if "text" not in pf.schema_arrow.names:
-            raise InputError(f"'{shard.path}' has no 'text' column (columns: {pf.schema_arrow.names})")
+            raise InputError(
+                f"'{shard.path}' has no 'text' column (columns: {pf.schema_arrow.names})"
+            )
         end = pf.num_row_groups if shard.end is None else min(shard.end, pf.num_row_groups)
         for rg in range(shard.start, end):
             rows = pf.read_row_group(rg).to_pylist()
@@ -172,8 +174,9 @@ def _root_of(spec: str) -> str:
     return ""
 
 
-def plan_shards(spec: str | list[str], target_bytes: int = 64 << 20,
-                root: str | None = None) -> list[Shard]:
+def plan_shards(
+    spec: str | list[str], target_bytes: int = 64 << 20, root: str | None = None
+) -> list[Shard]:
     """Split the inputs into shards of about `target_bytes` (splittable files only).
 
     Uncompressed JSONL files are cut into byte ranges and Parquet files into row-group

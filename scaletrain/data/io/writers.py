@@ -95,8 +95,13 @@ class ShardedWriter:
 class JsonlWriter(ShardedWriter):
     """JSON lines `{"id", "text", "metadata"}`; `compression` None, 'gz' or 'zst'."""
 
-    def __init__(self, directory: str, prefix: str = "part", max_bytes: int = 256 << 20,
-                 compression: str | None = None):
+    def __init__(
+        self,
+        directory: str,
+        prefix: str = "part",
+        max_bytes: int = 256 << 20,
+        compression: str | None = None,
+    ):
         self.ext = ".jsonl" + (f".{compression}" if compression else "")
         self.compression = compression
         self._f: IO[bytes] | None = None
@@ -133,13 +138,19 @@ class ParquetWriter(ShardedWriter):
 
     ext = ".parquet"
 
-    def __init__(self, directory: str, prefix: str = "part", max_bytes: int = 256 << 20,
-                 row_group_rows: int = 4096):
+    def __init__(
+        self,
+        directory: str,
+        prefix: str = "part",
+        max_bytes: int = 256 << 20,
+        row_group_rows: int = 4096,
+    ):
         import pyarrow as pa
 
         self._pa = pa
-        self._schema = pa.schema([("id", pa.string()), ("text", pa.string()),
-                                  ("metadata", pa.string())])
+        self._schema = pa.schema(
+            [("id", pa.string()), ("text", pa.string()), ("metadata", pa.string())]
+        )
         self.row_group_rows = row_group_rows
         self._rows: list[Document] = []
         self._pw: Any = None
@@ -176,8 +187,9 @@ class ParquetWriter(ShardedWriter):
         self._pw = self._sink = None
 
 
-def make_writer(directory: str, fmt: str = "jsonl", prefix: str = "part",
-                max_bytes: int = 256 << 20) -> ShardedWriter:
+def make_writer(
+    directory: str, fmt: str = "jsonl", prefix: str = "part", max_bytes: int = 256 << 20
+) -> ShardedWriter:
     """'jsonl', 'jsonl.gz', 'jsonl.zst' or 'parquet'."""
     if fmt == "parquet":
         return ParquetWriter(directory, prefix, max_bytes)
@@ -185,5 +197,3 @@ def make_writer(directory: str, fmt: str = "jsonl", prefix: str = "part",
         comp = fmt.split(".")[1] if "." in fmt else None
         return JsonlWriter(directory, prefix, max_bytes, compression=comp)
     raise ValueError(f"output format '{fmt}': use jsonl, jsonl.gz, jsonl.zst or parquet")
-
-

@@ -5,5 +5,10 @@ from scaletrain.data.quality.hf_classifier import HFClassifierScorer
 from scaletrain.data.quality.kenlm_ppl import PerplexityScorer
 from scaletrain.data.quality.threshold import ScoreFilter
 
-__all__ = ["FastTextScorer", "HFClassifierScorer", "PerplexityScorer", "ScoreFilter",
-           "train_classifier"]
+__all__ = [
+    "FastTextScorer",
+    "HFClassifierScorer",
+    "PerplexityScorer",
+    "ScoreFilter",
+    "train_classifier",
+]

@@ -15,8 +15,15 @@ class HFClassifierScorer(Step):
 
     name = "hf_score"
 
-    def __init__(self, model: str, key: str = "hf_score", label: str | int | None = None,
-                 batch_size: int = 16, max_length: int = 512, device: str | None = None):
+    def __init__(
+        self,
+        model: str,
+        key: str = "hf_score",
+        label: str | int | None = None,
+        batch_size: int = 16,
+        max_length: int = 512,
+        device: str | None = None,
+    ):
         super().__init__()
         self.model_path, self.key, self.label = model, key, label
         self.batch_size, self.max_length, self.device = batch_size, max_length, device
@@ -31,7 +38,9 @@ class HFClassifierScorer(Step):
             import torch
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
         except ImportError as e:
-            raise RuntimeError("the HF scorer needs transformers: pip install 'scaletrain[hf]'") from e
+            raise RuntimeError(
+                "the HF scorer needs transformers: pip install 'scaletrain[hf]'"
+            ) from e
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._tok = AutoTokenizer.from_pretrained(self.model_path)
         self._model = AutoModelForSequenceClassification.from_pretrained(self.model_path)
@@ -42,16 +51,23 @@ class HFClassifierScorer(Step):
 
         if self._model is None:
             self._load()
-        enc = self._tok(texts, truncation=True, max_length=self.max_length, padding=True,
-                        return_tensors="pt").to(self._model.device)
+        enc = self._tok(
+            texts, truncation=True, max_length=self.max_length, padding=True, return_tensors="pt"
+        ).to(self._model.device)
         with torch.inference_mode():
             logits = self._model(**enc).logits.float()
         if logits.shape[-1] == 1:
             return logits[:, 0].tolist()
         probs = logits.softmax(-1)
-        idx = self.label if isinstance(self.label, int) else (
-            self._model.config.label2id[self.label] if self.label is not None
-            else logits.shape[-1] - 1)
+        idx = (
+            self.label
+            if isinstance(self.label, int)
+            else (
+                self._model.config.label2id[self.label]
+                if self.label is not None
+                else logits.shape[-1] - 1
+            )
+        )
         return probs[:, idx].tolist()
 
     def process_batch(self, docs: list[Document]) -> list[Document | str]:

@@ -12,8 +12,13 @@ class ScoreFilter(Filter):
 
     name = "score_filter"
 
-    def __init__(self, key: str, min_score: float | None = None,
-                 max_score: float | None = None, keep_missing: bool = False):
+    def __init__(
+        self,
+        key: str,
+        min_score: float | None = None,
+        max_score: float | None = None,
+        keep_missing: bool = False,
+    ):
         super().__init__()
         if min_score is None and max_score is None:
             raise ValueError(f"score filter on '{key}': give min_score and/or max_score")

@@ -83,7 +83,8 @@ def _edit(text: str, rate: float, rng: random.Random) -> str:
     words = text.split(" ")
     for _ in range(max(1, int(rate * len(words)))):
         i = rng.randrange(len(words))
-        words[i] = rng.choice(("data", "value", "result", "item", "x")) if rng.random() < 0.7 else ""
+        new = rng.choice(("data", "value", "result", "item", "x"))
+        words[i] = new if rng.random() < 0.7 else ""
     return " ".join(words)
 
 

@@ -181,3 +181,25 @@ def test_real_documents_mostly_pass_and_decisions_are_explained(ccnet: list[Docu
         verdicts = [_verdict(f, d.text) for d in ccnet]
         assert verdicts.count("keep") >= 16, (f.name, verdicts)
         assert all(v == "keep" or isinstance(v, str) and v for v in verdicts)
+
+
+def test_vectorized_ngram_statistics_equal_the_plain_definitions(ccnet: list[Document]) -> None:
+    import random
+
+    from scaletrain.data.filters.text import (
+        WordNgrams,
+        duplicate_ngram_char_fraction,
+        top_ngram_char_fraction,
+        words,
+    )
+
+    rng = random.Random(0)
+    texts = [d.text for d in ccnet]
+    texts += [" ".join(rng.choice("a b c dd ee fff".split()) for _ in range(rng.randrange(1, 80)))
+              for _ in range(30)]
+    for t in texts:
+        ws = words(t)
+        g = WordNgrams(ws)
+        for n in range(2, 11):
+            assert g.top_fraction(n) == pytest.approx(top_ngram_char_fraction(ws, n))
+            assert g.duplicate_fraction(n) == pytest.approx(duplicate_ngram_char_fraction(ws, n))

@@ -67,7 +67,7 @@ def test_unreadable_input_is_a_clear_error(tmp_path: Path) -> None:
         list(read_documents(str(tmp_path / "nope" / "*.jsonl")))
     bad = tmp_path / "x.jsonl.gz"
     bad.write_bytes(b"not gzip at all")
-    with pytest.raises(OSError):
+    with pytest.raises(InputError, match=r"cannot read '.*x\.jsonl\.gz'"):
         list(read_documents(str(bad)))
 
 
@@ -109,3 +109,34 @@ def test_ccnet_fixture_reads_with_metadata() -> None:
         first = json.loads(f.readline())
     assert docs[0].text == first["text"]
     assert "perplexity" in docs[0].metadata or "perplexity" in docs[0].metadata.get("metadata", {})
+
+
+def test_fsspec_urls_read_and_write() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    with fs.open("/curate-test/in/a.jsonl", "wb") as f:
+        f.write(b'{"id": "m1", "text": "from memory"}\n{"id": "m2", "text": "second"}\n')
+    docs = list(read_documents("memory://curate-test/in/*.jsonl"))
+    assert [d.id for d in docs] == ["m1", "m2"]
+    with make_writer("memory://curate-test/out", "jsonl.gz") as w:
+        for d in docs:
+            w.write(d)
+    assert [d.text for d in read_documents("memory://curate-test/out")] == ["from memory", "second"]
+    assert not [p for p in fs.find("/curate-test/out") if p.endswith(".tmp")]
+    fs.rm("/curate-test", recursive=True)
+
+
+def test_a_large_file_becomes_several_tasks_in_order(tmp_path: Path) -> None:
+    from scaletrain.data.executors import LocalExecutor
+    from scaletrain.data.filters import CountsFilter
+    from scaletrain.data.runner import RunOptions, run_pipeline
+    from tests.curate_helpers import read_output
+
+    recs = _records(300)
+    p = write_jsonl(tmp_path / "big.jsonl", recs)
+    opts = RunOptions(task_bytes=p.stat().st_size // 5)
+    s = run_pipeline([CountsFilter(min_words=4)], str(p), str(tmp_path / "o"), LocalExecutor(2),
+                     opts)
+    assert s["tasks"] >= 5
+    expected = [r["id"] for r in recs if len(r["text"].split()) >= 4]
+    assert [d["id"] for d in read_output(tmp_path / "o")] == expected

@@ -10,11 +10,10 @@ from scaletrain.data.documents import Document
 from scaletrain.data.filters.text import (
     BULLETS,
     ELLIPSES,
-    duplicate_ngram_char_fraction,
+    WordNgrams,
     duplicate_stats,
     lines,
     paragraphs,
-    top_ngram_char_fraction,
     words,
 )
 from scaletrain.data.pipeline import Filter
@@ -141,11 +140,11 @@ class GopherRepetitionFilter(Filter):
                 return f"dup_{kind}_frac"
             if char_frac is not None and chars_dup / total_chars > char_frac:
                 return f"dup_{kind}_char_frac"
-        ws = words(text)
+        grams = WordNgrams(words(text))
         for n, thr in self.top_ngrams:
-            if top_ngram_char_fraction(ws, int(n)) > thr:
+            if grams.top_fraction(int(n)) > thr:
                 return f"top_{int(n)}gram"
         for n, thr in self.dup_ngrams:
-            if duplicate_ngram_char_fraction(ws, int(n)) > thr:
+            if grams.duplicate_fraction(int(n)) > thr:
                 return f"dup_{int(n)}gram"
         return None

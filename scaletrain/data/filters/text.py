@@ -78,3 +78,53 @@ def duplicate_ngram_char_fraction(ws: list[str], n: int) -> float:
     total = sum(len(w) for w in ws)
     dup = sum(len(w) for w, c in zip(ws, covered) if c)
     return dup / max(total, 1)
+
+
+class WordNgrams:
+    """Vectorized n-gram statistics of one document's words (numpy, no per-n-gram loop).
+
+    Words are hashed once (Python's `hash`, consistent within a process, which is all a
+    per-document statistic needs); n-gram hashes are polynomial combinations of the word
+    hashes computed with prefix sums. The results equal `top_ngram_char_fraction` and
+    `duplicate_ngram_char_fraction` above (64-bit hash collisions aside).
+    """
+
+    def __init__(self, ws: list[str]):
+        import numpy as np
+
+        from scaletrain.data.dedup.shingles import _PW, _window_hashes
+
+        self._np, self._pw, self._window = np, _PW, _window_hashes
+        self.n_words = len(ws)
+        self.hashes = np.fromiter(map(hash, ws), np.int64, len(ws)).view(np.uint64)
+        self.lengths = np.fromiter(map(len, ws), np.int64, len(ws))
+        self.total = max(int(self.lengths.sum()), 1)
+
+    def _grams(self, n: int):  # noqa: ANN202 - numpy array
+        starts = self._np.arange(self.n_words - n + 1)
+        return self._window(self.hashes, starts, starts + n, self._pw)
+
+    def top_fraction(self, n: int) -> float:
+        np = self._np
+        if self.n_words < n:
+            return 0.0
+        uniq, first, counts = np.unique(self._grams(n), return_index=True, return_counts=True)
+        c = counts.max()
+        if c <= 1:
+            return 0.0
+        j = int(first[counts == c].min())  # ties: the earliest, as Counter.most_common does
+        return float(self.lengths[j : j + n].sum()) * int(c) / self.total
+
+    def duplicate_fraction(self, n: int) -> float:
+        np = self._np
+        if self.n_words < n:
+            return 0.0
+        _, inv, counts = np.unique(self._grams(n), return_inverse=True, return_counts=True)
+        starts = np.flatnonzero(counts[inv] > 1)
+        if len(starts) == 0:
+            return 0.0
+        diff = np.zeros(self.n_words + 1, np.int64)
+        np.add.at(diff, starts, 1)
+        np.add.at(diff, starts + n, -1)
+        covered = np.cumsum(diff[:-1]) > 0
+        return float(self.lengths[covered].sum()) / self.total

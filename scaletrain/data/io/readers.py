@@ -28,6 +28,11 @@ from scaletrain.data.io.paths import (
 
 log = logging.getLogger("scaletrain.data.io")
 
+try:  # a damaged .zst stream raises zstandard's own error type
+    from zstandard import ZstdError as _ZstdError
+except ImportError:  # pragma: no cover - zstandard is optional
+    _ZstdError = OSError  # type: ignore[assignment,misc]
+
 MAX_EXAMPLES = 20  # malformed records kept (file:line + message) for the report
 
 
@@ -151,16 +156,24 @@ def read_shard(shard: Shard, report: ReadReport | None = None) -> Iterator[Docum
     """The documents of one shard, in file order."""
     report = report if report is not None else ReadReport()
     fmt = shard.format
-    if fmt == "jsonl":
-        yield from _read_jsonl(shard, report)
-    elif fmt == "parquet":
-        yield from _read_parquet(shard, report)
-    elif fmt == "warc":
-        from scaletrain.data.io.warc import read_warc
+    try:
+        if fmt == "jsonl":
+            yield from _read_jsonl(shard, report)
+        elif fmt == "parquet":
+            yield from _read_parquet(shard, report)
+        elif fmt == "warc":
+            from scaletrain.data.io.warc import read_warc
 
-        yield from read_warc(shard.path, report)
-    else:
-        yield from _read_text(shard, report)
+            yield from read_warc(shard.path, report)
+        else:
+            yield from _read_text(shard, report)
+    except InputError:
+        raise
+    except (OSError, EOFError, _ZstdError) as e:  # damaged gzip/zstd stream, truncated file
+        raise InputError(
+            f"cannot read '{shard.path}' ({type(e).__name__}: {e}); check that the file is "
+            "complete and its suffix matches its compression"
+        ) from e
 
 
 def _root_of(spec: str) -> str:

@@ -195,8 +195,12 @@ def test_vectorized_ngram_statistics_equal_the_plain_definitions(ccnet: list[Doc
 
     rng = random.Random(0)
     texts = [d.text for d in ccnet]
-    texts += [" ".join(rng.choice("a b c dd ee fff".split()) for _ in range(rng.randrange(1, 80)))
-              for _ in range(30)]
+    texts += [
+        " ".join(
+            rng.choice(["a", "b", "c", "dd", "ee", "fff"]) for _ in range(rng.randrange(1, 80))
+        )
+        for _ in range(30)
+    ]
     for t in texts:
         ws = words(t)
         g = WordNgrams(ws)

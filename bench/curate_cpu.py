@@ -39,8 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "curate_cpu.json"
-FIXTURES = [Path(os.environ.get("SCALETRAIN_FIXTURES", ROOT.parent / "shared" / "fixtures")),
-            Path("/work/shared/fixtures")]
+FIXTURES = [
+    Path(os.environ.get("SCALETRAIN_FIXTURES", ROOT.parent / "shared" / "fixtures")),
+    Path("/work/shared/fixtures"),
+]
 
 
 def _fixture_dir() -> Path | None:
@@ -54,11 +56,12 @@ def build_corpus(mb: float, out: Path, seed: int = 0) -> tuple[Path, list[dict[s
     from scaletrain.data.io import read_documents
 
     _, files = discover_files(DataConfig())
-    base = [{"id": f.rel, "text": f.path.read_text(errors="replace")} for f in files]
+    base: list[dict[str, str]] = []
     fx = _fixture_dir()
-    if fx is not None:
+    if fx is not None:  # the real web text first, so every size has some
         for pat in ("ccnet_en_head-*.jsonl.gz", "cc_sample-*.warc.gz"):
             base += [{"id": d.id, "text": d.text} for d in read_documents(str(fx / pat))]
+    base += [{"id": f.rel, "text": f.path.read_text(errors="replace")} for f in files]
     base = [d for d in base if d["text"].strip()]
     rng = random.Random(seed)
     docs, size, rep = [], 0, 0
@@ -105,15 +108,21 @@ def bench_filters(docs: list[dict[str, str]]) -> dict[str, dict[str, float]]:
     ours = [Document(d["id"], d["text"]) for d in docs]
     theirs = [DTDoc(text=d["text"], id=d["id"]) for d in docs]
     out = {}
-    for name, mine, dt in (("gopher_quality", GopherQualityFilter(), DTQ()),
-                           ("gopher_repetition", GopherRepetitionFilter(), DTR())):
+    for name, mine, dt in (
+        ("gopher_quality", GopherQualityFilter(), DTQ()),
+        ("gopher_repetition", GopherRepetitionFilter(), DTR()),
+    ):
         dt.filter(theirs[0])  # load the tokenizer outside the timing
         t_ours = _timed(lambda m=mine: [m.reason(d) for d in ours])
         t_dt = _timed(lambda f=dt: [f.filter(d) for d in theirs])
-        kept_ours = sum(mine.reason(d) is None for d in ours[:2000])
-        kept_dt = sum(dt.filter(d) is True for d in theirs[:2000])
-        out[name] = {"ours_s": t_ours, "datatrove_s": t_dt,
-                     "kept_of_first_2000_ours": kept_ours, "kept_of_first_2000_datatrove": kept_dt}
+        kept_ours = sum(mine.reason(d) is None for d in ours)
+        kept_dt = sum(dt.filter(d) is True for d in theirs)
+        out[name] = {
+            "ours_s": t_ours,
+            "datatrove_s": t_dt,
+            "ours_kept": kept_ours,
+            "datatrove_kept": kept_dt,
+        }
     return out
 
 
@@ -126,13 +135,32 @@ def bench_signatures(docs: list[dict[str, str]]) -> tuple[dict[str, float], Any,
     texts = [d["text"] for d in docs]
     mine = MinHashDedup("fineweb")
     sig_ours: list[Any] = []
-    t_ours = _timed(lambda: sig_ours.append(np.concatenate(
-        [mine.signatures(texts[i : i + 256]) for i in range(0, len(texts), 256)])))
+    t_ours = _timed(
+        lambda: sig_ours.append(
+            np.concatenate([mine.signatures(texts[i : i + 256]) for i in range(0, len(texts), 256)])
+        )
+    )
     dt = MinhashDedupSignature(tempfile.mkdtemp(), config=MinhashConfig())
+    empty = np.full(112, np.iinfo(np.int64).max, np.int64)
+
+    def dt_sig(t: str) -> Any:  # datatrove skips texts shorter than one shingle
+        sh = dt.get_shingles(t)
+        return np.asarray(dt.get_signature(sh), np.int64).reshape(-1) if len(sh) else empty
+
     sig_dt: list[Any] = []
-    t_dt = _timed(lambda: sig_dt.extend(
-        np.asarray(dt.get_signature(dt.get_shingles(t))).reshape(-1) for t in texts))
-    return {"ours_s": t_ours, "datatrove_s": t_dt}, sig_ours[0], np.stack(sig_dt)
+    t_dt = _timed(lambda: sig_dt.extend(dt_sig(t) for t in texts))
+    # datatrove's values are 64-bit: keep them exact (a float detour would merge them)
+    return {"ours_s": t_ours, "datatrove_s": t_dt}, sig_ours[0], np.stack(sig_dt).view(np.uint64)
+
+
+def _count_jsonl(folder: Path) -> int:
+    import gzip
+
+    n = 0
+    for f in folder.rglob("*.jsonl*"):
+        with gzip.open(f, "rt") if f.suffix == ".gz" else open(f) as fh:
+            n += sum(1 for _ in fh)
+    return n
 
 
 def _normalized(doc: Any) -> str:
@@ -161,9 +189,15 @@ def bench_end_to_end(path: Path, work: Path) -> dict[str, dict[str, float]]:
     from scaletrain.data.runner import RunOptions, run_pipeline
 
     def dt_run(pipeline: list[Any], name: str, tasks: int = 1) -> float:
-        return _timed(lambda: LocalPipelineExecutor(
-            pipeline=pipeline, tasks=tasks, workers=1, logging_dir=str(work / "dtlogs" / name),
-            skip_completed=False).run())
+        return _timed(
+            lambda: LocalPipelineExecutor(
+                pipeline=pipeline,
+                tasks=tasks,
+                workers=1,
+                logging_dir=str(work / "dtlogs" / name),
+                skip_completed=False,
+            ).run()
+        )
 
     def reader() -> Any:
         return JsonlReader(str(path.parent), glob_pattern=path.name)
@@ -176,30 +210,52 @@ def bench_end_to_end(path: Path, work: Path) -> dict[str, dict[str, float]]:
     ec = ExactDedupConfig(content_getter=_normalized)
     t_dt = dt_run([reader(), ExactDedupSignature(str(d / "sigs"), config=ec)], "e1")
     t_dt += dt_run([ExactFindDedups(str(d / "sigs"), str(d / "dups"), config=ec)], "e2")
-    t_dt += dt_run([reader(), ExactDedupFilter(str(d / "dups"), config=ec),
-                    DTWriter(str(d / "out"))], "e3")
-    out["exact_dedup"] = {"ours_s": t_ours, "datatrove_s": t_dt, "ours_kept": s["docs_out"]}
+    t_dt += dt_run(
+        [reader(), ExactDedupFilter(str(d / "dups"), config=ec), DTWriter(str(d / "out"))], "e3"
+    )
+    out["exact_dedup"] = {
+        "ours_s": t_ours,
+        "datatrove_s": t_dt,
+        "ours_kept": s["docs_out"],
+        "datatrove_kept": _count_jsonl(d / "out"),
+    }
 
-    s = run_pipeline([MinHashDedup("fineweb")], str(path), str(work / "ours_mh"),
-                     LocalExecutor(1), opts)
+    s = run_pipeline(
+        [MinHashDedup("fineweb")], str(path), str(work / "ours_mh"), LocalExecutor(1), opts
+    )
     out_mh = {"ours_s": s["seconds"], "ours_kept": s["docs_out"]}
     cfg = MinhashConfig()
     d = work / "dt_mh"
     t_sig = dt_run([reader(), MinhashDedupSignature(str(d / "sigs"), config=cfg)], "m1")
-    t_b = dt_run([MinhashDedupBuckets(str(d / "sigs"), str(d / "buckets"), config=cfg)], "m2",
-                 tasks=cfg.num_buckets)  # one task per band, run one after another
+    t_b = dt_run(
+        [MinhashDedupBuckets(str(d / "sigs"), str(d / "buckets"), config=cfg)],
+        "m2",
+        tasks=cfg.num_buckets,
+    )  # one task per band, run one after another
     t_c = dt_run([MinhashDedupCluster(str(d / "buckets"), str(d / "remove"), config=cfg)], "m3")
-    t_f = dt_run([reader(), MinhashDedupFilter(str(d / "remove")), DTWriter(str(d / "out"))],
-                 "m4")
-    out_mh.update({"datatrove_s": t_sig + t_b + t_c + t_f, "datatrove_signatures_s": t_sig,
-                   "datatrove_buckets_s": t_b, "datatrove_cluster_s": t_c,
-                   "datatrove_filter_s": t_f})
+    t_f = dt_run([reader(), MinhashDedupFilter(str(d / "remove")), DTWriter(str(d / "out"))], "m4")
+    out_mh.update(
+        {
+            "datatrove_s": t_sig + t_b + t_c + t_f,
+            "datatrove_kept": _count_jsonl(d / "out"),
+            "datatrove_signatures_s": t_sig,
+            "datatrove_buckets_s": t_b,
+            "datatrove_cluster_s": t_c,
+            "datatrove_filter_s": t_f,
+        }
+    )
     out["minhash_dedup"] = out_mh
     return out
 
 
-def minhash_quality(docs: list[dict[str, str]], sig_ours: Any, sig_dt: Any, sample: int,
-                    threshold: float, seed: int = 0) -> dict[str, Any]:
+def minhash_quality(
+    docs: list[dict[str, str]],
+    sig_ours: Any,
+    sig_dt: Any,
+    sample: int,
+    threshold: float,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Candidate precision/recall of both signatures against exact word-5-gram Jaccard."""
     import numpy as np
     from scipy import sparse
@@ -212,8 +268,9 @@ def minhash_quality(docs: list[dict[str, str]], sig_ours: Any, sig_dt: Any, samp
     sh = [word_ngram_shingles(docs[i]["text"], 5) for i in idx]
     vocab, inv = np.unique(np.concatenate(sh), return_inverse=True)
     rows = np.repeat(np.arange(len(sh)), [len(s) for s in sh])
-    x = sparse.csr_matrix((np.ones(len(rows), np.float32), (rows, inv)),
-                          shape=(len(sh), len(vocab)))
+    x = sparse.csr_matrix(
+        (np.ones(len(rows), np.float32), (rows, inv)), shape=(len(sh), len(vocab))
+    )
     inter = (x @ x.T).tocoo()
     sizes = np.array([len(s) for s in sh])
     keep = inter.row < inter.col
@@ -222,22 +279,31 @@ def minhash_quality(docs: list[dict[str, str]], sig_ours: Any, sig_dt: Any, samp
     truth = {(int(a), int(b)) for a, b, j in zip(r, c, jac) if j >= threshold}
     jmap = {(int(a), int(b)): float(j) for a, b, j in zip(r, c, jac)}
     step = MinHashDedup("fineweb")
-    out: dict[str, Any] = {"sample_docs": int(len(idx)), "true_pairs": len(truth),
-                           "threshold": threshold}
+    out: dict[str, Any] = {
+        "sample_docs": int(len(idx)),
+        "true_pairs": len(truth),
+        "threshold": threshold,
+    }
     for name, sig in (("ours", sig_ours), ("datatrove", sig_dt)):
-        s = np.ascontiguousarray(sig[idx]).astype(np.uint32)
+        s = np.ascontiguousarray(sig[idx])
         edges = step.candidate_edges(s)
         # candidate_edges links members to their bucket's first document; expand buckets to
         # all pairs so both sides are judged on every pair that shares a band
         cand = _all_bucket_pairs(step, s)
         tp = len(cand & truth)
-        out[name] = {"candidates": len(cand), "star_edges": int(len(edges)),
-                     "precision": tp / len(cand) if cand else 1.0,
-                     "recall": tp / len(truth) if truth else 1.0}
-    cand = _all_bucket_pairs(step, np.ascontiguousarray(sig_ours[idx]).astype(np.uint32))
+        out[name] = {
+            "candidates": len(cand),
+            "star_edges": int(len(edges)),
+            "precision": tp / len(cand) if cand else 1.0,
+            "recall": tp / len(truth) if truth else 1.0,
+        }
+    cand = _all_bucket_pairs(step, np.ascontiguousarray(sig_ours[idx]))
     verified = {p for p in cand if jmap.get(p, 0.0) >= threshold}
-    out["ours_verified"] = {"candidates": len(verified), "precision": 1.0 if verified else 1.0,
-                            "recall": len(verified & truth) / len(truth) if truth else 1.0}
+    out["ours_verified"] = {
+        "candidates": len(verified),
+        "precision": 1.0 if verified else 1.0,
+        "recall": len(verified & truth) / len(truth) if truth else 1.0,
+    }
     return out
 
 
@@ -262,8 +328,9 @@ def _all_bucket_pairs(step: Any, sig: Any) -> set[tuple[int, int]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--mb", type=float, default=200.0, help="input size in MB")
     ap.add_argument("--sample", type=int, default=3000, help="documents for MinHash P/R")
     ap.add_argument("--threshold", type=float, default=0.75)
@@ -289,27 +356,42 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"input: {n:,} documents, {chars_mb:.1f} MB of text ({mb:.1f} MB JSONL); one process")
-    print(f"{'stage':<20}{'ours docs/s':>13}{'ours MB/s':>11}{'dt docs/s':>12}{'dt MB/s':>10}"
-          f"{'speed-up':>10}")
+    print(
+        f"{'stage':<20}{'ours docs/s':>13}{'ours MB/s':>11}{'dt docs/s':>12}{'dt MB/s':>10}"
+        f"{'speed-up':>10}{'kept ours/dt':>16}"
+    )
     for name, st in stages.items():
         o, t = st["ours_s"], st["datatrove_s"]
-        print(f"{name:<20}{n / o:>13,.0f}{chars_mb / o:>11.2f}{n / t:>12,.0f}{chars_mb / t:>10.2f}"
-              f"{t / o:>9.2f}x")
-    print(f"\nMinHash 14x8 candidates vs true Jaccard >= {args.threshold} "
-          f"({quality['sample_docs']} docs, {quality['true_pairs']} true pairs):")
+        kept = f"{st.get('ours_kept', '-')}/{st.get('datatrove_kept', '-')}"
+        print(
+            f"{name:<20}{n / o:>13,.0f}{chars_mb / o:>11.2f}{n / t:>12,.0f}{chars_mb / t:>10.2f}"
+            f"{t / o:>9.2f}x{kept:>16}"
+        )
+    print(
+        f"\nMinHash 14x8 candidates vs true Jaccard >= {args.threshold} "
+        f"({quality['sample_docs']} docs, {quality['true_pairs']} true pairs):"
+    )
     for name in ("ours", "datatrove", "ours_verified"):
         q = quality[name]
-        print(f"  {name:<14} precision {q['precision']:.3f}  recall {q['recall']:.3f}  "
-              f"({q['candidates']} candidate pairs)")
-    result = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "python": platform.python_version(), "documents": n, "text_mb": chars_mb,
-              "jsonl_mb": mb, "stages": stages, "minhash_quality": quality,
-              "note": "one process per side; shared 2-core machine, timings are noisy"}
+        print(
+            f"  {name:<14} precision {q['precision']:.3f}  recall {q['recall']:.3f}  "
+            f"({q['candidates']} candidate pairs)"
+        )
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "documents": n,
+        "text_mb": chars_mb,
+        "jsonl_mb": mb,
+        "stages": stages,
+        "minhash_quality": quality,
+        "note": "one process per side; shared 2-core machine, timings are noisy",
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwritten {args.out}")
     return 0
-
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""A fastText quality classifier: train on positive/negative example files, score documents.
+
+Uses the `fasttext-numpy2-wheel` package (`import fasttext`); the classic `fasttext-wheel`
+cannot predict under numpy 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+from scaletrain.data.documents import Document
+from scaletrain.data.io.readers import read_documents
+from scaletrain.data.pipeline import Step
+
+_WS = re.compile(r"\s+")
+
+
+def _fasttext() -> Any:
+    try:
+        import fasttext
+    except ImportError as e:
+        raise RuntimeError(
+            "fastText quality filtering needs fasttext-numpy2-wheel: pip install "
+            "'scaletrain[curate]'"
+        ) from e
+    return fasttext
+
+
+def _line(text: str) -> str:
+    return _WS.sub(" ", text).strip().lower()
+
+
+def train_classifier(
+    positive: str | Iterable[str],
+    negative: str | Iterable[str],
+    output: str,
+    epoch: int = 10,
+    lr: float = 0.5,
+    word_ngrams: int = 2,
+    dim: int = 64,
+    seed_threads: int = 1,
+    chunk_words: int = 100,
+) -> str:
+    """Train a binary classifier (labels `hq` and `lq`) and save it to `output` (.bin).
+
+    `positive` / `negative`: a path/glob of documents (JSONL, Parquet, text) or texts. Each
+    document is cut into examples of `chunk_words` words: one example per long document
+    gives fastText too few updates to learn from a small set.
+    """
+    ft = _fasttext()
+    fd, train_file = tempfile.mkstemp(suffix=".txt")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for label, src in (("hq", positive), ("lq", negative)):
+                texts = (d.text for d in read_documents(src)) if isinstance(src, str) else src
+                n = 0
+                for t in texts:
+                    w = _line(t).split()
+                    for i in range(0, len(w), chunk_words):
+                        f.write(f"__label__{label} {' '.join(w[i : i + chunk_words])}\n")
+                        n += 1
+                if n == 0:
+                    raise ValueError(
+                        f"no {label} examples in {src!r}; give documents to learn from"
+                    )
+        model = ft.train_supervised(
+            input=train_file,
+            epoch=epoch,
+            lr=lr,
+            wordNgrams=word_ngrams,
+            dim=dim,
+            thread=seed_threads,
+            verbose=0,
+        )
+    finally:
+        os.remove(train_file)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    tmp = output + ".tmp"
+    model.save_model(tmp)
+    os.replace(tmp, output)
+    return output
+
+
+class FastTextScorer(Step):
+    """Stores `metadata[key]` = P(label) from a fastText model file; keeps every document
+    (follow it by a ScoreFilter to filter)."""
+
+    name = "fasttext_score"
+
+    def __init__(self, model_path: str, key: str = "fasttext_hq", label: str = "hq"):
+        super().__init__()
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(
+                f"fastText model '{model_path}' not found; train one with "
+                "`scaletrain data quality --train-positive ...`"
+            )
+        self.model_path, self.key, self.label = model_path, key, f"__label__{label}"
+        self._model: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_model": None}
+
+    def score(self, text: str) -> float:
+        if self._model is None:
+            self._model = _fasttext().load_model(self.model_path)
+        labels, probs = self._model.predict(_line(text), k=-1)
+        return float(dict(zip(labels, probs)).get(self.label, 0.0))
+
+    def process(self, doc: Document) -> Document:
+        doc.metadata[self.key] = round(self.score(doc.text), 5)
+        return doc
+
+    def describe(self) -> str:
+        return f"{self.name}({os.path.basename(self.model_path)} -> {self.key})"

@@ -1,0 +1,79 @@
+"""The run summary for people: a terminal table and a small self-contained HTML page."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+
+def _rate(n: int, seconds: float) -> str:
+    return f"{n / seconds:,.0f}" if seconds > 0 else "-"
+
+
+def terminal_table(summary: dict[str, Any]) -> str:
+    """What each step removed and why, with throughput, as fixed-width text."""
+    rows = [("step", "seen", "kept", "dropped", "docs/s", "MB/s", "why dropped / counters")]
+    for s in summary["steps"]:
+        dropped = sum(s["dropped"].values())
+        why = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items(), key=lambda x: -x[1]))
+        extra = ", ".join(f"{k} {v}" for k, v in s["counters"].items())
+        mbs = f"{s['bytes_in'] / 1e6 / s['seconds']:.1f}" if s["seconds"] > 0 else "-"
+        rows.append(
+            (
+                s["name"],
+                f"{s['seen']:,}",
+                f"{s['kept']:,}",
+                f"{dropped:,}",
+                _rate(s["seen"], s["seconds"]),
+                mbs,
+                "; ".join(x for x in (why, extra) if x),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    lines = []
+    for k, r in enumerate(rows):
+        cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, 6)]
+        lines.append("  ".join(cells) + "  " + r[6])
+        if k == 0:
+            lines.append("-" * (sum(widths) + 12 + len(r[6])))
+    head = (
+        f"{summary['docs_in']:,} documents in, {summary['docs_out']:,} out, "
+        f"{summary['seconds']:.1f} s on {summary['executor']} ({summary['tasks']} tasks)"
+    )
+    if summary.get("malformed_records"):
+        head += f"; {summary['malformed_records']} malformed records skipped"
+        head += "".join(f"\n  {e}" for e in summary["malformed_examples"][:5])
+    return head + "\n" + "\n".join(lines)
+
+
+def html_report(summary: dict[str, Any], title: str = "scaletrain data curation") -> str:
+    """A one-page HTML report: totals, a per-step table with a bar of kept documents."""
+    e = html.escape
+    body = []
+    for s in summary["steps"]:
+        kept = s["kept"] / s["seen"] if s["seen"] else 1.0
+        why = "<br>".join(
+            f"{e(k)}: {v:,}" for k, v in sorted(s["dropped"].items(), key=lambda x: -x[1])
+        )
+        extra = "<br>".join(f"{e(k)}: {v:,}" for k, v in s["counters"].items())
+        body.append(
+            f"<tr><td><b>{e(s['name'])}</b><br><small>{e(s.get('settings', ''))}</small></td>"
+            f"<td>{s['seen']:,}</td><td>{s['kept']:,}</td>"
+            f"<td><div class=bar><div style='width:{kept * 100:.1f}%'></div></div>"
+            f"{kept * 100:.1f}%</td><td>{why}</td><td>{extra}</td>"
+            f"<td>{s['seconds']:.2f}</td></tr>"
+        )
+    examples = "".join(f"<li>{e(x)}</li>" for x in summary.get("malformed_examples", []))
+    return f"""<!doctype html><html><head><meta charset=utf-8><title>{e(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
+.bar{{width:120px;height:10px;background:#eee}}.bar div{{height:10px;background:#4a8}}</style>
+</head><body><h1>{e(title)}</h1>
+<p>{summary["docs_in"]:,} documents in, {summary["docs_out"]:,} out;
+{summary["seconds"]:.1f} s on {e(summary["executor"])} ({summary["tasks"]} tasks);
+{summary.get("malformed_records", 0)} malformed records.</p>
+<table><tr><th>step</th><th>seen</th><th>kept</th><th>kept %</th><th>dropped (why)</th>
+<th>counters</th><th>seconds</th></tr>{"".join(body)}</table>
+{"<h2>Malformed records</h2><ul>" + examples + "</ul>" if examples else ""}
+</body></html>
+"""

@@ -16,17 +16,18 @@ from typing import Any
 
 import numpy as np
 
+from scaletrain.config import ConfigError
 from scaletrain.data.blend import BlendedDataset
 from scaletrain.data.corpus import cache_root, prepare_corpus
 from scaletrain.data.gpt_dataset import GPTDataset, split_ranges
-from scaletrain.data.indexed import IndexedDataset, strip_prefix
+from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, strip_prefix
 from scaletrain.data.tokenize import sidecar_tokenizer
 from scaletrain.data.tokenizer import TextTokenizer, TokenizerError
 
 log = logging.getLogger("scaletrain.data")
 
 
-class DataSourceError(ValueError):
+class DataSourceError(ConfigError):
     """`data.*` settings that cannot give a sample order; the message says what to change."""
 
 
@@ -83,7 +84,10 @@ def build_sources(cfg: Any, seed: int, num_samples: int | None = None
         tok = _tokenizer(cfg, prefixes)
         train_parts, val_parts, val_w = [], [], []
         for prefix, w in zip(prefixes, weights):
-            ds = IndexedDataset(prefix)
+            try:
+                ds = IndexedDataset(prefix)
+            except IndexedDatasetError as e:
+                raise DataSourceError(f"data.paths: {e}") from None
             ranges = split_ranges(ds.num_documents, split)
             train_parts.append(GPTDataset(ds, cfg.seq_len, seed, None, ranges[0],
                                           cache_dir=cache, name=str(prefix)))

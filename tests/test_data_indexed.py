@@ -35,7 +35,8 @@ def test_writer_output_matches_the_layout(tmp_path: Path, dtype, code, top) -> N
     assert indexed_layout.read(tmp_path / "ours") == (code, docs)
     indexed_layout.write(tmp_path / "ref", docs, code)  # byte for byte the same files
     for ext in (".idx", ".bin"):
-        assert Path(f"{tmp_path}/ours{ext}").read_bytes() == Path(f"{tmp_path}/ref{ext}").read_bytes()
+        ours, ref = Path(f"{tmp_path}/ours{ext}"), Path(f"{tmp_path}/ref{ext}")
+        assert ours.read_bytes() == ref.read_bytes()
     assert not list(tmp_path.glob("*.tmp"))
 
 

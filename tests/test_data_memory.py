@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 GIB = 1 << 30
 DOC = 4096  # tokens per document
 

@@ -67,7 +67,7 @@ def _tokenizer(cfg: Any, prefixes: list[Path]) -> TextTokenizer:
 
 
 def _blend(parts: list[GPTDataset], weights: list[float], by: str, n: int | None,
-           cache: Path, seq_len: int) -> BlendedDataset:
+           cache: Path) -> BlendedDataset:
     if n is None:
         n = sum(p.samples_per_epoch for p in parts)
     return BlendedDataset(parts, weights, n, by=by, cache_dir=cache)  # type: ignore[arg-type]
@@ -99,7 +99,9 @@ def build_sources(cfg: Any, seed: int, num_samples: int | None = None
             raise DataSourceError(f"data.split '{cfg.split}' leaves no validation documents; "
                                   "give the second share a positive value")
         tok_path, vocab, eos = tok.path, tok.vocab_size, tok.eos_id
-        val_tokens = val_parts[0].indexed.tokens
+        first = val_parts[0]
+        start = int(first.indexed.sequence_pointers[first.seq_range[0]])
+        val_tokens = first.indexed.tokens[start // first.indexed.dtype.itemsize:]
         spec: dict[str, Any] = {"paths": [str(p.resolve()) for p in prefixes],
                                 "weights": weights, "split": split}
     else:
@@ -120,8 +122,8 @@ def build_sources(cfg: Any, seed: int, num_samples: int | None = None
         spec = {"corpus": str(corpus.train_prefix.parent.name)}
     spec.update(seq_len=cfg.seq_len, seed=seed, by=cfg.blend_by)
     fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    train = _blend(train_parts, weights, cfg.blend_by, num_samples, cache, cfg.seq_len)
-    val = _blend(val_parts, val_w, cfg.blend_by, None, cache, cfg.seq_len)
+    train = _blend(train_parts, weights, cfg.blend_by, num_samples, cache)
+    val = _blend(val_parts, val_w, cfg.blend_by, None, cache)
     mixture = train.mixture()
     if len(mixture) > 1:
         for m in mixture:

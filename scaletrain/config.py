@@ -105,6 +105,10 @@ class DataConfig:
     split: str = "98,2,0"
     """Train/validation/test shares of each `data.paths` dataset's documents."""
 
+    def __post_init__(self) -> None:
+        self.paths = tuple(str(p) for p in self.paths)  # TOML gives lists
+        self.weights = tuple(float(w) for w in self.weights)
+
 
 @dataclass
 class TrainingConfig:

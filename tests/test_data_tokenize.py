@@ -102,3 +102,34 @@ def test_tokenize_and_inspect_verbs(shards: Path, tmp_path: Path, capsys) -> Non
     assert data_cmd.main(["tokenize", "--input", str(tmp_path / "nope"), "--output", "x",
                           "--tokenizer", str(NEOX)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_ray_executor_gives_the_same_bytes(shards: Path, tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    files = input_shards(shards)
+    tokenize_to_indexed(files, tmp_path / "local", NEOX, workers=1)
+    try:
+        tokenize_to_indexed(files, tmp_path / "ray", NEOX, workers=2, executor="ray")
+    finally:
+        ray.shutdown()
+    for ext in (".bin", ".idx"):
+        assert Path(f"{tmp_path}/ray{ext}").read_bytes() == \
+            Path(f"{tmp_path}/local{ext}").read_bytes()
+
+
+def test_bos_and_eos_frame_each_document(tmp_path: Path) -> None:
+    from scaletrain.data.tokenizer import TextTokenizer, TokenizerError, train_bpe
+
+    tok = train_bpe(["hello world, hello tokens"] * 5, 300)
+    tok.save(str(tmp_path / "plain.json"))
+    with pytest.raises(TokenizerError, match="no begin-of-document token"):
+        TextTokenizer.load(tmp_path / "plain.json", add_bos=True)
+    tok.add_special_tokens(["<s>"])
+    tok.save(str(tmp_path / "bos.json"))
+    (tmp_path / "d.jsonl").write_text('{"text": "hello"}\n{"text": "world"}\n')
+    tokenize_to_indexed([tmp_path / "d.jsonl"], tmp_path / "o", tmp_path / "bos.json",
+                        add_bos=True)
+    ds = IndexedDataset(tmp_path / "o")
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("<|endoftext|>")
+    for i, text in enumerate(["hello", "world"]):
+        assert ds[i].tolist() == [bos, *tok.encode(text).ids, eos]

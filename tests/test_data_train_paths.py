@@ -31,12 +31,17 @@ def test_train_on_blended_indexed_datasets(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     extra = ["--data.paths", str(tmp_path / "a"), str(tmp_path / "b"),
              "--data.weights", "0.25", "0.75", "--data.split", "80,20,0",
-             "--training.steps", "3", "--checkpoint.interval", "2"]
+             "--training.steps", "3", "--checkpoint.interval", "2",
+             "--checkpoint.save_final", "false"]
     trainer = Trainer(tiny_config(tmp_path / "run", tmp_path / "cache", *extra))
     assert trainer.corpus.tokenizer_path == tok
     assert [m["realized"] for m in trainer.corpus.mixture] == [0.25, 0.75]
     result = trainer.train()
     assert len(result.losses) == 3 and result.val_loss is not None
+    # Resume from the step-2 checkpoint with 2 loader workers: step 3 sees the same batch.
+    resumed = Trainer(tiny_config(tmp_path / "run", tmp_path / "cache", *extra,
+                                  "--checkpoint.resume", "true", "--data.num_workers", "2"))
+    assert resumed.step == 2 and resumed.train().losses == result.losses[2:]
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert all(r["data_wait_s"] >= 0 for r in rows if "data_wait_s" in r)
     with pytest.raises(ConfigError, match="one weight per path"):

@@ -94,6 +94,20 @@ class DataConfig:
     """Page-lock host batches for faster copies to the GPU (None = on when training on CUDA)."""
     persistent_workers: bool = True
     """Keep workers alive between epochs (only with num_workers > 0)."""
+    paths: tuple[str, ...] = ()
+    """Indexed datasets to train on (PREFIX of PREFIX.bin/.idx, e.g. from `scaletrain data
+    tokenize`) instead of the built-in corpus; several are blended by `data.weights`."""
+    weights: tuple[float, ...] = ()
+    """Blend weight of each `data.paths` entry (empty = equal weights)."""
+    blend_by: Literal["samples", "tokens"] = "samples"
+    """`samples`: weights are shares of samples; `tokens`: each weight multiplies its
+    dataset's token count (1.0 everywhere = mixed in proportion to size)."""
+    split: str = "98,2,0"
+    """Train/validation/test shares of each `data.paths` dataset's documents."""
+
+    def __post_init__(self) -> None:
+        self.paths = tuple(str(p) for p in self.paths)  # TOML gives lists
+        self.weights = tuple(float(w) for w in self.weights)
 
 
 @dataclass
@@ -343,6 +357,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -433,6 +449,9 @@ def validate(cfg: Config) -> list[str]:
         errors.append(f"profiling.active must be positive (got {p.active})")
     if cfg.data.dataset == "text_dir" and not cfg.data.path:
         errors.append('data.path is required with data.dataset = "text_dir"')
+    if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
+        errors.append(f"data.weights has {len(cfg.data.weights)} entries for "
+                      f"{len(cfg.data.paths)} data.paths; give one weight per path")
     if not errors:
         try:
             resolve_batch(t, dp=1)

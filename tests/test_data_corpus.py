@@ -116,7 +116,7 @@ def test_cache_hit_loads_without_rebuilding(
         raise AssertionError("tokenizer trained again on a cache hit")
 
     monkeypatch.setattr(corpus_mod, "train_tokenizer", no_training)
-    monkeypatch.setattr(corpus_mod, "tokenize_documents", no_training)
+    monkeypatch.setattr(corpus_mod, "write_texts", no_training)
     second = prepare_corpus(cfg, progress=False)
     assert second.cache_dir == first.cache_dir
     assert meta.stat().st_mtime_ns == mtime

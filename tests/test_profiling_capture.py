@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.data.loader import PackedSequences
+from scaletrain.data.loader import Windows
 from scaletrain.profiling.analyze import analyze, latest_traces
 from scaletrain.train.trainer import Trainer
 from tests.trainer_helpers import tiny_config
@@ -48,13 +48,13 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture
 def slow_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each sequence takes SAMPLE_DELAY_S to load (like a dataset on a slow network disk)."""
-    fetch = PackedSequences.__getitem__
+    fetch = Windows.__getitems__  # the loader fetches a whole batch of samples at once
 
-    def slow(self, i):  # type: ignore[no-untyped-def]
-        time.sleep(SAMPLE_DELAY_S)
-        return fetch(self, i)
+    def slow(self, indices):  # type: ignore[no-untyped-def]
+        time.sleep(SAMPLE_DELAY_S * len(indices))
+        return fetch(self, indices)
 
-    monkeypatch.setattr(PackedSequences, "__getitem__", slow)
+    monkeypatch.setattr(Windows, "__getitems__", slow)
 
 
 def _profile(out: Path, cache: Path, *extra: str) -> dict:

@@ -48,7 +48,8 @@ def test_accumulation_matches_one_large_batch(tmp_path: Path, cache: Path) -> No
         assert norm_small == pytest.approx(norm_big, rel=1e-5)
     for g_big, g_small in zip(big_grads, small_grads, strict=True):
         for name in g_big:
-            torch.testing.assert_close(g_small[name], g_big[name], rtol=1e-5, atol=1e-7)
+            # atol: fp32 summation-order noise on near-cancelling elements (data-dependent)
+            torch.testing.assert_close(g_small[name], g_big[name], rtol=1e-5, atol=5e-7)
 
 
 def test_accumulation_counts_valid_tokens_globally(tmp_path: Path, cache: Path) -> None:

@@ -1,4 +1,6 @@
-"""Training data: a tokenized, cached corpus (`corpus`) and the batch loader over it (`loader`).
+"""Training data: tokenizers (`tokenizer`), documents -> Megatron indexed datasets (`tokenize`,
+`indexed`), packed GPT samples (`gpt_dataset`), blending (`blend`), the sample orders of a run
+(`sources`), the resumable data-parallel loader (`loader`) and the built-in corpus (`corpus`).
 
-This is the small built-in data path used by `scaletrain train`; it never imports torch.nn.
+Nothing here imports torch.nn; only the loader hands tensors to `train/`.
 """

@@ -2,15 +2,16 @@
 
 `prepare_corpus(cfg)` finds the corpus files (the Python standard library's own sources by
 default), trains a tokenizer (or loads `cfg.tokenizer`), tokenizes every document, holds out
-whole documents for validation and writes `train.bin`, `val.bin`, `tokenizer.json` and
-`meta.json` into a cache directory whose name is a hash of everything that determines their
-content. A later call with the same inputs only maps the cached arrays (well under a second).
+whole documents for validation and writes two Megatron indexed datasets (`train.bin/.idx`,
+`val.bin/.idx`, one document per file, each ending with EOS), `tokenizer.json` and `meta.json`
+into a cache directory whose name is a hash of everything that determines their content. A
+later call with the same inputs only maps the cached arrays (well under a second).
 
 Cache entries are built in a temporary directory and renamed into place when complete, so an
 interrupted build never leaves an entry that looks whole, and two processes building the same
 entry at once both end up reading one complete copy.
 
-This module is the small stand-in for the indexed-dataset pipeline of `scaletrain data`.
+The training loader reads the two indexed datasets like any other (`data.paths`).
 """
 
 from __future__ import annotations
@@ -25,28 +26,27 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from scaletrain.config import DataConfig
+from scaletrain.data import tokenizer as tokmod
+from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
+from scaletrain.data.tokenize import write_texts
+from scaletrain.data.tokenizer import TextTokenizer, TokenizerError
 
 log = logging.getLogger("scaletrain.data")
 
-FORMAT_VERSION = 2
-EOS_TOKEN = "<|endoftext|>"
-# End-of-document tokens recognised in a tokenizer given by `data.tokenizer`, in this order.
-_EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+FORMAT_VERSION = 3  # 3: indexed datasets (train.bin/.idx, val.bin/.idx)
 # Directories never read from the standard library (installed packages are not the stdlib).
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # The test suites: 60% of the stdlib's ~31 MB, with deliberately odd fixtures (legacy
 # encodings, invalid syntax); some distributions ship them as a separate package.
 _STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _SPLIT_SEED = 20240517  # fixed: the validation documents depend only on the corpus
-_CHUNK_BYTES = 1 << 20  # text handed to one encode_batch call (progress granularity)
 _STALE_TMP_SECONDS = 24 * 3600
 
 
@@ -58,9 +58,10 @@ class CorpusError(ValueError):
 class TokenizedCorpus:
     """The token streams of one cached corpus.
 
-    `train` and `val` are read-only 1-D memory maps (uint16 when the vocabulary fits, else
-    int32); every document is followed by `eos_id`. `vocab_size` is the size of the
-    tokenizer's vocabulary, special tokens included: every id is below it.
+    `train` and `val` are the token arrays (read-only 1-D memory maps, uint16 when the
+    vocabulary fits, else int32) of the indexed datasets at `train_prefix` / `val_prefix`;
+    every document is followed by `eos_id`. `vocab_size` is the size of the tokenizer's
+    vocabulary, special tokens included: every id is below it.
     """
 
     train: np.ndarray
@@ -68,6 +69,8 @@ class TokenizedCorpus:
     tokenizer_path: Path
     vocab_size: int
     eos_id: int
+    train_prefix: Path
+    val_prefix: Path
 
     @property
     def cache_dir(self) -> Path:
@@ -166,15 +169,10 @@ def discover_files(cfg: DataConfig) -> tuple[Path, list[SourceFile]]:
 # --- cache key and layout ----------------------------------------------------------------------
 def resolve_tokenizer_file(spec: str) -> Path:
     """`data.tokenizer` as a tokenizer.json path (a directory must hold one)."""
-    p = Path(spec).expanduser()
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise CorpusError(
-            f"data.tokenizer: '{p}' not found; give a tokenizer.json file or a directory "
-            "holding one (or leave it unset to train a tokenizer on the corpus)"
-        )
-    return p
+    try:
+        return tokmod.resolve_tokenizer_file(spec)
+    except TokenizerError as e:
+        raise CorpusError(str(e)) from None
 
 
 def _sha256_file(path: Path) -> str:
@@ -206,8 +204,7 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(raw).expanduser()
 
 
-def _token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+_token_dtype = tokmod.token_dtype
 
 
 def _load_entry(entry: Path) -> TokenizedCorpus | None:
@@ -218,20 +215,23 @@ def _load_entry(entry: Path) -> TokenizedCorpus | None:
         return None
     if meta.get("format_version") != FORMAT_VERSION:
         return None
-    dtype = np.dtype(meta["dtype"])
-    arrays = []
+    sets = []
     for split in ("train", "val"):
-        path = entry / f"{split}.bin"
-        n = meta[f"{split}_tokens"]
-        if not path.is_file() or path.stat().st_size != n * dtype.itemsize:
+        try:
+            ds = IndexedDataset(entry / split)
+        except IndexedDatasetError:
             return None
-        arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(n,)))
+        if ds.num_tokens != meta[f"{split}_tokens"]:
+            return None
+        sets.append(ds)
     return TokenizedCorpus(
-        train=arrays[0],
-        val=arrays[1],
+        train=sets[0].tokens,
+        val=sets[1].tokens,
         tokenizer_path=entry / "tokenizer.json",
         vocab_size=meta["vocab_size"],
         eos_id=meta["eos_id"],
+        train_prefix=entry / "train",
+        val_prefix=entry / "val",
     )
 
 
@@ -284,95 +284,29 @@ def split_documents(sizes: list[int], val_fraction: float) -> np.ndarray:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, progress: bool = False) -> Tokenizer:
-    """A byte-level BPE tokenizer with `<|endoftext|>` as its only special token.
-
-    No normalizer and no prefix space, so `decode(encode(x)) == x` for any text.
-    """
-    n_base = len(pre_tokenizers.ByteLevel.alphabet()) + 1
-    if vocab_size < n_base:
-        raise CorpusError(
-            f"data.vocab_size must be at least {n_base} (256 bytes + {EOS_TOKEN}); got {vocab_size}"
-        )
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        show_progress=progress,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tok
-
-
-def find_eos_id(tok: Tokenizer, source: Path) -> int:
-    for name in _EOS_CANDIDATES:
-        tid = tok.token_to_id(name)
-        if tid is not None:
-            return tid
-    raise CorpusError(
-        f"data.tokenizer: '{source}' has none of the end-of-document tokens "
-        f"{', '.join(_EOS_CANDIDATES)}; add one as a special token"
-    )
-
-
-def _chunks(texts: list[str], max_chars: int) -> Iterator[tuple[int, int]]:
-    start, size = 0, 0
-    for i, t in enumerate(texts):
-        size += len(t)
-        if size >= max_chars:
-            yield start, i + 1
-            start, size = i + 1, 0
-    if start < len(texts):
-        yield start, len(texts)
-
-
-def tokenize_documents(tok: Tokenizer, texts: list[str], progress: bool) -> list[np.ndarray]:
-    """Token ids per document (no special tokens added), encoded in parallel by `tokenizers`."""
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    total = sum(len(t) for t in texts)
-    out: list[np.ndarray] = []
-    bar = None
-    if progress and sys.stderr.isatty():
-        from rich.console import Console
-        from rich.progress import Progress
-
-        bar = Progress(console=Console(stderr=True), transient=True)
-        bar.start()
-        task = bar.add_task("tokenizing", total=total)
-    done, next_log, t0 = 0, 0.1, time.perf_counter()
+    """A byte-level BPE tokenizer with `<|endoftext|>` as its only special token."""
     try:
-        for a, b in _chunks(texts, _CHUNK_BYTES):
-            encs = encode(texts[a:b], add_special_tokens=False)
-            out.extend(np.asarray(e.ids, dtype=np.int32) for e in encs)
-            done += sum(len(t) for t in texts[a:b])
-            if bar is not None:
-                bar.update(task, completed=done)
-            elif progress and done >= next_log * total:
-                log.info(
-                    "tokenizing: %3.0f%% of %.1f MB (%.1fs)",
-                    100 * done / total,
-                    total / 1e6,
-                    time.perf_counter() - t0,
-                )
-                next_log += 0.1
-    finally:
-        if bar is not None:
-            bar.stop()
-    return out
+        return tokmod.train_bpe(texts, vocab_size, progress, length=len(texts))
+    except TokenizerError as e:
+        raise CorpusError(f"data.{e}") from None
 
 
-def _write_stream(path: Path, docs: list[np.ndarray], eos_id: int, dtype: np.dtype) -> int:
-    """Write documents each followed by EOS; returns the number of tokens written."""
-    eos = np.array([eos_id], dtype=dtype)
-    n = 0
-    with open(path, "wb") as f:
-        for d in docs:
-            d.astype(dtype).tofile(f)
-            eos.tofile(f)
-            n += len(d) + 1
-    return n
+def curate(texts: list[str], names: list[str]) -> tuple[list[str], list[str]]:
+    """Hook for the curation pipeline (issue 3): filters/dedup/PII over the documents.
+
+    TODO(issue 3): run the default curation pipeline here once it lands on main (and add its
+    configuration to the cache key); until then documents pass through unchanged.
+    """
+    return texts, names
+
+
+def _write_split(prefix: Path, tok: TextTokenizer, texts: list[str], progress: bool) -> int:
+    """One indexed dataset of `texts` (each followed by EOS); returns its token count."""
+    with IndexedDatasetWriter(prefix, tok.dtype) as w:
+        stats = write_texts(tok, texts, w)
+    if progress:
+        log.info("wrote %s: %d documents, %d tokens", prefix.name, stats.documents, stats.tokens)
+    return stats.tokens
 
 
 def _build(
@@ -386,7 +320,7 @@ def _build(
 ) -> dict:
     """Write train.bin, val.bin, tokenizer.json and (last) meta.json into `tmp`."""
     t0 = time.perf_counter()
-    texts, names = _read_documents(files)
+    texts, names = curate(*_read_documents(files))
     n_bytes = sum(f.read_bytes for f in files)
     log.info(
         "read %d files (%d non-empty documents, %.1f MB) in %.2fs",
@@ -414,16 +348,16 @@ def _build(
         tok = Tokenizer.from_file(str(tok_file))
         shutil.copyfile(tok_file, tmp / "tokenizer.json")
         log.info("using tokenizer %s (vocab %d)", tok_file, tok.get_vocab_size())
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    eos_id = find_eos_id(tok, tok_file or tmp / "tokenizer.json")
-    dtype = _token_dtype(vocab_size)
+    try:
+        text_tok = TextTokenizer.wrap(tok, tok_file or tmp / "tokenizer.json")
+    except TokenizerError as e:
+        raise CorpusError(f"data.{e}") from None
+    vocab_size, eos_id, dtype = text_tok.vocab_size, text_tok.eos_id, text_tok.dtype
 
     t2 = time.perf_counter()
-    ids = tokenize_documents(tok, texts, progress)
-    n_train = _write_stream(
-        tmp / "train.bin", [d for d, v in zip(ids, is_val) if not v], eos_id, dtype
-    )
-    n_val = _write_stream(tmp / "val.bin", [d for d, v in zip(ids, is_val) if v], eos_id, dtype)
+    n_train = _write_split(tmp / "train", text_tok, [t for t, v in zip(texts, is_val) if not v],
+                           progress)
+    n_val = _write_split(tmp / "val", text_tok, [t for t, v in zip(texts, is_val) if v], progress)
     dt = time.perf_counter() - t2
     log.info(
         "tokenized %d tokens (train %d, val %d) in %.1fs: %.0f tokens/s, %.2f bytes/token",

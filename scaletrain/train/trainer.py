@@ -122,9 +122,12 @@ class Trainer:
         if pin is None:
             pin = self.device.type == "cuda"
         self.pin_memory = pin
+        # The samples the whole run consumes (GBS x steps); the order of the first ones does
+        # not depend on it, so a resumed run with more steps continues the same order.
+        num_samples = self.cfg.training.steps * self.mbs * self.ga * self.dp_size
         self.train_stream, self.val_data, self.corpus = build_train_val(
             self.cfg.data, self.mbs, self.cfg.training.seed, pin_memory=pin,
-            dp_rank=self.dp_rank, dp_size=self.dp_size,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, num_samples=num_samples,
         )
 
     def _model_args(self) -> ModelArgs:

@@ -1,0 +1,77 @@
+"""`scaletrain data tokenize --input PATH --output PREFIX (--tokenizer FILE_OR_DIR |
+--train-tokenizer VOCAB_SIZE)`: documents (JSONL/Parquet with a `text` field) to a
+Megatron-compatible indexed dataset PREFIX.bin/.idx (+ PREFIX.tokenizer.json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("scaletrain")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scaletrain data tokenize", description=__doc__)
+    p.add_argument("--input", required=True,
+                   help="a .jsonl(.gz)/.parquet file or a directory of them (one shard each)")
+    p.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin/.idx)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer directory")
+    src.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
+                     help="train a byte-level BPE with this vocabulary on the input first")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes (or Ray tasks) tokenizing shards in parallel")
+    p.add_argument("--executor", choices=["local", "ray"], default="local")
+    p.add_argument("--text-key", default="text", help="field holding each document's text")
+    p.add_argument("--add-bos", action="store_true", help="start each document with BOS")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from scaletrain.data.indexed import strip_prefix
+    from scaletrain.data.tokenize import (
+        TokenizeError,
+        input_shards,
+        read_documents,
+        tokenize_to_indexed,
+    )
+    from scaletrain.data.tokenizer import TokenizerError, train_bpe
+
+    prefix = strip_prefix(args.output)
+    try:
+        shards = input_shards(args.input)
+        tokenizer = args.tokenizer
+        if args.train_tokenizer is not None:
+            t0 = time.perf_counter()
+            texts = (t for s in shards for t in read_documents(s, args.text_key))
+            tok = train_bpe(texts, args.train_tokenizer, progress=sys.stderr.isatty())
+            tokenizer = f"{prefix}.tokenizer.json"
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            tok.save(tokenizer)
+            log.info("trained a byte-level BPE tokenizer (vocab %d) in %.1fs: %s",
+                     tok.get_vocab_size(), time.perf_counter() - t0, tokenizer)
+        stats = tokenize_to_indexed(shards, prefix, tokenizer, workers=args.workers,
+                                    executor=args.executor, add_bos=args.add_bos,
+                                    text_key=args.text_key)
+    except (TokenizeError, TokenizerError, OSError) as e:
+        print(f"scaletrain data tokenize: {e}", file=sys.stderr)
+        return 2
+    out = {"output": str(prefix), "shards": len(shards), **stats.to_dict()}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        log.info("wrote %s.bin/.idx: %d documents, %d tokens from %d shards in %.1fs "
+                 "(%.0f tokens/s, %.1f tokens per document)", prefix, stats.documents,
+                 stats.tokens, len(shards), stats.seconds, stats.tokens_per_s,
+                 stats.tokens_per_document)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,133 @@
+"""The training and validation sample orders of a run, from the `data` config section.
+
+With `data.paths`, each indexed dataset is split by document (`data.split`) and the training
+parts are blended by `data.weights`; without it, the built-in corpus (`corpus.py`) is
+tokenized into two indexed datasets (train, val) on first use and read the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scaletrain.config import ConfigError
+from scaletrain.data.blend import BlendedDataset
+from scaletrain.data.corpus import cache_root, prepare_corpus
+from scaletrain.data.gpt_dataset import GPTDataset, split_ranges
+from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, strip_prefix
+from scaletrain.data.tokenize import sidecar_tokenizer
+from scaletrain.data.tokenizer import TextTokenizer, TokenizerError
+
+log = logging.getLogger("scaletrain.data")
+
+
+class DataSourceError(ConfigError):
+    """`data.*` settings that cannot give a sample order; the message says what to change."""
+
+
+@dataclass
+class DataInfo:
+    """What the trainer needs besides the batches."""
+
+    tokenizer_path: Path
+    vocab_size: int
+    eos_id: int
+    val: np.ndarray  # validation tokens, for a quick sample prompt
+    fingerprint: str  # hash of everything that decides the sample order
+    mixture: list[dict[str, Any]] = field(default_factory=list)
+
+
+def parse_split(split: str) -> tuple[float, ...]:
+    try:
+        parts = tuple(float(x) for x in split.replace("/", ",").split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) not in (2, 3) or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise DataSourceError(f"data.split: '{split}' is not like '98,2,0' (train,val[,test] "
+                              "shares of each dataset's documents)")
+    return parts
+
+
+def _tokenizer(cfg: Any, prefixes: list[Path]) -> TextTokenizer:
+    spec = cfg.tokenizer or sidecar_tokenizer(prefixes[0])
+    if spec is None:
+        raise DataSourceError(f"no tokenizer for {prefixes[0]}: set data.tokenizer (the "
+                              f"tokenizer.json it was made with; `scaletrain data tokenize` "
+                              f"saves one as {prefixes[0]}.tokenizer.json)")
+    try:
+        return TextTokenizer.load(spec)
+    except TokenizerError as e:
+        raise DataSourceError(str(e)) from None
+
+
+def _blend(parts: list[GPTDataset], weights: list[float], by: str, n: int | None,
+           cache: Path) -> BlendedDataset:
+    if n is None:
+        n = sum(p.samples_per_epoch for p in parts)
+    return BlendedDataset(parts, weights, n, by=by, cache_dir=cache)  # type: ignore[arg-type]
+
+
+def build_sources(cfg: Any, seed: int, num_samples: int | None = None
+                  ) -> tuple[BlendedDataset, BlendedDataset, DataInfo]:
+    """(training order, validation order, info) for the `data` config section `cfg`."""
+    cache = cache_root(cfg) / "index"
+    if cfg.paths:
+        prefixes = [strip_prefix(p) for p in cfg.paths]
+        weights = list(cfg.weights) if cfg.weights else [1.0] * len(prefixes)
+        split = parse_split(cfg.split)
+        tok = _tokenizer(cfg, prefixes)
+        train_parts, val_parts, val_w = [], [], []
+        for prefix, w in zip(prefixes, weights):
+            try:
+                ds = IndexedDataset(prefix)
+            except IndexedDatasetError as e:
+                raise DataSourceError(f"data.paths: {e}") from None
+            ranges = split_ranges(ds.num_documents, split)
+            train_parts.append(GPTDataset(ds, cfg.seq_len, seed, None, ranges[0],
+                                          cache_dir=cache, name=str(prefix)))
+            if ranges[1][1] > ranges[1][0]:
+                val_parts.append(GPTDataset(ds, cfg.seq_len, seed, None, ranges[1],
+                                            shuffle=False, cache_dir=cache, name=str(prefix)))
+                val_w.append(w)
+        if not val_parts:
+            raise DataSourceError(f"data.split '{cfg.split}' leaves no validation documents; "
+                                  "give the second share a positive value")
+        tok_path, vocab, eos = tok.path, tok.vocab_size, tok.eos_id
+        first = val_parts[0]
+        start = int(first.indexed.sequence_pointers[first.seq_range[0]])
+        val_tokens = first.indexed.tokens[start // first.indexed.dtype.itemsize:]
+        spec: dict[str, Any] = {"paths": [str(p.resolve()) for p in prefixes],
+                                "weights": weights, "split": split}
+    else:
+        corpus = prepare_corpus(cfg)
+        train_parts = [GPTDataset(IndexedDataset(corpus.train_prefix), cfg.seq_len, seed,
+                                  cache_dir=cache, name=f"{cfg.dataset}:train")]
+        try:
+            val_parts = [GPTDataset(IndexedDataset(corpus.val_prefix), cfg.seq_len, seed,
+                                    shuffle=False, cache_dir=cache, name=f"{cfg.dataset}:val")]
+        except ValueError:
+            raise ValueError(
+                f"the validation split has {len(corpus.val)} tokens, less than one sequence "
+                f"of {cfg.seq_len + 1}: raise data.val_fraction or data.max_bytes, or lower "
+                "data.seq_len") from None
+        weights, val_w = [1.0], [1.0]
+        tok_path, vocab, eos = corpus.tokenizer_path, corpus.vocab_size, corpus.eos_id
+        val_tokens = corpus.val
+        spec = {"corpus": str(corpus.train_prefix.parent.name)}
+    spec.update(seq_len=cfg.seq_len, seed=seed, by=cfg.blend_by)
+    fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    train = _blend(train_parts, weights, cfg.blend_by, num_samples, cache)
+    val = _blend(val_parts, val_w, cfg.blend_by, None, cache)
+    mixture = train.mixture()
+    if len(mixture) > 1:
+        for m in mixture:
+            log.info("blend: %s target %.3f realized %.3f (%d samples, %.2f epochs)",
+                     m["name"], m["target"], m["realized"], m["samples"], m["epochs"])
+    info = DataInfo(tok_path, vocab, eos, val_tokens, fingerprint, mixture)
+    return train, val, info

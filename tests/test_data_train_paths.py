@@ -1,0 +1,52 @@
+"""`scaletrain train` on `data.paths`: two tokenized datasets blended by weight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.commands import data as data_cmd
+from scaletrain.config import ConfigError
+from scaletrain.train.trainer import Trainer
+from tests.trainer_helpers import tiny_config
+
+FIXTURES = Path("/work/shared/fixtures/data")
+for _cand in (Path(__file__).resolve().parents[1] / "../shared/fixtures/data", FIXTURES):
+    if _cand.is_dir():
+        FIXTURES = _cand
+        break
+pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared fixtures not present")
+
+
+def test_train_on_blended_indexed_datasets(tmp_path: Path, capsys) -> None:
+    files = sorted(FIXTURES.glob("ccnet_en_head-*.jsonl.gz"))
+    tok = tmp_path / "a.tokenizer.json"
+    for i, f in enumerate(files):
+        argv = ["tokenize", "--input", str(f), "--output", str(tmp_path / "ab"[i]),
+                "--workers", "1"]
+        argv += ["--train-tokenizer", "500"] if i == 0 else ["--tokenizer", str(tok)]
+        assert data_cmd.main(argv) == 0
+    capsys.readouterr()
+    extra = ["--data.paths", str(tmp_path / "a"), str(tmp_path / "b"),
+             "--data.weights", "0.25", "0.75", "--data.split", "80,20,0",
+             "--training.steps", "3", "--checkpoint.interval", "2",
+             "--checkpoint.save_final", "false"]
+    trainer = Trainer(tiny_config(tmp_path / "run", tmp_path / "cache", *extra))
+    assert trainer.corpus.tokenizer_path == tok
+    assert [m["realized"] for m in trainer.corpus.mixture] == [0.25, 0.75]
+    result = trainer.train()
+    assert len(result.losses) == 3 and result.val_loss is not None
+    # Resume from the step-2 checkpoint with 2 loader workers: step 3 sees the same batch.
+    resumed = Trainer(tiny_config(tmp_path / "run", tmp_path / "cache", *extra,
+                                  "--checkpoint.resume", "true", "--data.num_workers", "2"))
+    assert resumed.step == 2 and resumed.train().losses == result.losses[2:]
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(r["data_wait_s"] >= 0 for r in rows if "data_wait_s" in r)
+    with pytest.raises(ConfigError, match="one weight per path"):
+        tiny_config(tmp_path / "x", tmp_path / "cache", "--data.paths", "a", "b",
+                    "--data.weights", "1")
+    with pytest.raises(ConfigError, match="data.paths"):
+        Trainer(tiny_config(tmp_path / "y", tmp_path / "cache", "--data.paths",
+                            str(tmp_path / "missing"), "--data.tokenizer", str(tok)))

@@ -19,6 +19,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "data": ("scaletrain.commands.data", "corpus pipeline: curate, dedup, tokenize, inspect, ..."),
     "profile": ("scaletrain.commands.profile", "profile a few training steps, then diagnose"),
     "diagnose": ("scaletrain.commands.diagnose", "bottleneck verdict and remedies from traces"),
+    "finetune": ("scaletrain.commands.finetune", "adapt a model: full, freeze, LoRA, QLoRA; SFT or "
+                 "classification"),
+    "predict": ("scaletrain.commands.predict", "run a fine-tuned model on new texts"),
 }
 
 

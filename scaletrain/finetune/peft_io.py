@@ -69,8 +69,8 @@ def adapter_tensors(backbone: nn.Module, head: nn.Linear | None = None,
 
 
 def save_adapter(directory: str | os.PathLike, backbone: nn.Module, settings: LoRASettings, *,
-                 base_path: str, head: nn.Linear | None = None, train_norms: bool = False,
-                 labels: list[str] | None = None) -> Path:
+                 base_path: str, head: nn.Linear | None = None,
+                 train_norms: bool = False) -> Path:
     """Write the adapter into `directory` (replaced atomically if it exists)."""
     from safetensors.torch import save_file
 
@@ -98,8 +98,6 @@ def save_adapter(directory: str | os.PathLike, backbone: nn.Module, settings: Lo
         "alpha_pattern": {},
         "revision": None,
     }
-    if labels is not None:
-        config["scaletrain_labels"] = labels  # ignored by PEFT; read back by `predict`
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:

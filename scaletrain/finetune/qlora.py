@@ -30,6 +30,14 @@ def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     """A bitsandbytes `Linear4bit` (NF4, double quantization) holding `linear`'s weights."""
     bnb = _bnb()
     weight = linear.weight.detach()
+    if weight.device.type == "cpu" and linear.in_features % BLOCK_SIZE:
+        # bitsandbytes 0.50's CPU kernel takes the wrong block scale when a row of the weight
+        # does not end on a block boundary (seen: errors of 13x the block's absmax).
+        raise ValueError(
+            f"QLoRA on CPU needs layer input sizes divisible by {BLOCK_SIZE}; this model has a "
+            f"linear layer with {linear.in_features} inputs (bitsandbytes' CPU 4-bit kernel "
+            "mis-reads such rows); use --method lora, or a GPU"
+        )
     q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                           compute_dtype=compute_dtype, compress_statistics=True,
                           quant_type="nf4", device="meta")

@@ -225,7 +225,7 @@ class FinetuneTrainer(Trainer):
             backbone = self.model.backbone if head is not None else self.model
             save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
                          base_path=str(Path(self.ft.base).resolve()), head=head,
-                         train_norms=self.ft.train_norms, labels=self.labels)
+                         train_norms=self.ft.train_norms)
         return path
 
     # --- evaluation -------------------------------------------------------------------------

@@ -71,3 +71,20 @@ def test_train_gpu_bench_skips_without_cuda(tmp_path: Path, capsys: pytest.Captu
     assert bench.main(["--json", str(out)]) is None
     assert "no CUDA device: skipped" in capsys.readouterr().out
     assert not out.exists()
+
+
+def test_finetune_cpu_bench_reports_every_method(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    bench = _load("finetune_cpu")
+    out = tmp_path / "finetune_cpu.json"
+    bench.main(["--models", "tiny", "--methods", "full,lora-r8,qlora-r8", "--steps", "2",
+                "--batch", "2", "--seq-len", "128", "--precision", "fp32",
+                "--work-dir", str(tmp_path / "work"), "--json", str(out)])
+    runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"full", "lora-r8", "qlora-r8"}
+    assert runs["full"]["trainable_params"] == runs["full"]["total_params"]
+    assert runs["lora-r8"]["trainable_params"] == runs["qlora-r8"]["trainable_params"] \
+        < runs["full"]["trainable_params"]
+    for r in runs.values():
+        assert r["tokens_per_s"] > 0 and r["peak_rss_gib"] > 0 and r["steps"] == 2
+        assert math.isfinite(r["final_loss"])

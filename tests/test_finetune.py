@@ -214,3 +214,32 @@ def test_param_report_counts_4bit_weights_by_logical_size(tiny_args: ModelArgs) 
     assert after.total == before.total
     assert after.trainable == before.total - in_blocks
     assert after.frozen_bytes == in_blocks // 2
+
+
+@pytest.mark.parametrize("method,kw", [
+    ("full", {}), ("freeze", {"freeze_first": 1}), ("freeze", {"train_last": 1}),
+    ("lora", {"rank": 4, "targets": ("q", "v")}), ("lora", {"num_labels": 3}),
+    ("qlora", {"rank": 2})])
+def test_estimate_matches_the_built_model(method: str, kw: dict, tiny_args: ModelArgs) -> None:
+    from scaletrain.finetune.estimate import estimate
+    from scaletrain.finetune.heads import SequenceClassifier
+
+    args = tiny_args.replace(ffn_dim=128, tie_embeddings=False)
+    model = build_model(args, seed=0)
+    if method == "freeze":
+        freeze_layers(model, first=kw.get("freeze_first", 0), train_last=kw.get("train_last"))
+    if method in ("lora", "qlora"):
+        if method == "qlora":
+            pytest.importorskip("bitsandbytes")
+            from scaletrain.finetune.qlora import quantize_blocks
+
+            quantize_blocks(model, torch.float32)
+        apply_lora(model, LoRASettings(rank=kw.get("rank", 8),
+                                       targets=kw.get("targets", LoRASettings().targets)))
+    if "num_labels" in kw:
+        model = SequenceClassifier(model, kw["num_labels"])
+    est = estimate(args, method, **kw)
+    report = param_report(model)
+    assert (est.trainable, est.total) == (report.trainable, report.total)
+    actual = report.trainable_bytes + report.frozen_bytes
+    assert est.weight_bytes == pytest.approx(actual, rel=0.02)

@@ -63,8 +63,8 @@ def test_classification_from_pretrained_reaches_high_validation_accuracy(
         bases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cls"
     trainer = run_ft(out, bases["native"], bases["cls"], "lora", "classification",
-                     "--training.steps", "40", "--optimizer.lr", "3e-3",
-                     "--data.val_fraction", "0.25")
+                     "--training.steps", "30", "--optimizer.lr", "3e-3",
+                     "--data.val_fraction", "0.25", "--data.seq_len", "32")
     assert len(trainer.val_data) == 60  # a held-out quarter of the 240 examples
     assert trainer.labels == ["negative", "neutral", "positive"]
     assert trainer.last_scores["accuracy"] >= 0.95
@@ -160,7 +160,7 @@ def test_generate_uses_base_plus_adapter(bases: dict[str, Path], tmp_path: Path,
 
     out = tmp_path / "sft"
     assert finetune_cmd.main(ft_argv(out, bases["native"], bases["sft"], "lora", "sft",
-                                     "--training.steps", "30", "--optimizer.lr", "5e-3")) == 0
+                                     "--training.steps", "4", "--optimizer.lr", "5e-3")) == 0
     prompt = "the film is green. what color is it? "
     capsys.readouterr()
     assert generate_cmd.main(["--checkpoint", str(out), "--prompt", prompt, "--temperature",

@@ -8,7 +8,9 @@ bench's own SFT data) is fine-tuned by `scaletrain finetune`'s trainer on the sa
 data (packed), seed, batch, learning rate and number of steps. Each (model, method) runs in its
 own process, so the peak resident memory (ru_maxrss, which includes ~0.3-0.5 GiB of Python and
 torch runtime) belongs to that run alone. Reported per run: trainable and total parameters, the
-trainer's memory estimate per component (weights, gradients, AdamW state), peak RSS, tokens/s
+trainer's memory estimate per component (weights, gradients, AdamW state), the resident memory
+once the model is built and its peak (QLoRA's peak includes loading the fp32 base before it is
+quantized), tokens/s
 (median over the steps after the first; padding included) and the training loss after the last
 step (the base is random, so this compares optimization progress, not adaptation quality).
 Results are printed as one table and written as JSON (default bench/results/finetune_cpu.json).
@@ -17,6 +19,7 @@ Results are printed as one table and written as JSON (default bench/results/fine
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -43,7 +46,7 @@ MODELS: dict[str, dict[str, int]] = {
     # the `debug` preset's dimensions
     "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=8192),
     # ~100M parameters (count printed in the table)
-    "100m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=8192),
+    "100m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2304, vocab_size=8192),
     # for the smoke test
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512),
 }
@@ -111,6 +114,15 @@ def make_base(name: str, directory: Path, data: Path) -> Path:
 
 
 # --- one run (in its own process) ---------------------------------------------------------------
+def current_rss_gib() -> float:
+    """Resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def run_one(a: argparse.Namespace) -> dict[str, Any]:
     from scaletrain.config import load_config
     from scaletrain.finetune.trainer import FinetuneTrainer
@@ -127,6 +139,8 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             "--metrics.log_interval", "1000", "--precision.dtype", a.precision,
             *METHODS[method]]
     trainer = FinetuneTrainer(load_config(argv, prog="bench"))
+    gc.collect()
+    built_rss = current_rss_gib()
     start = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - start
@@ -136,6 +150,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         "trainable_params": trainer.params.trainable, "total_params": trainer.params.total,
         "memory_estimate_bytes": trainer.memory,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "rss_after_build_gib": built_rss,
         "tokens_per_s": statistics.median(tps), "first_loss": result.losses[0],
         "final_loss": result.losses[-1], "val_loss": result.val_loss, "steps": result.steps,
         "wall_s": wall, "autocast": trainer.dtype,
@@ -145,14 +160,16 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
 # --- driver -------------------------------------------------------------------------------------
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'model':<6} {'method':<9} {'trainable':>12} {'total':>12} {'%':>6} "
-            f"{'est. MiB':>9} {'peak RSS GiB':>12} {'tok/s':>8} {'loss 1st':>8} {'loss last':>9}")
+            f"{'est. MiB':>9} {'RSS built':>9} {'RSS peak':>8} {'tok/s':>8} {'loss 1st':>8} "
+            f"{'loss last':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         est = sum(r["memory_estimate_bytes"].values()) / 2**20
         lines.append(
             f"{r['model']:<6} {r['method']:<9} {r['trainable_params']:>12,} "
             f"{r['total_params']:>12,} {100 * r['trainable_params'] / r['total_params']:>6.2f} "
-            f"{est:>9.1f} {r['peak_rss_gib']:>12.2f} {r['tokens_per_s']:>8.0f} "
+            f"{est:>9.1f} {r['rss_after_build_gib']:>9.2f} {r['peak_rss_gib']:>8.2f} "
+            f"{r['tokens_per_s']:>8.0f} "
             f"{r['first_loss']:>8.3f} {r['final_loss']:>9.3f}")
     return "\n".join(lines)
 

@@ -115,12 +115,15 @@ def test_peft_loads_our_adapter_and_merge_matches(bases: dict[str, Path], tmp_pa
     peft = pytest.importorskip("peft")
     out = tmp_path / "sft"
     run_ft(out, bases["hf"], bases["sft"], "lora", "sft", "--training.steps", "6",
-           "--optimizer.lr", "1e-2", "--finetune.lora_targets", "q,k,v,o,gate,up,down")
+           "--optimizer.lr", "1e-2", "--finetune.lora_targets", "q,k,v,o,gate,up,down",
+           "--finetune.train_norms", "true")
     ours = load_finetuned(out, merge=False).model
+    base = load_base(bases["hf"]).model
+    assert not torch.equal(ours.norm.weight, base.norm.weight)  # trained norms travel too
     tokens = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8, 11]])
     with torch.no_grad():
         expected = ours(tokens)
-        base_logits = load_base(bases["hf"]).model(tokens)
+        base_logits = base(tokens)
     assert not torch.allclose(expected, base_logits, atol=1e-3)  # the adapter does something
     hf = transformers.LlamaForCausalLM.from_pretrained(bases["hf"], dtype=torch.float32)
     peft_model = peft.PeftModel.from_pretrained(hf, out / "adapter").eval()

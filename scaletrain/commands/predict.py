@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from scaletrain.finetune.loading import Finetuned
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +50,8 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 
 
 @torch.no_grad()
-def classify(done, texts: list[str], batch_size: int, device: torch.device) -> list[dict]:  # noqa: ANN001
+def classify(done: Finetuned, texts: list[str], batch_size: int,
+             device: torch.device) -> list[dict]:
     from scaletrain.finetune.data import encode_text, pad_batch
 
     seq_len = int(done.meta["seq_len"])
@@ -64,7 +69,7 @@ def classify(done, texts: list[str], batch_size: int, device: torch.device) -> l
     return out
 
 
-def respond(done, texts: list[str], args: argparse.Namespace) -> list[dict]:  # noqa: ANN001
+def respond(done: Finetuned, texts: list[str], args: argparse.Namespace) -> list[dict]:
     from scaletrain.finetune.sft import ChatFormatter
     from scaletrain.models.generation import generate
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from scaletrain.models.args import ModelArgs
+
 
 class SequenceClassifier(nn.Module):
     """`backbone` (a `Transformer`) + `score`, a bias-free linear layer to the label logits.
@@ -29,7 +31,7 @@ class SequenceClassifier(nn.Module):
             backbone.output.requires_grad_(False)
 
     @property
-    def args(self):  # noqa: ANN201 - the backbone's ModelArgs
+    def args(self) -> ModelArgs:
         return self.backbone.args
 
     @property

@@ -14,6 +14,7 @@ from torch import nn
 from scaletrain.finetune.base import BaseModel, FinetuneError, load_base
 from scaletrain.finetune.heads import SequenceClassifier
 from scaletrain.finetune.trainer import ADAPTER_DIR, META_NAME, read_meta
+from scaletrain.models.args import ModelArgs
 
 log = logging.getLogger("scaletrain.finetune")
 
@@ -94,7 +95,8 @@ def load_finetuned(output: str | Path, device: torch.device | str = "cpu",
     return Finetuned(model, base, meta)
 
 
-def load_for_export(output: str | Path, dtype: torch.dtype = torch.float32):  # noqa: ANN201
+def load_for_export(output: str | Path, dtype: torch.dtype = torch.float32
+                    ) -> tuple[nn.Module, ModelArgs, Path, int | None]:
     """(merged language model, args, base tokenizer file or None, eos id) for `convert`."""
     done = load_finetuned(output, dtype=dtype)
     if done.meta["task"] != "sft":

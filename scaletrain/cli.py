@@ -20,6 +20,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "profile": ("scaletrain.commands.profile", "profile a few training steps, then diagnose"),
     "diagnose": ("scaletrain.commands.diagnose", "bottleneck verdict and remedies from traces"),
     "plan": ("scaletrain.commands.plan", "memory/FLOPs/communication of a layout; layout search"),
+    "finetune": ("scaletrain.commands.finetune", "adapt a model: full, freeze, LoRA, QLoRA; SFT or "
+                 "classification"),
+    "predict": ("scaletrain.commands.predict", "run a fine-tuned model on new texts"),
 }
 
 

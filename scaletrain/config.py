@@ -271,6 +271,47 @@ class ParallelConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    base: str | None = None
+    """Model to adapt: a Hugging Face directory, a native checkpoint or a training run."""
+    method: Literal["full", "freeze", "lora", "qlora"] = "lora"
+    """`full`: every weight; `freeze`: some weights frozen (see freeze_*); `lora`: low-rank
+    adapters on a frozen base; `qlora`: the same on a 4-bit NF4 base (bitsandbytes)."""
+    task: Literal["sft", "classification"] = "sft"
+    """`sft`: prompt/response or chat JSON lines, loss on responses; `classification`: text +
+    label JSON lines, a head on the last non-padding token."""
+    data: str | None = None
+    """JSON-lines file of training examples (a held-out split is taken for validation)."""
+    val_data: str | None = None
+    """Optional JSON-lines validation file (default: data.val_fraction of `data`)."""
+    lora_rank: int = 8
+    """LoRA rank r."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is B A x * alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch input."""
+    lora_targets: str = "q,k,v,o,gate,up,down"
+    """Comma-separated modules that get adapters: q, k, v, o, gate, up, down (or HF names)."""
+    train_biases: bool = False
+    """LoRA/QLoRA: also train the base model's biases (GPT-2 style models have them)."""
+    train_norms: bool = False
+    """LoRA/QLoRA: also train the normalization weights."""
+    freeze_embeddings: bool = True
+    """`freeze`: freeze the token (and position) embeddings."""
+    freeze_first: int = 0
+    """`freeze`: freeze the first N transformer blocks."""
+    train_last: int | None = None
+    """`freeze`: freeze everything except the last K blocks, the final norm and the head."""
+    quant_compute_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """QLoRA: dtype the 4-bit weights are dequantized to for matmuls (auto: bf16 where the
+    device is fast at it, else fp32)."""
+    labels: str | None = None
+    """Classification: comma-separated label names (default: the sorted labels of the data)."""
+    packing: bool = True
+    """SFT: pack several short examples into one sequence (attention stays inside each)."""
+
+
+@dataclass
 class Config:
     output: str = "runs/default"
     """Run directory: metrics, checkpoints, TensorBoard logs, the resolved config."""
@@ -288,6 +329,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     @property
     def grad_accum_steps(self) -> int:

@@ -1,8 +1,9 @@
 """Load a model for inference from whatever checkpoint directory the user points at.
 
 Accepted: a Hugging Face directory (`config.json` + safetensors), a native checkpoint
-(`meta.json` + DCP files), or a training run's output directory with
-`checkpoints/step-XXXXXXX/` sub-directories (the latest complete one is used).
+(`meta.json` + DCP files), a training run's output directory with
+`checkpoints/step-XXXXXXX/` sub-directories (the latest complete one is used), or a
+`scaletrain finetune` output directory (`finetune.json`: base + adapter or trained weights).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def load_for_inference(
 
     `dtype=None` keeps a HF checkpoint's stored dtype and loads native checkpoints in float32.
     """
+    if (Path(path) / "finetune.json").is_file():  # a `scaletrain finetune` run: base + result
+        return _load_finetuned(path, device, dtype)
     kind, directory = find_checkpoint(path)
     if kind == "hf":
         model, args = load_hf_checkpoint(directory, device=device, dtype=dtype)
@@ -133,6 +136,18 @@ def load_for_inference(
         eos = None
     model.eval()
     return model, args, tokenizer, eos
+
+
+def _load_finetuned(
+    path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype | None
+) -> tuple[Transformer, ModelArgs, Tokenizer | None, int | None]:
+    from scaletrain.finetune.loading import load_finetuned
+
+    done = load_finetuned(path, device=device, dtype=dtype)
+    if not isinstance(done.model, Transformer):
+        raise ValueError(f"{path} is a {done.meta['task']} fine-tune, not a language model; "
+                         "use `scaletrain predict --checkpoint` with it")
+    return done.model, done.base.args, done.base.tokenizer, done.base.eos_id
 
 
 __all__ = ["find_checkpoint", "load_for_inference", "hf_eos_id", "tokenizer_eos_id"]

@@ -71,3 +71,22 @@ def test_train_gpu_bench_skips_without_cuda(tmp_path: Path, capsys: pytest.Captu
     assert bench.main(["--json", str(out)]) is None
     assert "no CUDA device: skipped" in capsys.readouterr().out
     assert not out.exists()
+
+
+def test_finetune_cpu_bench_reports_every_method(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    bench = _load("finetune_cpu")
+    out = tmp_path / "finetune_cpu.json"
+    bench.main(["--models", "tiny", "--methods", "full,qlora-r8", "--steps", "2",
+                "--batch", "2", "--seq-len", "128", "--precision", "fp32",
+                "--work-dir", str(tmp_path / "work"), "--json", str(out)])
+    runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"full", "qlora-r8"}
+    full, qlora = runs["full"], runs["qlora-r8"]
+    assert full["trainable_params"] == full["total_params"]
+    assert 0 < qlora["trainable_params"] < full["trainable_params"]
+    est = {k: sum(r["memory_estimate_bytes"].values()) for k, r in runs.items()}
+    assert est["qlora-r8"] < est["full"]
+    for r in runs.values():
+        assert r["tokens_per_s"] > 0 and r["peak_rss_gib"] >= r["rss_after_build_gib"] > 0
+        assert r["steps"] == 2 and math.isfinite(r["final_loss"])

@@ -1,7 +1,8 @@
 """`scaletrain convert SRC DST --to hf|native`: Hugging Face safetensors <-> native checkpoints.
 
-SRC may be a Hugging Face directory, a native checkpoint or a training run directory (its
-latest checkpoint is used). A `tokenizer.json` next to the weights is carried across.
+SRC may be a Hugging Face directory, a native checkpoint, a training run directory (its
+latest checkpoint is used) or a `scaletrain finetune` output (LoRA adapters merged into the
+base). A `tokenizer.json` next to the weights is carried across.
 """
 
 from __future__ import annotations
@@ -53,19 +54,24 @@ def run(args: argparse.Namespace) -> Path:
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new output directory")
     dtype = _DTYPES[args.dtype] if args.dtype else None
-    kind, src = find_checkpoint(args.src)
     eos = None
     step = args.step
-    if kind == "hf":
-        model, model_args = load_hf_checkpoint(src, dtype=dtype)
-        tok = src / "tokenizer.json"
-        tokenizer_file = tok if tok.is_file() else None
-        eos = hf_eos_id(src)
+    if (Path(args.src) / "finetune.json").is_file():  # base + adapter merged, or trained weights
+        from scaletrain.finetune.loading import load_for_export
+
+        model, model_args, tokenizer_file, eos = load_for_export(args.src, dtype or torch.float32)
     else:
-        model, model_args, tokenizer_file = load_model_checkpoint(
-            src, dtype=dtype or torch.float32
-        )
-        step = args.step or read_meta(src)["step"]
+        kind, src = find_checkpoint(args.src)
+        if kind == "hf":
+            model, model_args = load_hf_checkpoint(src, dtype=dtype)
+            tok = src / "tokenizer.json"
+            tokenizer_file = tok if tok.is_file() else None
+            eos = hf_eos_id(src)
+        else:
+            model, model_args, tokenizer_file = load_model_checkpoint(
+                src, dtype=dtype or torch.float32
+            )
+            step = args.step or read_meta(src)["step"]
     if args.to == "hf":
         if eos is None and tokenizer_file is not None:
             from tokenizers import Tokenizer

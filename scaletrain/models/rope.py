@@ -30,8 +30,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (len(positions), head_dim) for the given absolute positions."""
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    """cos/sin tables of shape (*positions.shape, head_dim) for the given absolute positions
+    (1-D positions shared by every row, or one row of positions per sequence)."""
+    angles = positions.float()[..., None] * inv_freq.float()
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -42,5 +43,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` of shape (batch, heads, seq, head_dim) by the (seq, head_dim) tables."""
+    """Rotate `x` of shape (batch, heads, seq, head_dim) by (seq, head_dim) tables, or by
+    per-sequence (batch, 1, seq, head_dim) tables."""
     return x * cos + _rotate_half(x) * sin

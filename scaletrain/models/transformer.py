@@ -67,7 +67,9 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: optional boolean (batch, 1, seq, seq) attention mask (True = attend) that
+        replaces the causal mask (training only, no KV cache)."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
@@ -80,7 +82,9 @@ class Attention(nn.Module):
         # Grouped-query attention: SDPA shares each K/V head among n_heads / n_kv_heads query
         # heads itself, without materializing repeated K/V.
         gqa = self.n_heads != self.n_kv_heads
-        if start_pos == 0:
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif start_pos == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # decoding: query i sits at absolute position start_pos + i
             keys = torch.arange(k.shape[2], device=x.device)
@@ -117,8 +121,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                start_pos: int = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, start_pos)
+                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, start_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -146,7 +150,19 @@ class Transformer(nn.Module):
             persistent=False,
         )
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `tokens`; see `hidden_states` for `segment_ids`."""
+        return self.output(self.hidden_states(tokens, start_pos, segment_ids))
+
+    def hidden_states(self, tokens: torch.Tensor, start_pos: int = 0,
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states (batch, seq, dim).
+
+        `segment_ids` (batch, seq), for several sequences packed into one row: a token attends
+        only to earlier tokens of its own segment, and positions restart at 0 where a segment
+        starts, so each packed sequence is computed as if it were alone.
+        """
         seqlen = tokens.shape[1]
         if start_pos + seqlen > self.args.max_seq_len:
             raise ValueError(
@@ -155,16 +171,22 @@ class Transformer(nn.Module):
             )
         h = self.tok_embeddings(tokens)
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device)
+        mask = None
+        if segment_ids is not None:
+            if start_pos != 0:
+                raise ValueError("segment_ids cannot be combined with a KV cache (start_pos > 0)")
+            positions, mask = segment_positions_and_mask(segment_ids)
         rope = None
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         else:
             if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
                 self.reset_buffers()
-            rope = rope_cos_sin(self.inv_freq, positions, h.dtype)
+            cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+            rope = (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
         for layer in self.layers.values():
-            h = layer(h, rope, start_pos)
-        return self.output(self.norm(h))
+            h = layer(h, rope, start_pos, mask)
+        return self.norm(h)
 
     # --- initialization -------------------------------------------------------------------
     def reset_buffers(self) -> None:
@@ -211,6 +233,19 @@ class Transformer(nn.Module):
     def clear_cache(self) -> None:
         for layer in self.layers.values():
             layer.attention.cache = None
+
+
+def segment_positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token positions that restart at each segment, and the boolean (batch, 1, seq, seq)
+    attention mask that is causal inside a segment and closed across segments."""
+    bsz, seqlen = segment_ids.shape
+    index = torch.arange(seqlen, device=segment_ids.device).expand(bsz, seqlen)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=segment_ids.device).tril()
+    return index - first, (same & causal)[:, None]
 
 
 def empty_model(

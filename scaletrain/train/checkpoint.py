@@ -144,11 +144,15 @@ class Checkpointer:
                 f"{path}: cannot load checkpoint ({_root_cause(e)}); it may be damaged: "
                 "delete it to resume from an earlier one"
             ) from None
+        self._set_state(model, optimizer, state)
+        log.info("resumed from %s (step %d)", path, state["extra"]["step"])
+        return state["extra"]
+
+    def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+        """Put loaded model and optimizer state (as `_state` lays it out) into place."""
         if isinstance(optimizer, torch.optim.Optimizer):
             set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         else:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-        log.info("resumed from %s (step %d)", path, state["extra"]["step"])
-        return state["extra"]

@@ -70,6 +70,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 class Trainer:
     """Builds everything a run needs from a validated `Config`, then `train()` runs it."""
 
+    checkpointer_cls: type[Checkpointer] = Checkpointer
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
@@ -102,8 +104,9 @@ class Trainer:
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enabled:
             self.loss_fn = torch.compile(cross_entropy_sum)
-        self.checkpointer = Checkpointer(self.output / "checkpoints", cfg.checkpoint.keep_last,
-                                         self.model_args, self.corpus.tokenizer_path)
+        self.checkpointer = self.checkpointer_cls(self.output / "checkpoints",
+                                                  cfg.checkpoint.keep_last, self.model_args,
+                                                  self.corpus.tokenizer_path)
         self.step = 0
         if cfg.checkpoint.resume:
             self._resume()
@@ -204,7 +207,7 @@ class Trainer:
         for x, y in batches:
             with phase("forward"):
                 with precision.autocast(self.device, self.dtype):
-                    logits = self.model(x)
+                    logits = self.model_forward(x)
                 token_loss = self.loss_fn(logits, y)
             scaled = token_loss / n_valid
             with phase("backward"):
@@ -229,6 +232,10 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         return loss, float(grad_norm)
+
+    def model_forward(self, x: Any) -> torch.Tensor:
+        """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids)."""
+        return self.model(x)
 
     def _on_nonfinite(self, loss: float) -> None:
         step = self.step + 1

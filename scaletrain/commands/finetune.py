@@ -1,0 +1,66 @@
+"""`scaletrain finetune --base DIR --method full|freeze|lora|qlora --task sft|classification
+--data PATH --output DIR [--section.field value ...]`.
+
+The short flags are aliases of `--finetune.base`, `--finetune.method`, `--finetune.task` and
+`--finetune.data`; every other field of the config tree (see `--help`) can be set too. The
+defaults come from the `finetune` preset (`--config NAME_OR_TOML` picks another).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from scaletrain.config import ConfigError, load_config
+
+log = logging.getLogger("scaletrain")
+
+_ALIASES = {"--base": "--finetune.base", "--method": "--finetune.method",
+            "--task": "--finetune.task", "--data": "--finetune.data"}
+
+
+def expand_aliases(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        name = _ALIASES.get(name, name)
+        out.append(name + eq + value if eq else name)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    argv = expand_aliases(argv)
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", "finetune", *argv]
+    try:
+        cfg = load_config(argv, prog="scaletrain finetune")
+    except ConfigError as e:
+        print(f"scaletrain finetune: {e}", file=sys.stderr)
+        return 2
+    from scaletrain.finetune.base import FinetuneError
+    from scaletrain.finetune.freeze import FreezeError
+    from scaletrain.finetune.lora import LoRAError
+    from scaletrain.finetune.trainer import FinetuneTrainer
+    from scaletrain.train.checkpoint import CheckpointError
+    from scaletrain.train.trainer import TrainingDiverged
+
+    try:
+        trainer = FinetuneTrainer(cfg)
+        result = trainer.train()
+    except (ConfigError, CheckpointError, FinetuneError, LoRAError, FreezeError,
+            ImportError) as e:
+        print(f"scaletrain finetune: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"scaletrain finetune: {e}", file=sys.stderr)
+        return 1
+    if result.losses:
+        log.info("fine-tuned %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",
+                 len(result.losses), result.wall_time_s, result.losses[0], result.losses[-1],
+                 result.val_loss)
+    scores = getattr(trainer, "last_scores", None)
+    if scores:
+        log.info("validation accuracy %.4f, macro-F1 %.4f", scores["accuracy"],
+                 scores["macro_f1"])
+    log.info("output: %s", cfg.output)
+    return 0

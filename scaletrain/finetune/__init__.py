@@ -1,0 +1,1 @@
+"""Fine-tuning: full, frozen layers, LoRA and QLoRA; SFT and sequence classification."""

@@ -1,0 +1,87 @@
+"""Trainable parameters and memory per component of a fine-tuning method, from `ModelArgs`
+alone (no model is built): what `scaletrain plan` needs to cover fine-tuning.
+
+The same numbers the trainer reports after building the model (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.finetune.lora import TARGETS
+from scaletrain.finetune.qlora import BLOCK_SIZE
+from scaletrain.models.args import ModelArgs, count_params
+
+
+@dataclass(frozen=True)
+class FinetuneEstimate:
+    trainable: int
+    total: int
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+def _linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target linear of one block."""
+    d, q, kv, h = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, \
+        args.hidden_dim
+    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, h), "down": (h, d)}
+    if args.arch == "llama":
+        shapes["up"] = (d, h)
+    return shapes
+
+
+def estimate(args: ModelArgs, method: str, *, rank: int = 8,
+             targets: tuple[str, ...] = tuple(TARGETS), num_labels: int | None = None,
+             train_last: int | None = None, freeze_first: int = 0,
+             freeze_embeddings: bool = True, weight_bytes: int = 4,
+             optimizer_states: int = 2) -> FinetuneEstimate:
+    """Parameters and bytes (weights, fp32 gradients, `optimizer_states` fp32 tensors per
+    trainable parameter: 2 for AdamW) for `method` in full/freeze/lora/qlora.
+
+    `num_labels` adds a classification head (trainable; the LM head is then frozen unless tied).
+    QLoRA: block linears at 4 bits + one 8-bit absmax per 64 weights (double quantization).
+    """
+    pc = count_params(args)
+    shapes = _linear_shapes(args)
+    block_linear = sum(i * o for i, o in shapes.values())
+    norm = args.dim if args.arch == "llama" else 2 * args.dim  # RMSNorm / LayerNorm (+bias)
+    per_block = (pc.attention + pc.mlp) // args.n_layers + 2 * norm
+    head = 0 if num_labels is None else num_labels * args.dim
+    lora = 0
+    if method in ("lora", "qlora"):
+        lora = args.n_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets
+                                   if t in shapes)
+    total = pc.total + lora + head
+    lm_head_frozen = num_labels is not None and not args.tie_embeddings
+    if method == "full":
+        trainable = pc.total - (pc.head if lm_head_frozen else 0)
+    elif method == "freeze":
+        n = args.n_layers
+        frozen_blocks = n - train_last if train_last is not None else freeze_first
+        frozen = frozen_blocks * per_block
+        if freeze_embeddings or train_last is not None:
+            frozen += pc.embedding + pc.positional
+        if lm_head_frozen:
+            frozen += pc.head
+        trainable = pc.total - frozen
+    elif method in ("lora", "qlora"):
+        trainable = lora
+    else:
+        raise ValueError(f"unknown fine-tuning method '{method}' (full, freeze, lora, qlora)")
+    trainable += head
+    weights = total * weight_bytes
+    if method == "qlora":
+        quantized = args.n_layers * block_linear
+        weights -= quantized * weight_bytes
+        weights += quantized // 2 + quantized // BLOCK_SIZE  # 4-bit codes + 8-bit absmax
+    return FinetuneEstimate(trainable, total, weights, trainable * 4,
+                            optimizer_states * trainable * 4)
+
+
+__all__ = ["FinetuneEstimate", "estimate"]

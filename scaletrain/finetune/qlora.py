@@ -1,0 +1,80 @@
+"""QLoRA's base: every linear layer of the transformer blocks stored as 4-bit NF4 with double
+quantization (the per-block scales are quantized again), via bitsandbytes (CPU and CUDA).
+
+Embeddings, norms and the output head stay in full precision, as in the QLoRA recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("scaletrain.finetune")
+
+BLOCK_SIZE = 64  # NF4 block size (elements sharing one absmax), bitsandbytes' default
+
+
+def _bnb():
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "--method qlora needs bitsandbytes: pip install 'scaletrain[quant]'"
+        ) from e
+    return bnb
+
+
+def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    """A bitsandbytes `Linear4bit` (NF4, double quantization) holding `linear`'s weights."""
+    bnb = _bnb()
+    weight = linear.weight.detach()
+    if weight.device.type == "cpu" and linear.in_features % BLOCK_SIZE:
+        # bitsandbytes 0.50's CPU kernel takes the wrong block scale when a row of the weight
+        # does not end on a block boundary (seen: errors of 13x the block's absmax).
+        raise ValueError(
+            f"QLoRA on CPU needs layer input sizes divisible by {BLOCK_SIZE}; this model has a "
+            f"linear layer with {linear.in_features} inputs (bitsandbytes' CPU 4-bit kernel "
+            "mis-reads such rows); use --method lora, or a GPU"
+        )
+    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          compute_dtype=compute_dtype, compress_statistics=True,
+                          quant_type="nf4", device="meta")
+    q.weight = bnb.nn.Params4bit(weight.float().cpu(), requires_grad=False,
+                                 compress_statistics=True, quant_type="nf4",
+                                 blocksize=BLOCK_SIZE)
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return q.to(weight.device)  # bitsandbytes quantizes on the move to a device
+
+
+def quantize_blocks(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Replace every `nn.Linear` inside `model.layers` by its NF4 version; returns the count."""
+    count = 0
+    for block in model.layers.values():
+        for name, module in list(block.named_modules()):
+            if type(module) is nn.Linear:
+                parent_name, _, attr = name.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                setattr(parent, attr, to_nf4(module, compute_dtype))
+                count += 1
+    log.info("QLoRA: %d linear layers stored as NF4 (double quantization), compute in %s",
+             count, str(compute_dtype).removeprefix("torch."))
+    return count
+
+
+def is_nf4(module: nn.Module) -> bool:
+    bnb = _bnb()
+    return isinstance(module, bnb.nn.Linear4bit)
+
+
+def dequantize(module: nn.Module) -> torch.Tensor:
+    """The dense (out, in) fp32 weight an NF4 layer stands for."""
+    import bitsandbytes.functional as F
+
+    w = module.weight
+    return F.dequantize_4bit(w.data, w.quant_state).float()
+
+
+__all__ = ["to_nf4", "quantize_blocks", "is_nf4", "dequantize", "BLOCK_SIZE"]

@@ -1,0 +1,215 @@
+"""Instruction tuning data: prompt/response or chat JSON lines -> token ids with a loss mask,
+then rows of `seq_len` tokens (several short examples packed into one row when asked).
+
+Only response tokens are scored: prompt tokens get the label IGNORE_INDEX. With a chat template
+(the tokenizer config's Jinja `chat_template`), each assistant turn's rendered text is scored and
+everything the template puts around it (system prompt, user turns, role headers) is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scaletrain.finetune.base import FinetuneError
+from scaletrain.train.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+@dataclass
+class Example:
+    """One training example: inputs[i] predicts labels[i] (IGNORE_INDEX = not scored)."""
+
+    inputs: list[int]
+    labels: list[int]
+
+
+class ChatFormatter:
+    """Turns one JSON record into token ids and a loss mask.
+
+    Records: {"prompt": ..., "response": ...} (also "completion") or
+    {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int | None, template: str | None = None,
+                 special_tokens: dict[str, str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+        self.special = dict(special_tokens or {})
+        self._template = None
+        if template:
+            try:
+                from jinja2.exceptions import TemplateError
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError as e:  # pragma: no cover
+                raise FinetuneError("the tokenizer's chat template needs jinja2: "
+                                    "pip install jinja2") from e
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            try:
+                self._template = env.from_string(template)
+            except TemplateError as e:
+                raise FinetuneError(f"the tokenizer's chat_template does not parse: {e}") from None
+
+    @property
+    def has_template(self) -> bool:
+        return self._template is not None
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        assert self._template is not None
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special)
+
+    # --- records -> (ids, mask) -----------------------------------------------------------
+    def encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[bool]]:
+        """Token ids of the whole example and, per token, whether it is scored."""
+        if "messages" in record:
+            messages = record["messages"]
+            _check_messages(messages, where)
+        elif "prompt" in record and ("response" in record or "completion" in record):
+            response = record.get("response", record.get("completion"))
+            if not isinstance(record["prompt"], str) or not isinstance(response, str):
+                raise FinetuneError(f"{where}: 'prompt' and 'response' must be strings")
+            if not self.has_template:
+                return self._plain(record["prompt"], response)
+            messages = [{"role": "user", "content": record["prompt"]},
+                        {"role": "assistant", "content": response}]
+        else:
+            raise FinetuneError(
+                f"{where}: expected {{\"prompt\": ..., \"response\": ...}} or "
+                f"{{\"messages\": [...]}} (got keys {sorted(record)})"
+            )
+        return self._templated(messages, where) if self.has_template else self._fallback(messages)
+
+    def _plain(self, prompt: str, response: str) -> tuple[list[int], list[bool]]:
+        """No template: prompt as given, then response + end-of-text, which alone is scored."""
+        p = self.tokenizer.encode(prompt).ids  # the tokenizer's own BOS, if it adds one
+        r = self._ids(response) + ([self.eos_id] if self.eos_id is not None else [])
+        return p + r, [False] * len(p) + [True] * len(r)
+
+    def _fallback(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+        """No template: `role: content` lines; assistant contents + end-of-text are scored."""
+        ids: list[int] = []
+        mask: list[bool] = []
+        for m in messages:
+            if m["role"] == "assistant":
+                head = self._ids("assistant: ")
+                body = self._ids(m["content"]) + ([self.eos_id] if self.eos_id is not None else [])
+                tail = self._ids("\n")
+                ids += head + body + tail
+                mask += [False] * len(head) + [True] * len(body) + [False] * len(tail)
+            else:
+                piece = self._ids(f"{m['role']}: {m['content']}\n")
+                ids += piece
+                mask += [False] * len(piece)
+        return ids, mask
+
+    def _templated(self, messages: list[dict[str, str]],
+                   where: str) -> tuple[list[int], list[bool]]:
+        """Render prefixes of the conversation: the text an assistant turn adds after the
+        generation prompt is scored; the text between turns is not."""
+        from jinja2.exceptions import TemplateError
+
+        ids: list[int] = []
+        mask: list[bool] = []
+        done = ""
+        try:
+            for k, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                prompt = self.render(messages[:k], add_generation_prompt=True)
+                full = self.render(messages[: k + 1], add_generation_prompt=False)
+                if not prompt.startswith(done) or not full.startswith(prompt):
+                    raise FinetuneError(
+                        f"{where}: the chat template does not render the conversation as a "
+                        "growing prefix, so response tokens cannot be told from prompt tokens; "
+                        "use prompt/response records with a simpler template"
+                    )
+                head, body = self._ids(prompt[len(done):]), self._ids(full[len(prompt):])
+                ids += head + body
+                mask += [False] * len(head) + [True] * len(body)
+                done = full
+            tail = self._ids(self.render(messages, add_generation_prompt=False)[len(done):])
+        except TemplateError as e:
+            raise FinetuneError(f"{where}: the chat template failed: {e}") from None
+        return ids + tail, mask + [False] * len(tail)
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """Ids of a new prompt, ready for the model to generate the response (for predict)."""
+        if self.has_template:
+            text = self.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return self._ids(text)
+        return self.tokenizer.encode(prompt).ids
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise FinetuneError(f"{where}: 'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), str):
+            raise FinetuneError(f"{where}: each message needs string 'role' and 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise FinetuneError(f"{where}: no assistant message, so nothing would be trained on")
+
+
+def to_example(ids: list[int], mask: list[bool], seq_len: int, where: str) -> Example:
+    """Shift by one (token i predicts token i+1) and check the length."""
+    if len(ids) - 1 > seq_len:
+        raise FinetuneError(
+            f"{where}: the example has {len(ids) - 1} tokens (after the shift), more than "
+            f"data.seq_len={seq_len}; raise --data.seq_len (up to the model's max_seq_len) or "
+            "shorten or drop the example"
+        )
+    if not any(mask[1:]):
+        raise FinetuneError(f"{where}: the response is empty, so nothing would be trained on")
+    labels = [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])]
+    return Example(ids[:-1], labels)
+
+
+def pack(examples: list[Example], seq_len: int, pad_id: int,
+         packing: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Rows of `seq_len` tokens: {"tokens", "labels", "segment_ids"} int64 tensors.
+
+    With `packing`, examples fill rows first-fit in order; each example has its own segment id,
+    and the padding at the end of a row gets one more. Without packing, one example per row.
+    """
+    bins: list[list[Example]] = []
+    room: list[int] = []
+    for ex in examples:
+        n = len(ex.inputs)
+        slot = next((i for i, r in enumerate(room) if r >= n), None) if packing else None
+        if slot is None:
+            bins.append([])
+            room.append(seq_len)
+            slot = len(bins) - 1
+        bins[slot].append(ex)
+        room[slot] -= n
+    rows = []
+    for group in bins:
+        tokens = torch.full((seq_len,), pad_id, dtype=torch.long)
+        labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
+        segments = torch.full((seq_len,), len(group), dtype=torch.long)
+        pos = 0
+        for seg, ex in enumerate(group):
+            n = len(ex.inputs)
+            tokens[pos : pos + n] = torch.tensor(ex.inputs)
+            labels[pos : pos + n] = torch.tensor(ex.labels)
+            segments[pos : pos + n] = seg
+            pos += n
+        rows.append({"tokens": tokens, "labels": labels, "segment_ids": segments})
+    return rows
+
+
+__all__ = ["ChatFormatter", "Example", "to_example", "pack"]

@@ -1,0 +1,266 @@
+"""Fine-tuning on the same Trainer: task data, a model prepared per method, and checkpoints
+that hold only what trains for LoRA/QLoRA.
+
+Run directory: `config.toml`, `finetune.json` (method, task, base, labels: what `predict`,
+`generate` and `convert` need), `metrics.jsonl`, `checkpoints/step-N/` (resume), and for
+LoRA/QLoRA `adapter/` in PEFT's format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from scaletrain.config import Config, ConfigError
+from scaletrain.finetune import data as ftdata
+from scaletrain.finetune.base import FinetuneError, load_base
+from scaletrain.finetune.freeze import freeze_layers, memory_report, param_report
+from scaletrain.finetune.heads import SequenceClassifier, classification_scores
+from scaletrain.finetune.lora import LoRASettings, apply_lora, parse_targets
+from scaletrain.models.args import ModelArgs
+from scaletrain.parallel.activation_checkpoint import apply_ac
+from scaletrain.parallel.compile import apply_compile
+from scaletrain.train import precision
+from scaletrain.train.checkpoint import Checkpointer
+from scaletrain.train.loss import count_valid, cross_entropy_sum
+from scaletrain.train.trainer import Trainer
+
+log = logging.getLogger("scaletrain.finetune")
+
+META_NAME = "finetune.json"
+ADAPTER_DIR = "adapter"
+
+
+class AdapterCheckpointer(Checkpointer):
+    """Saves and restores only the trainable parameters (adapters, heads) and their optimizer
+    state: the frozen base is the base checkpoint, so it is not copied into every step."""
+
+    def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        model_sd = {k: v for k, v in model.state_dict(keep_vars=True).items()
+                    if isinstance(v, nn.Parameter) and v.requires_grad}
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optim_sd = get_optimizer_state_dict(model, optimizer)
+        else:
+            optim_sd = optimizer.state_dict()
+        return {"model": model_sd, "optimizer": optim_sd, "extra": extra}
+
+    def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+        result = model.load_state_dict(state["model"], strict=False)
+        if result.unexpected_keys:
+            raise FinetuneError(f"checkpoint holds tensors this model lacks: "
+                                f"{result.unexpected_keys[:5]}")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+
+
+def compute_dtype(name: str, autocast_dtype: str) -> torch.dtype:
+    """QLoRA's matmul dtype: `auto` follows the run's autocast dtype (bf16 or fp32)."""
+    if name == "auto":
+        name = "bf16" if autocast_dtype in ("bf16", "fp16") else "fp32"
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def read_meta(output: str | Path) -> dict[str, Any]:
+    path = Path(output) / META_NAME
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FinetuneError(f"{path} is missing or damaged: {e}") from None
+
+
+class FinetuneTrainer(Trainer):
+    """`Trainer` with the base model, method and task of `cfg.finetune`."""
+
+    def __init__(self, cfg: Config) -> None:
+        ft = cfg.finetune
+        if not ft.base:
+            raise ConfigError("finetune.base is required: a HF model directory, a native "
+                              "checkpoint or a training run (--base DIR)")
+        if not ft.data:
+            raise ConfigError("finetune.data is required: a JSON-lines file (--data PATH)")
+        if ft.method == "qlora" and cfg.precision.param_dtype != "fp32":
+            raise ConfigError("--method qlora keeps its own 4-bit base; use precision.param_dtype "
+                              "fp32 (the adapters are small) and finetune.quant_compute_dtype")
+        self.ft = ft
+        if ft.method in ("lora", "qlora"):
+            self.checkpointer_cls = AdapterCheckpointer
+        self.labels: list[str] | None = None
+        super().__init__(cfg)
+        self._write_meta()
+
+    # --- construction -----------------------------------------------------------------------
+    def _build_data(self) -> None:
+        cfg, ft = self.cfg, self.ft
+        self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device)
+        seq_len = cfg.data.seq_len
+        if seq_len > self.base.args.max_seq_len:
+            raise ConfigError(f"data.seq_len ({seq_len}) exceeds the base model's max_seq_len "
+                              f"({self.base.args.max_seq_len}); lower --data.seq_len")
+        records = ftdata.read_jsonl(ft.data)
+        if ft.val_data:
+            train, val = records, ftdata.read_jsonl(ft.val_data)
+        else:
+            train, val = ftdata.split(records, cfg.data.val_fraction, cfg.training.seed)
+        if ft.task == "classification":
+            self.labels = ftdata.label_set(train + val, ft.labels)
+            self._check_labels_on_resume()
+            make = lambda recs: ftdata.classification_dataset(recs, self.base, self.labels,  # noqa: E731
+                                                              seq_len)
+            train_ds, val_ds = make(train), make(val)
+        else:
+            train_ds = ftdata.sft_dataset(train, self.base, seq_len, ft.packing)
+            val_ds = ftdata.sft_dataset(val, self.base, seq_len, ft.packing)
+        from scaletrain.data.loader import BatchStream
+
+        self.pin_memory = self.device.type == "cuda"
+        self.train_stream = BatchStream(train_ds, self.mbs, cfg.training.seed,
+                                        pin_memory=self.pin_memory)
+        self.val_data = val_ds
+        self.corpus = SimpleNamespace(tokenizer_path=self.base.tokenizer_path,
+                                      vocab_size=self.base.args.vocab_size,
+                                      eos_id=self.base.eos_id)
+        log.info("data: %d training and %d validation items", len(train_ds), len(val_ds))
+
+    def _check_labels_on_resume(self) -> None:
+        path = self.output / META_NAME
+        if self.cfg.checkpoint.resume and path.is_file():
+            saved = read_meta(self.output).get("labels")
+            if saved is not None and saved != self.labels:
+                raise FinetuneError(f"the label set {self.labels} does not match the head this run "
+                                    f"was started with ({saved}); resume with the same labels")
+
+    def _model_args(self) -> ModelArgs:
+        return self.base.args
+
+    def _build_model(self) -> nn.Module:
+        ft = self.ft
+        backbone = self.base.model
+        if ft.method in ("lora", "qlora") and backbone.args.arch != "llama":
+            raise FinetuneError(f"--method {ft.method} writes PEFT adapters for Llama models; "
+                                f"this base is '{backbone.args.arch}': use --method full or freeze")
+        if ft.method == "freeze":
+            freeze_layers(backbone, embeddings=ft.freeze_embeddings, first=ft.freeze_first,
+                          train_last=ft.train_last)
+        elif ft.method in ("lora", "qlora"):
+            if ft.method == "qlora":
+                from scaletrain.finetune.qlora import quantize_blocks
+
+                quantize_blocks(backbone, compute_dtype(ft.quant_compute_dtype, self.dtype))
+                backbone.to(self.device)
+            self.lora = LoRASettings(ft.lora_rank, ft.lora_alpha, ft.lora_dropout,
+                                     parse_targets(ft.lora_targets))
+            torch.manual_seed(self.cfg.training.seed)
+            apply_lora(backbone, self.lora)
+            if ft.train_norms:
+                for name, module in backbone.named_modules():
+                    if name.endswith(("attention_norm", "ffn_norm")) or name == "norm":
+                        module.requires_grad_(True)
+        model: nn.Module = backbone
+        if ft.task == "classification":
+            torch.manual_seed(self.cfg.training.seed)
+            model = SequenceClassifier(backbone, len(self.labels or []))
+        apply_ac(backbone, self.cfg.activation_checkpoint)
+        apply_compile(backbone, self.cfg.compile)
+        model.train()
+        self.params = param_report(model)
+        self.memory = memory_report(model)
+        log.info("%s fine-tuning (%s): %s of %s parameters trainable (%.2f%%)", ft.method,
+                 ft.task, f"{self.params.trainable:,}", f"{self.params.total:,}",
+                 100 * self.params.fraction)
+        log.info("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
+                                        for k, v in self.memory.items()))
+        return model
+
+    def _write_meta(self) -> None:
+        ft = self.ft
+        meta = {
+            "format": "scaletrain-finetune", "version": 1, "method": ft.method, "task": ft.task,
+            "base": str(Path(ft.base).resolve()), "labels": self.labels,
+            "seq_len": self.cfg.data.seq_len, "packing": ft.packing,
+            "lora": None if ft.method not in ("lora", "qlora") else {
+                "rank": self.lora.rank, "alpha": self.lora.alpha, "dropout": self.lora.dropout,
+                "targets": list(self.lora.targets), "train_norms": ft.train_norms},
+            "params": {"trainable": self.params.trainable, "total": self.params.total},
+            "memory_bytes": self.memory,
+        }
+        tmp = self.output / (META_NAME + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.replace(self.output / META_NAME)
+
+    # --- steps ------------------------------------------------------------------------------
+    def _inputs(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in x.items()}
+        if self.ft.task == "sft" and not self.ft.packing:
+            x.pop("segment_ids", None)  # one example per row: the causal mask is enough
+        return x
+
+    def next_batches(self) -> list[tuple[Any, torch.Tensor]]:
+        out = []
+        for _ in range(self.ga):
+            x, y = next(self.train_stream)
+            out.append((self._inputs(x), y.to(self.device, non_blocking=self.pin_memory)))
+        return out
+
+    def model_forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**x)
+
+    def save_checkpoint(self) -> Path:
+        path = super().save_checkpoint()
+        if self.ft.method in ("lora", "qlora"):
+            from scaletrain.finetune.peft_io import save_adapter
+
+            head = self.model.score if isinstance(self.model, SequenceClassifier) else None
+            backbone = self.model.backbone if head is not None else self.model
+            save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
+                         base_path=str(Path(self.ft.base).resolve()), head=head,
+                         train_norms=self.ft.train_norms)
+        return path
+
+    # --- evaluation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss over the whole held-out split; classification also logs accuracy and
+        macro-F1 (into `classification.jsonl`)."""
+        self.model.eval()
+        total, count = torch.zeros(()), torch.zeros((), dtype=torch.long)
+        preds, golds = [], []
+        ds = self.val_data
+        for start in range(0, len(ds), self.mbs):
+            items = [ds[i] for i in range(start, min(start + self.mbs, len(ds)))]
+            x = self._inputs({k: torch.stack([it[0][k] for it in items]) for k in items[0][0]})
+            y = torch.stack([it[1] for it in items]).to(self.device)
+            with precision.autocast(self.device, self.dtype):
+                logits = self.model_forward(x)
+            total += cross_entropy_sum(logits, y).cpu()
+            count += count_valid(y).cpu()
+            if self.ft.task == "classification":
+                preds.append(logits.argmax(-1).cpu())
+                golds.append(y.cpu())
+        self.model.train()
+        loss = (total / count.clamp(min=1)).item()
+        if preds:
+            scores = classification_scores(torch.cat(preds), torch.cat(golds), len(self.labels))
+            self.last_scores = scores
+            log.info("step %5d | validation accuracy %.4f | macro-F1 %.4f", self.step,
+                     scores["accuracy"], scores["macro_f1"])
+            with (self.output / "classification.jsonl").open("a") as f:
+                f.write(json.dumps({"step": self.step, "val_loss": loss, **scores}) + "\n")
+        return loss
+
+    def sample(self, max_new_tokens: int) -> str | None:
+        return None  # `scaletrain predict` generates from the fine-tuned model
+
+
+__all__ = ["FinetuneTrainer", "AdapterCheckpointer", "META_NAME", "ADAPTER_DIR", "read_meta"]

@@ -1,0 +1,203 @@
+"""Fine-tuning end to end on the Trainer, from a tiny model pretrained in a session fixture:
+classification accuracy, resume for every method, PEFT interop, merge/convert/generate, errors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.commands import convert as convert_cmd
+from scaletrain.commands import finetune as finetune_cmd
+from scaletrain.commands import generate as generate_cmd
+from scaletrain.commands import predict as predict_cmd
+from scaletrain.config import load_config
+from scaletrain.finetune.base import FinetuneError, load_base
+from scaletrain.finetune.loading import load_finetuned
+from scaletrain.finetune.trainer import FinetuneTrainer
+from scaletrain.train.trainer import Trainer
+from tests.finetune_helpers import corpus_dir, qa_records, sentiment_records, write_jsonl
+from tests.trainer_helpers import tiny_config
+
+QUIET = ["--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
+         "--metrics.log_interval", "50", "--precision.dtype", "fp32"]
+
+
+@pytest.fixture(scope="session")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Llama (dim 64, 2 blocks, 443-token BPE) pretrained for 60 steps on the words the
+    tasks use (a run directory), the same as a HF directory, and the task files."""
+    root = tmp_path_factory.mktemp("finetune")
+    corpus = corpus_dir(root / "corpus")
+    cfg = tiny_config(root / "pre", root / "cache", "--data.dataset", "text_dir",
+                      "--data.path", str(corpus), "--data.file_glob", "*.txt",
+                      "--training.steps", "60", "--data.seq_len", "64",
+                      "--optimizer.lr", "3e-3", "--lr_schedule.warmup_steps", "5")
+    Trainer(cfg).train()
+    assert convert_cmd.main([str(root / "pre"), str(root / "hf"), "--to", "hf"]) == 0
+    return {
+        "native": root / "pre", "hf": root / "hf",
+        "cls": write_jsonl(root / "cls.jsonl", sentiment_records(240)),
+        "sft": write_jsonl(root / "sft.jsonl", qa_records(96)),
+    }
+
+
+def ft_argv(output: Path, base: Path, data: Path, method: str, task: str, *extra: str) -> list[str]:
+    return ["--config", "finetune", "--output", str(output), "--finetune.base", str(base),
+            "--finetune.data", str(data), "--finetune.method", method, "--finetune.task", task,
+            "--data.seq_len", "64", "--training.micro_batch_size", "8",
+            "--training.eval_interval", "0", "--lr_schedule.warmup_steps", "2",
+            "--finetune.lora_rank", "4", *QUIET, *extra]
+
+
+def run_ft(*argv_parts: object) -> FinetuneTrainer:
+    trainer = FinetuneTrainer(load_config(ft_argv(*argv_parts), prog="scaletrain finetune"))
+    trainer.train()
+    return trainer
+
+
+def test_classification_from_pretrained_reaches_high_validation_accuracy(
+        bases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cls"
+    trainer = run_ft(out, bases["native"], bases["cls"], "lora", "classification",
+                     "--training.steps", "30", "--optimizer.lr", "3e-3",
+                     "--data.val_fraction", "0.25", "--data.seq_len", "32")
+    assert len(trainer.val_data) == 60  # a held-out quarter of the 240 examples
+    assert trainer.labels == ["negative", "neutral", "positive"]
+    assert trainer.last_scores["accuracy"] >= 0.95
+    assert trainer.last_scores["macro_f1"] >= 0.95
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    texts = ["the hotel was superb and i would go again", "this book was dreadful and i would "
+             "not go again", "the game was shown at noon to the public"]
+    argv = ["--checkpoint", str(out), "--json"]
+    for t in texts:
+        argv += ["--text", t]
+    assert predict_cmd.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["label"] for r in rows] == ["positive", "negative", "neutral"]
+
+
+@pytest.mark.parametrize("method", ["full", "freeze", "lora", "qlora"])
+def test_resume_reproduces_the_uninterrupted_run(method: str, bases: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    extra = ["--optimizer.lr", "2e-3", "--checkpoint.interval", "2"]
+    if method == "freeze":
+        extra += ["--finetune.freeze_first", "1"]
+    straight = run_ft(tmp_path / "a", bases["native"], bases["sft"], method, "sft",
+                      "--training.steps", "4", *extra)
+    run_ft(tmp_path / "b", bases["native"], bases["sft"], method, "sft", "--training.steps", "2",
+           *extra)
+    resumed = run_ft(tmp_path / "b", bases["native"], bases["sft"], method, "sft",
+                     "--training.steps", "4", "--checkpoint.resume", "true", *extra)
+    assert resumed.step == 4
+    a = {k: v for k, v in straight.model.state_dict().items() if "lora_" in k or
+         method in ("full", "freeze")}
+    b = resumed.model.state_dict()
+    assert a
+    for k, v in a.items():
+        torch.testing.assert_close(b[k], v, atol=1e-6, rtol=0, msg=k)
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines]
+    assert losses == pytest.approx(straight_losses(tmp_path / "a"), abs=1e-5)
+
+
+def straight_losses(output: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_peft_loads_our_adapter_and_merge_matches(bases: dict[str, Path], tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    out = tmp_path / "sft"
+    run_ft(out, bases["hf"], bases["sft"], "lora", "sft", "--training.steps", "6",
+           "--optimizer.lr", "1e-2", "--finetune.lora_targets", "q,k,v,o,gate,up,down",
+           "--finetune.train_norms", "true")
+    ours = load_finetuned(out, merge=False).model
+    base = load_base(bases["hf"]).model
+    assert not torch.equal(ours.norm.weight, base.norm.weight)  # trained norms travel too
+    tokens = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8, 11]])
+    with torch.no_grad():
+        expected = ours(tokens)
+        base_logits = base(tokens)
+    assert not torch.allclose(expected, base_logits, atol=1e-3)  # the adapter does something
+    hf = transformers.LlamaForCausalLM.from_pretrained(bases["hf"], dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(hf, out / "adapter").eval()
+    with torch.no_grad():
+        got = peft_model(tokens).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    # `convert OUTPUT MERGED --to hf`: the merged weights give the base + adapter logits.
+    assert convert_cmd.main([str(out), str(tmp_path / "merged"), "--to", "hf"]) == 0
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged",
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_peft_loads_our_classification_adapter(bases: dict[str, Path], tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    out = tmp_path / "cls"
+    trainer = run_ft(out, bases["hf"], bases["cls"], "lora", "classification",
+                     "--training.steps", "3", "--optimizer.lr", "1e-2")
+    done = load_finetuned(out, merge=False)
+    tokens = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
+    with torch.no_grad():
+        expected = done.model(tokens, torch.tensor([7]))
+    hf = transformers.LlamaForSequenceClassification.from_pretrained(
+        bases["hf"], dtype=torch.float32, num_labels=len(trainer.labels),
+        pad_token_id=done.base.pad_id)
+    model = peft.PeftModel.from_pretrained(hf, out / "adapter").eval()
+    with torch.no_grad():
+        got = model(tokens).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_uses_base_plus_adapter(bases: dict[str, Path], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain.models.generation import generate
+
+    out = tmp_path / "sft"
+    assert finetune_cmd.main(ft_argv(out, bases["native"], bases["sft"], "lora", "sft",
+                                     "--training.steps", "4", "--optimizer.lr", "5e-3")) == 0
+    prompt = "the film is green. what color is it? "
+    capsys.readouterr()
+    assert generate_cmd.main(["--checkpoint", str(out), "--prompt", prompt, "--temperature",
+                              "0", "--max-new-tokens", "6", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["ids"]
+    done = load_finetuned(out)
+    ids = done.base.tokenizer.encode(prompt).ids
+    assert got == generate(done.model, ids, 6, eos_id=done.base.eos_id)
+
+
+def test_bad_inputs_get_clear_messages(bases: dict[str, Path], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    def fails(*extra: str, data: Path = bases["sft"], task: str = "sft",
+              base: Path = bases["native"], method: str = "lora") -> str:
+        argv = ft_argv(tmp_path / "bad", base, data, method, task, "--training.steps", "1",
+                       *extra)
+        assert finetune_cmd.main(argv) == 2
+        return capsys.readouterr().err
+
+    assert "'attn' matches no layer" in fails("--finetune.lora_targets", "q,attn")
+    long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "the movie " * 40, "response": "x"}]
+                       * 3)
+    assert "long.jsonl:1: the example has" in fails(data=long)
+    odd = tmp_path / "mistral"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    assert "unsupported Hugging Face model_type 'mistral'" in fails(base=odd)
+    # a label set that does not match the head of the run being resumed
+    run_ft(tmp_path / "cls", bases["native"], bases["cls"], "full", "classification",
+           "--training.steps", "1")
+    two = write_jsonl(tmp_path / "two.jsonl", [r for r in sentiment_records(30)
+                                               if r["label"] != "neutral"])
+    with pytest.raises(FinetuneError, match="does not match the head"):
+        run_ft(tmp_path / "cls", bases["native"], two, "full", "classification",
+               "--training.steps", "2", "--checkpoint.resume", "true")
+    assert "not in the label set" in fails("--finetune.labels", "positive,negative",
+                                           data=bases["cls"], task="classification")

@@ -19,6 +19,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "data": ("scaletrain.commands.data", "corpus pipeline: curate, dedup, tokenize, inspect, ..."),
     "profile": ("scaletrain.commands.profile", "profile a few training steps, then diagnose"),
     "diagnose": ("scaletrain.commands.diagnose", "bottleneck verdict and remedies from traces"),
+    "launch": ("scaletrain.commands.launch", "write a Slurm sbatch script for a multi-node run"),
 }
 
 

@@ -16,6 +16,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 2
+    from scaletrain.parallel.failure import DistributedFailure
     from scaletrain.train.checkpoint import CheckpointError
     from scaletrain.train.trainer import Trainer, TrainingDiverged
 
@@ -28,6 +29,14 @@ def main(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1
+    except DistributedFailure as e:
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     losses = result.losses
     if losses:
         log.info("trained %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",

@@ -7,6 +7,7 @@ then `to_empty(device=...)` and `init_weights()`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=bias)
         self.use_rope = args.arch == "llama"
         self.cache: KVCache | None = None
+        # Optional replacement for causal SDPA in training (q, k, v) -> out, all shaped
+        # (batch, heads, seq, head_dim); e.g. ring attention when the sequence is split.
+        self.attention_fn: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 start_pos: int = 0) -> torch.Tensor:
@@ -80,7 +84,9 @@ class Attention(nn.Module):
         # Grouped-query attention: SDPA shares each K/V head among n_heads / n_kv_heads query
         # heads itself, without materializing repeated K/V.
         gqa = self.n_heads != self.n_kv_heads
-        if start_pos == 0:
+        if self.attention_fn is not None and self.cache is None:
+            out = self.attention_fn(q, k, v)
+        elif start_pos == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # decoding: query i sits at absolute position start_pos + i
             keys = torch.arange(k.shape[2], device=x.device)
@@ -146,35 +152,49 @@ class Transformer(nn.Module):
             persistent=False,
         )
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        seqlen = tokens.shape[1]
-        if start_pos + seqlen > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
-                f"{self.args.max_seq_len}"
-            )
-        h = self.tok_embeddings(tokens)
-        positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device)
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (seq,) overrides `start_pos + arange(seq)` for the RoPE/position tables
+        (a rank holding a non-contiguous slice of the sequence passes its own positions)."""
+        return self.forward_part(tokens, self.layers.keys(), embed=True, head=True,
+                                 start_pos=start_pos, positions=positions)
+
+    def forward_part(self, x: torch.Tensor, layer_ids: Iterable[str], embed: bool, head: bool,
+                     start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run part of the model: the embedding (when `embed`, `x` are token ids; otherwise a
+        hidden state), the listed layers, then norm and head (when `head`). Pipeline stages
+        use it on a model whose other parts were removed."""
+        seqlen = x.shape[1]  # from the input, never from a sharded hidden state
+        if positions is None:
+            if start_pos + seqlen > self.args.max_seq_len:
+                raise ValueError(
+                    f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
+                    f"{self.args.max_seq_len}"
+                )
+            positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+        h = self.tok_embeddings(x) if embed else x
         rope = None
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(positions)
+            if embed:
+                h = h + self.pos_embeddings(positions)
         else:
             if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
                 self.reset_buffers()
-            rope = rope_cos_sin(self.inv_freq, positions, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rope, start_pos)
-        return self.output(self.norm(h))
+            dtype = h.dtype if h.is_floating_point() else torch.float32
+            rope = rope_cos_sin(self.inv_freq, positions, dtype)
+        for layer_id in layer_ids:
+            h = self.layers[layer_id](h, rope, start_pos)
+        return self.output(self.norm(h)) if head else h
 
     # --- initialization -------------------------------------------------------------------
     def reset_buffers(self) -> None:
         """Tie the head again (`to_empty` unties shared parameters) and rebuild the RoPE table
         in fp32, whatever the dtype of the weights."""
         args = self.args
-        if args.tie_embeddings:
+        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
         self.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(
-            self.tok_embeddings.weight.device
+            self.inv_freq.device if self.inv_freq.device.type != "meta" else _device_of(self)
         )
 
     @torch.no_grad()
@@ -186,7 +206,8 @@ class Transformer(nn.Module):
         args = self.args
         self.reset_buffers()
         out_std = std / math.sqrt(2 * args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
         if self.pos_embeddings is not None:
             nn.init.normal_(self.pos_embeddings.weight, std=std / 2)
         for name, module in self.named_modules():
@@ -211,6 +232,12 @@ class Transformer(nn.Module):
     def clear_cache(self) -> None:
         for layer in self.layers.values():
             layer.attention.cache = None
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def empty_model(

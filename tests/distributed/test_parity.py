@@ -15,9 +15,11 @@ import pytest
 from tests.distributed.worker import run_trainer, spawn
 
 STEPS = 3
-# Relative to the loss (~6.2): the first step agrees to ~1e-7; after it, AdamW's normalized
-# updates (lr 1e-2) carry the rounding differences of a different reduction order forward.
-LOSS_TOL = 3e-6
+# Relative to the reference loss (~6.2). Step 1 checks the forward pass: 1e-6. Later steps
+# also carry AdamW's updates (lr 1e-2), which turn the rounding differences of another
+# reduction order into small weight differences: 1e-5.
+FIRST_LOSS_TOL = 1e-6
+LOSS_TOL = 1e-5
 GRAD_TOL = 2e-6  # max |g - g_ref| / max |g_ref| per tensor
 
 
@@ -32,9 +34,12 @@ def _reference(tmp: Path, cache: Path, mbs: int, ga: int) -> dict[str, Any]:
     return out
 
 
-def _compare(result: list[dict[str, Any]], name: str, ref: dict[str, Any]) -> tuple[float, float]:
+def _compare(result: list[dict[str, Any]], name: str,
+             ref: dict[str, Any]) -> tuple[float, float, float]:
     losses = result[0][name]["losses"]
-    dloss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True))
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True)]
+    assert rel[0] <= FIRST_LOSS_TOL, (name, "first-step loss", rel[0])
+    dloss = max(rel)
     dgrad, seen = 0.0, set()
     for rank in result:
         for key, g in rank[name]["grads"].items():
@@ -42,7 +47,7 @@ def _compare(result: list[dict[str, Any]], name: str, ref: dict[str, Any]) -> tu
             dgrad = max(dgrad, float((g - r).abs().max() / r.abs().max()))
             seen.add(key)
     assert seen == set(ref["grads"]), f"{name}: gradients missing for {set(ref['grads']) - seen}"
-    return dloss, dgrad
+    return rel[0], dloss, dgrad
 
 
 # name, parallel flags, data-parallel degree, accumulation steps
@@ -73,7 +78,7 @@ LAYOUTS_4 = [
 ]
 
 
-def _run(tmp: Path, cache: Path, world: int, layouts: list) -> dict[str, tuple[float, float]]:
+def _run(tmp: Path, cache: Path, world: int, layouts: list) -> tuple[dict, list]:
     refs = {(4 * dp, ga): _reference(tmp, cache, 4 * dp, ga) for _, _, dp, ga in layouts}
     jobs = [_job(tmp, cache, name, *flags, "--training.grad_accum_steps", str(ga))
             for name, flags, _, ga in layouts]
@@ -84,10 +89,10 @@ def _run(tmp: Path, cache: Path, world: int, layouts: list) -> dict[str, tuple[f
     return table, result
 
 
-def _check(table: dict[str, tuple[float, float]]) -> None:
+def _check(table: dict[str, tuple[float, float, float]]) -> None:
     bad = []
-    for name, (dloss, dgrad) in table.items():
-        print(f"parity {name:28s} loss(rel) {dloss:.1e} grad(rel) {dgrad:.1e}")
+    for name, (first, dloss, dgrad) in table.items():
+        print(f"parity {name:18s} step-1 loss {first:.1e} max loss {dloss:.1e} grad {dgrad:.1e}")
         if not (dloss <= LOSS_TOL and dgrad <= GRAD_TOL):
             bad.append((name, dloss, dgrad))
     assert not bad, bad

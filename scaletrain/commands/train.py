@@ -16,6 +16,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 2
+    from scaletrain.parallel.dims import ParallelDimsError
     from scaletrain.parallel.failure import DistributedFailure
     from scaletrain.train.checkpoint import CheckpointError
     from scaletrain.train.trainer import Trainer, TrainingDiverged
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
     try:
         trainer = Trainer(cfg)
         result = trainer.train()
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, ParallelDimsError) as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:

@@ -130,6 +130,8 @@ class Parallelism:
             return
         init_process_group(self.device, self.cfg.timeout_s)
         self.rank = dist.get_rank()
+        if self.rank != 0:  # one rank logs; the others report errors only
+            logging.getLogger("scaletrain").setLevel(logging.ERROR)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flattened dim.*")
             self.mesh = ParallelMesh(self.dims, self.device.type)

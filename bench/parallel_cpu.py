@@ -8,7 +8,8 @@ bench/results/parallel_cpu.json.
    a ring moves 2(N-1)/N of an all-reduce payload and (N-1)/N of the others over each link).
    TP uses DTensor's functional collectives, counted with CommDebugMode (counts only).
 2. Pipeline idle share per stage, measured: 1 - (the stage's own compute for m micro-batches,
-   timed without communication) / (the schedule's step time), against (p-1)/m.
+   timed without communication) / (the schedule's step time), against the bubble (p-1)/m
+   (idle time over compute time) and the same as a share of the step, (p-1)/(m+p-1).
 
 Run: python bench/parallel_cpu.py [--quick]. The machine may be shared: timings are noisy.
 """
@@ -200,7 +201,7 @@ def main() -> None:
     pipeline = []
     ps = (2,) if quick else (2, 4)
     ms = (4, 8) if quick else (4, 8, 16)
-    print("\npipeline idle share per stage (measured) vs (p-1)/m")
+    print("\npipeline idle share per stage (measured: 1 - own compute / step time) vs theory")
     for schedule in ("GPipe", "1F1B"):
         for p in ps:
             for m in ms:
@@ -208,11 +209,13 @@ def main() -> None:
                 mp.spawn(_pp_worker, args=(p, _port(), schedule, m, str(f)), nprocs=p)
                 rows = json.loads(f.read_text())
                 f.unlink()
-                theory = (p - 1) / m
-                pipeline.append({"schedule": schedule, "p": p, "m": m, "theory": theory,
-                                 "stages": rows})
+                bubble = (p - 1) / m  # bubble time / ideal compute time
+                idle_theory = (p - 1) / (m + p - 1)  # the same as a share of the step
+                pipeline.append({"schedule": schedule, "p": p, "m": m, "bubble": bubble,
+                                 "idle_share_theory": idle_theory, "stages": rows})
                 idle = " ".join(f"{r['idle_share']:.2f}" for r in rows)
-                print(f"{schedule:6s} p={p} m={m:2d}  theory {theory:.2f}  measured {idle}")
+                print(f"{schedule:6s} p={p} m={m:2d}  (p-1)/m {bubble:.2f}  "
+                      f"(p-1)/(m+p-1) {idle_theory:.2f}  measured per stage {idle}")
     report["pipeline"] = pipeline
     out = tmp / "parallel_cpu.json"
     tmp_out = out.with_suffix(".json.tmp")

@@ -23,6 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "finetune": ("scaletrain.commands.finetune", "adapt a model: full, freeze, LoRA, QLoRA; SFT or "
                  "classification"),
     "predict": ("scaletrain.commands.predict", "run a fine-tuned model on new texts"),
+    "launch": ("scaletrain.commands.launch", "write a Slurm sbatch script for a multi-node run"),
 }
 
 

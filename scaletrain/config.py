@@ -268,6 +268,28 @@ class ParallelConfig:
     """Pipeline micro-batches per step (None = the gradient-accumulation steps)."""
     pp_virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules use more than 1)."""
+    data_parallel: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"
+    """How data-parallel ranks hold the model. `ddp`: replicas, gradients all-reduced;
+    `zero1`: DDP + optimizer state sharded; `zero2`/`zero3`: FSDP2 over dp_shard (HSDP when
+    dp_replicate > 1), parameters kept gathered after forward (zero2) or resharded (zero3).
+    `auto`: zero3 when sharding, else ddp."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size (MB): bigger buckets, fewer all-reduces, later overlap."""
+    fsdp_param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """FSDP mixed precision: dtype of gathered parameters in forward/backward (master weights
+    and optimizer state stay fp32)."""
+    fsdp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """FSDP mixed precision: dtype of gradient reduction."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimizer state in host memory."""
+    sequence_parallel: bool = True
+    """Tensor parallel: shard norms and the residual stream along the sequence."""
+    loss_parallel: bool = True
+    """Tensor parallel: cross-entropy on vocabulary-sharded logits (no full-logits gather)."""
+    cp_load_balance: bool = True
+    """Context parallel: head-tail chunk assignment so causal attention work is even."""
+    timeout_s: float = 600.0
+    """Collective timeout (seconds): if a rank stops answering, the others fail after this."""
 
 
 @dataclass

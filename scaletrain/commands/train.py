@@ -20,18 +20,28 @@ def main(argv: list[str]) -> int:
         return 2
     if dry_run:
         return _dry_run(cfg)
+    from scaletrain.parallel.dims import ParallelDimsError
+    from scaletrain.parallel.failure import DistributedFailure
     from scaletrain.train.checkpoint import CheckpointError
     from scaletrain.train.trainer import Trainer, TrainingDiverged
 
     try:
         trainer = Trainer(cfg)
         result = trainer.train()
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, ParallelDimsError) as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1
+    except DistributedFailure as e:
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     losses = result.losses
     if losses:
         log.info("trained %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",

@@ -7,6 +7,7 @@ then `to_empty(device=...)` and `init_weights()`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=bias)
         self.use_rope = args.arch == "llama"
         self.cache: KVCache | None = None
+        # Optional replacement for causal SDPA in training (q, k, v) -> out, all shaped
+        # (batch, heads, seq, head_dim); e.g. ring attention when the sequence is split.
+        self.attention_fn: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,6 +88,8 @@ class Attention(nn.Module):
         gqa = self.n_heads != self.n_kv_heads
         if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif self.attention_fn is not None and self.cache is None:
+            out = self.attention_fn(q, k, v)
         elif start_pos == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # decoding: query i sits at absolute position start_pos + i
@@ -151,9 +157,13 @@ class Transformer(nn.Module):
         )
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for `tokens`; see `hidden_states` for `segment_ids`."""
-        return self.output(self.hidden_states(tokens, start_pos, segment_ids))
+                segment_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `tokens`. `segment_ids`: see `hidden_states`. `positions` (seq,) overrides
+        `start_pos + arange(seq)` for the RoPE/position tables (a rank holding a non-contiguous
+        slice of the sequence passes its own positions)."""
+        return self.forward_part(tokens, self.layers.keys(), embed=True, head=True,
+                                 start_pos=start_pos, positions=positions, segment_ids=segment_ids)
 
     def hidden_states(self, tokens: torch.Tensor, start_pos: int = 0,
                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,40 +173,60 @@ class Transformer(nn.Module):
         only to earlier tokens of its own segment, and positions restart at 0 where a segment
         starts, so each packed sequence is computed as if it were alone.
         """
-        seqlen = tokens.shape[1]
-        if start_pos + seqlen > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
-                f"{self.args.max_seq_len}"
-            )
-        h = self.tok_embeddings(tokens)
-        positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device)
+        h = self._trunk(tokens, self.layers.keys(), True, start_pos, None, segment_ids)
+        return self.norm(h)
+
+    def forward_part(self, x: torch.Tensor, layer_ids: Iterable[str], embed: bool, head: bool,
+                     start_pos: int = 0, positions: torch.Tensor | None = None,
+                     segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run part of the model: the embedding (when `embed`, `x` are token ids; otherwise a
+        hidden state), the listed layers, then norm and head (when `head`). Pipeline stages
+        use it on a model whose other parts were removed."""
+        h = self._trunk(x, layer_ids, embed, start_pos, positions, segment_ids)
+        return self.output(self.norm(h)) if head else h
+
+    def _trunk(self, x: torch.Tensor, layer_ids: Iterable[str], embed: bool, start_pos: int,
+               positions: torch.Tensor | None,
+               segment_ids: torch.Tensor | None) -> torch.Tensor:
+        """Embedding (when `embed`) and the listed layers; see `forward_part`."""
+        seqlen = x.shape[1]  # from the input, never from a sharded hidden state
         mask = None
         if segment_ids is not None:
-            if start_pos != 0:
-                raise ValueError("segment_ids cannot be combined with a KV cache (start_pos > 0)")
+            if start_pos != 0 or positions is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache (start_pos > 0) "
+                                 "or explicit positions")
             positions, mask = segment_positions_and_mask(segment_ids)
+        elif positions is None:
+            if start_pos + seqlen > self.args.max_seq_len:
+                raise ValueError(
+                    f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
+                    f"{self.args.max_seq_len}"
+                )
+            positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+        h = self.tok_embeddings(x) if embed else x
         rope = None
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(positions)
+            if embed:
+                h = h + self.pos_embeddings(positions)
         else:
             if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
                 self.reset_buffers()
-            cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+            dtype = h.dtype if h.is_floating_point() else torch.float32
+            cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
             rope = (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
-        for layer in self.layers.values():
-            h = layer(h, rope, start_pos, mask)
-        return self.norm(h)
+        for layer_id in layer_ids:
+            h = self.layers[layer_id](h, rope, start_pos, mask)
+        return h
 
     # --- initialization -------------------------------------------------------------------
     def reset_buffers(self) -> None:
         """Tie the head again (`to_empty` unties shared parameters) and rebuild the RoPE table
         in fp32, whatever the dtype of the weights."""
         args = self.args
-        if args.tie_embeddings:
+        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
         self.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(
-            self.tok_embeddings.weight.device
+            self.inv_freq.device if self.inv_freq.device.type != "meta" else _device_of(self)
         )
 
     @torch.no_grad()
@@ -208,7 +238,8 @@ class Transformer(nn.Module):
         args = self.args
         self.reset_buffers()
         out_std = std / math.sqrt(2 * args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
         if self.pos_embeddings is not None:
             nn.init.normal_(self.pos_embeddings.weight, std=std / 2)
         for name, module in self.named_modules():
@@ -246,6 +277,12 @@ def segment_positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor,
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=segment_ids.device).tril()
     return index - first, (same & causal)[:, None]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def empty_model(

@@ -18,10 +18,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.train import native_format
@@ -29,6 +36,20 @@ from scaletrain.train import native_format
 log = logging.getLogger("scaletrain.train")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+ZERO1_FILE = "zero1_optimizer.pt"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
 
 
 class CheckpointError(RuntimeError):
@@ -86,6 +107,8 @@ class Checkpointer:
 
     # --- save / load -----------------------------------------------------------------------
     def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):  # saved apart, consolidated
+            return {"model": get_model_state_dict(model), "extra": extra}
         if isinstance(optimizer, torch.optim.Optimizer):
             model_sd, optim_sd = get_state_dict(model, optimizer)
         else:  # MasterWeightOptimizer keeps its own name-keyed state
@@ -96,12 +119,22 @@ class Checkpointer:
         """Write checkpoint `step` (temp dir, then rename) and prune old ones."""
         final = self.path(step)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        main = _is_main()  # with several processes rank 0 does the file work, all write shards
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
         state = self._state(model, optimizer, {**extra, "step": step})
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(state, checkpoint_id=tmp)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.consolidate_state_dict(to=0)
+            if main:
+                torch.save(optimizer.state_dict(), tmp / ZERO1_FILE)
+        if not main:
+            _barrier()
+            return final
         tokenizer_name = None
         if self.tokenizer_file and self.tokenizer_file.is_file():
             tokenizer_name = "tokenizer.json"
@@ -112,6 +145,7 @@ class Checkpointer:
         tmp.rename(final)
         self._prune()
         log.info("saved checkpoint %s", final)
+        _barrier()
         return final
 
     def _prune(self) -> None:
@@ -144,9 +178,22 @@ class Checkpointer:
                 f"{path}: cannot load checkpoint ({_root_cause(e)}); it may be damaged: "
                 "delete it to resume from an earlier one"
             ) from None
-        self._set_state(model, optimizer, state)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            self._set_zero1_state(path, model, optimizer, state)
+        else:
+            self._set_state(model, optimizer, state)
         log.info("resumed from %s (step %d)", path, state["extra"]["step"])
         return state["extra"]
+
+    def _set_zero1_state(self, path: Path, model: nn.Module,
+                         optimizer: ZeroRedundancyOptimizer, state: dict[str, Any]) -> None:
+        """The model from DCP; the optimizer from this rank's own file of the partitioned state."""
+        set_model_state_dict(model, state["model"])
+        zero1 = path / ZERO1_FILE
+        if zero1.is_file():  # each rank keeps its own partition of the full state
+            optimizer.load_state_dict(torch.load(zero1, weights_only=False))
+        else:
+            log.warning("%s has no ZeRO-1 optimizer state: optimizer starts fresh", path)
 
     def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         """Put loaded model and optimizer state (as `_state` lays it out) into place."""

@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain.config import Config, ConfigError, to_toml
+from scaletrain.config import Config, ConfigError, resolve_batch, to_toml
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import Transformer, build_model
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
 from scaletrain.profiling.capture import StepProfiler, phase
@@ -75,10 +76,14 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
+        # Degrees from the config and torchrun's world size; checked before any collective.
+        self.par = Parallelism(cfg.parallel, self.device)
+        self.is_main = self.par.is_main
         seed_everything(cfg.training.seed, cfg.training.deterministic)
         self.output = Path(cfg.output)
         self.output.mkdir(parents=True, exist_ok=True)
-        (self.output / "config.toml").write_text(to_toml(cfg))
+        if self.is_main:
+            (self.output / "config.toml").write_text(to_toml(cfg))
         self.dtype = precision.resolve_dtype(cfg.precision, self.device)
         if cfg.precision.param_dtype == "bf16" and self.dtype == "fp16":
             raise ConfigError("precision.param_dtype bf16 cannot be combined with fp16 autocast; "
@@ -86,15 +91,18 @@ class Trainer:
         if cfg.optimizer.offload and self.dtype == "fp16":
             raise ConfigError("optimizer.offload does not support fp16 loss scaling; "
                               "use precision.dtype bf16 or fp32")
-        self.ga = cfg.grad_accum_steps
+        self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
         self.mbs = cfg.training.micro_batch_size
+        if self.par.enabled:
+            self._check_distributed()
         # This rank's place among the data-parallel ranks (the parallelism layer sets them).
-        self.dp_rank, self.dp_size = 0, 1
+        self.dp_rank, self.dp_size = self.par.dp_rank, self.par.dp_size
         self._build_data()
         self.model_args = self._model_args()
         self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device,
-                                         cfg.precision.param_dtype)
+        self.optimizer = self._build_optimizer()
+        if self.par.dims.pp > 1:
+            self.par.attach_pipeline(self.model, self.loss_fn_plain, self.ga)
         if cfg.precision.param_dtype == "bf16":
             for p in self.model.parameters():  # buffers (RoPE frequencies) stay fp32
                 p.data = p.data.to(torch.bfloat16)
@@ -102,7 +110,7 @@ class Trainer:
                                    cfg.training.steps)
         self.scaler = precision.grad_scaler(self.device, self.dtype)
         self.loss_fn = cross_entropy_sum
-        if cfg.compile.enabled:
+        if cfg.compile.enabled and not self.par.enabled:
             self.loss_fn = torch.compile(cross_entropy_sum)
         self.checkpointer = self.checkpointer_cls(self.output / "checkpoints",
                                                   cfg.checkpoint.keep_last, self.model_args,
@@ -117,7 +125,36 @@ class Trainer:
             log.warning("MFU: no peak-FLOPS entry for device '%s' in %s; mfu is reported as null",
                         device_name(self.device), self.dtype)
 
+    loss_fn_plain = staticmethod(cross_entropy_sum)
+
     # --- construction -----------------------------------------------------------------------
+    def _check_distributed(self) -> None:
+        """Layout problems as one message, then the process group and the mesh."""
+        if self.dtype == "fp16":
+            raise ConfigError("fp16 loss scaling is not supported with several processes; "
+                              "use precision.dtype bf16 or fp32")
+        if self.cfg.precision.param_dtype == "bf16" or self.cfg.optimizer.offload:
+            raise ConfigError("precision.param_dtype bf16 and optimizer.offload are single-"
+                              "process options; with several processes use "
+                              "parallel.fsdp_param_dtype bf16 and parallel.cpu_offload")
+        self.par.validate(self.cfg.model.to_model_args(), self.cfg.data.seq_len, self.ga)
+        self.par.start()
+        self.is_main = self.par.is_main
+
+    def _build_optimizer(self) -> Any:
+        cfg = self.cfg
+        if self.par.mode == "zero1" and self.par.enabled:
+            from scaletrain.parallel.ddp import zero1_optimizer
+            from scaletrain.train.optim import param_groups
+
+            if cfg.optimizer.name != "adamw":
+                raise ConfigError("parallel.data_parallel zero1 supports optimizer.name adamw")
+            o = cfg.optimizer
+            return zero1_optimizer(param_groups(self.model, o.weight_decay), torch.optim.AdamW,
+                                   self.par.mesh["dp_cp"], lr=o.lr, betas=(o.beta1, o.beta2),
+                                   eps=o.eps)
+        return build_optimizer(self.model, cfg.optimizer, self.device, cfg.precision.param_dtype)
+
     def _build_data(self) -> None:
         from scaletrain.data.loader import build_train_val
 
@@ -144,6 +181,11 @@ class Trainer:
         return args
 
     def _build_model(self) -> Transformer:
+        if self.par.enabled:
+            model = self.par.build_model(self.model_args, self.cfg.training.seed,
+                                         self.cfg.activation_checkpoint, self.cfg.compile)
+            model.train()
+            return model
         model = build_model(self.model_args, self.device, seed=self.cfg.training.seed)
         n = sum(p.numel() for p in model.parameters())
         log.info("model %s: %s parameters, %s on %s", self.cfg.model.name, f"{n:,}",
@@ -201,19 +243,25 @@ class Trainer:
         count of valid tokens, so any split into micro-batches gives the same gradients.
         Returns (loss, grad_norm); the loss is NaN/inf when the step was skipped.
         """
-        # Data parallelism must all-reduce n_valid here, so every rank divides by the global count.
         n_valid = sum(count_valid(y) for _, y in batches).clamp(min=1)
-        loss_sum = torch.zeros((), device=self.device)
-        for x, y in batches:
-            with phase("forward"):
-                with precision.autocast(self.device, self.dtype):
-                    logits = self.model_forward(x)
-                token_loss = self.loss_fn(logits, y)
-            scaled = token_loss / n_valid
-            with phase("backward"):
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            loss_sum += token_loss.detach()
-        loss = (loss_sum / n_valid).item()
+        if self.par.enabled:  # every rank divides by the count over all data-parallel ranks
+            n_total = float(self.par.all_reduce(n_valid.double(), "dp"))
+            local = self.par.forward_backward(
+                self.model, batches, n_total, self.loss_fn,
+                lambda: precision.autocast(self.device, self.dtype))
+            loss = self.par.step_loss(local)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for x, y in batches:
+                with phase("forward"):
+                    with precision.autocast(self.device, self.dtype):
+                        logits = self.model_forward(x)
+                    token_loss = self.loss_fn(logits, y)
+                scaled = token_loss / n_valid
+                with phase("backward"):
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                loss_sum += token_loss.detach()
+            loss = (loss_sum / n_valid).item()
         if not math.isfinite(loss):
             self._on_nonfinite(loss)
             self.optimizer.zero_grad(set_to_none=True)
@@ -223,7 +271,10 @@ class Trainer:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             max_norm = self.cfg.training.max_grad_norm or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if self.par.enabled:
+                grad_norm = self.par.clip_grad_norm(self.model, max_norm)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -236,6 +287,20 @@ class Trainer:
     def model_forward(self, x: Any) -> torch.Tensor:
         """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids)."""
         return self.model(x)
+
+    def _guarded_step(self, batches: list[Batch], heartbeat: Any) -> tuple[float, float]:
+        """train_step; with several processes a failed collective becomes one clear error
+        naming the rank that stopped (the others exit within parallel.timeout_s)."""
+        if heartbeat is None:
+            return self.train_step(batches)
+        from scaletrain.parallel.failure import DistributedFailure, describe_failure
+
+        try:
+            return self.train_step(batches)
+        except RuntimeError as e:
+            if isinstance(e, TrainingDiverged):
+                raise
+            raise DistributedFailure(describe_failure(heartbeat, self.step + 1, e)) from None
 
     def _on_nonfinite(self, loss: float) -> None:
         step = self.step + 1
@@ -256,7 +321,13 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device, dtype=torch.long)
-        for x, y in iter_eval_batches(self.val_data, self.mbs, self.cfg.training.eval_batches):
+        batches = iter_eval_batches(self.val_data, self.mbs, self.cfg.training.eval_batches)
+        if self.par.enabled:  # every rank sees the same validation batches
+            loss = self.par.evaluate(self.model, batches, cross_entropy_sum,
+                                     lambda: precision.autocast(self.device, self.dtype))
+            self.model.train()
+            return loss
+        for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
             with precision.autocast(self.device, self.dtype):
                 logits = self.model(x)
@@ -270,10 +341,17 @@ class Trainer:
         cfg = self.cfg
         start = time.perf_counter()
         result = TrainResult(steps=self.step)
-        tokens_per_step = self.ga * self.mbs * cfg.data.seq_len
-        metrics = MetricsLogger(self.output, cfg.training.steps, cfg.metrics.log_interval,
-                                cfg.metrics.tensorboard, cfg.metrics.progress_bar,
-                                start_step=self.step)
+        heartbeat = None
+        if self.par.enabled:
+            from scaletrain.parallel.failure import Heartbeat
+
+            heartbeat = Heartbeat()
+        tokens_per_step = self.ga * self.mbs * self.dp_size * cfg.data.seq_len
+        metrics: Any = _NoMetrics()
+        if self.is_main:  # one rank writes metrics, logs and the progress bar
+            metrics = MetricsLogger(self.output, cfg.training.steps, cfg.metrics.log_interval,
+                                    cfg.metrics.tensorboard, cfg.metrics.progress_bar,
+                                    start_step=self.step)
         prof = StepProfiler(cfg.profiling, self.output, self.device, start_step=self.step).start()
         try:
             while self.step < cfg.training.steps:
@@ -281,7 +359,7 @@ class Trainer:
                 batches = self.next_batches()
                 data_wait = time.perf_counter() - t0
                 with prof.oom_guard(cfg):
-                    loss, grad_norm = self.train_step(batches)
+                    loss, grad_norm = self._guarded_step(batches, heartbeat)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 step_time = time.perf_counter() - t0
@@ -312,9 +390,11 @@ class Trainer:
         finally:
             prof.stop()
             metrics.close()
+            if heartbeat is not None:
+                heartbeat.stop()
         result.steps = self.step
         result.wall_time_s = time.perf_counter() - start
-        if cfg.training.sample_tokens:
+        if cfg.training.sample_tokens and not self.par.enabled:
             result.sample = self.sample(cfg.training.sample_tokens)
         return result
 
@@ -331,3 +411,13 @@ class Trainer:
         new = generate(plain, prompt, max_new_tokens, temperature=0.0, eos_id=self.corpus.eos_id)
         tokenizer = Tokenizer.from_file(str(self.corpus.tokenizer_path))
         return tokenizer.decode(prompt) + "\u2588" + tokenizer.decode(new)
+
+
+class _NoMetrics:
+    """What ranks other than 0 log: nothing."""
+
+    def log_step(self, *_: Any) -> None: ...
+
+    def log_eval(self, *_: Any) -> None: ...
+
+    def close(self) -> None: ...

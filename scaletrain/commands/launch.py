@@ -1,0 +1,73 @@
+"""`scaletrain launch --slurm --nodes N --gpus-per-node G [...] -- TRAIN_ARGS`: write an sbatch
+script that starts `scaletrain train` under torchrun on every node (c10d rendezvous on the
+first node). Nothing is submitted: run `sbatch <script>` yourself."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+TEMPLATE = """#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpus}
+#SBATCH --cpus-per-task={cpus}
+#SBATCH --time={time}
+#SBATCH --output={log_dir}/%x-%j.out
+{partition}
+# Written by `scaletrain launch`. One torchrun per node; torchrun starts {gpus} ranks there.
+set -euo pipefail
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR=$head_node MASTER_PORT={port}
+export OMP_NUM_THREADS=1
+srun torchrun \\
+  --nnodes "$SLURM_NNODES" --nproc_per_node {gpus} \\
+  --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$head_node:{port}" \\
+  --max_restarts 0 \\
+  -m scaletrain train {train_args}
+"""
+
+
+def render(nodes: int, gpus: int, train_args: list[str], *, job_name: str = "scaletrain",
+           time: str = "24:00:00", partition: str | None = None, cpus: int = 16,
+           port: int = 29500, log_dir: str = "slurm-logs") -> str:
+    return TEMPLATE.format(
+        job_name=job_name, nodes=nodes, gpus=gpus, cpus=cpus, time=time, port=port,
+        log_dir=log_dir, partition=f"#SBATCH --partition={partition}" if partition else "",
+        train_args=" ".join(shlex.quote(a) for a in train_args),
+    )
+
+
+def main(argv: list[str]) -> int:
+    train_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, train_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="scaletrain launch", description=__doc__)
+    p.add_argument("--slurm", action="store_true", required=True,
+                   help="write a Slurm sbatch script (the only launcher so far)")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--partition")
+    p.add_argument("--time", default="24:00:00", help="Slurm time limit")
+    p.add_argument("--job-name", default="scaletrain")
+    p.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node")
+    p.add_argument("--out", default="scaletrain.sbatch", help="script to write")
+    a = p.parse_args(argv)
+    if a.nodes <= 0 or a.gpus_per_node <= 0:
+        print("scaletrain launch: --nodes and --gpus-per-node must be positive", file=sys.stderr)
+        return 2
+    text = render(a.nodes, a.gpus_per_node, train_args, job_name=a.job_name, time=a.time,
+                  partition=a.partition, port=a.port)
+    out = Path(a.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o755)
+    tmp.rename(out)
+    print(f"wrote {out} ({a.nodes} nodes x {a.gpus_per_node} GPUs = "
+          f"{a.nodes * a.gpus_per_node} ranks); submit with: sbatch {out}")
+    return 0

@@ -1,0 +1,74 @@
+"""Naming the rank that failed: each rank writes a heartbeat into the rendezvous store, and a
+rank whose collective fails reports the ranks whose heartbeat stopped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch.distributed as dist
+
+log = logging.getLogger("scaletrain.parallel")
+
+_PREFIX = "scaletrain/heartbeat/"
+
+
+class Heartbeat:
+    """A daemon thread writing `time.time()` under this rank's key every `interval_s`."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self.store.set(f"{_PREFIX}{self.rank}", repr(time.time()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+            except Exception:  # the store went away: the job is ending
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def silent_ranks(self, stale_s: float = 3.0) -> list[int] | None:
+        """Ranks whose heartbeat is older than `stale_s` (None if the store is unreachable)."""
+        # Wait until a rank that died at the failure has been silent for longer than stale_s.
+        time.sleep(stale_s + self.interval_s)
+        try:
+            now = time.time()
+            out = []
+            for r in range(self.world):
+                beat = float(self.store.get(f"{_PREFIX}{r}").decode())
+                if now - beat > stale_s:
+                    out.append(r)
+            return out
+        except Exception:
+            return None
+
+
+def describe_failure(heartbeat: Heartbeat | None, step: int, error: BaseException) -> str:
+    """One message: which rank stopped (if known), at which step, and the collective's error."""
+    silent = heartbeat.silent_ranks() if heartbeat is not None else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if silent:
+        who = f"rank(s) {', '.join(map(str, silent))} stopped responding"
+    elif silent is None:
+        who = "the rendezvous store is unreachable (the rank hosting it, usually rank 0, died)"
+    else:
+        who = "a peer failed"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"distributed training failed on rank {rank} at step {step}: {who}; "
+            f"collective error: {first[:300]}")
+
+
+class DistributedFailure(RuntimeError):
+    """A collective failed because another rank died or stopped answering."""

@@ -1,0 +1,54 @@
+"""apply_fsdp: ZeRO-2/3 and HSDP with FSDP2 `fully_shard`, one unit per transformer block.
+
+- ZeRO-3: parameters, gradients and optimizer state sharded; parameters are gathered for each
+  block's forward and freed after it (`reshard_after_forward=True`), gathered again in backward.
+- ZeRO-2: same, but parameters stay gathered between forward and backward
+  (`reshard_after_forward=False`): less communication, more memory.
+- HSDP: a 2-D mesh (replicate, shard): shard inside a group, all-reduce across groups.
+
+Gradients are summed, not averaged (`set_gradient_divide_factor(1.0)`): the loss is already
+divided by the global valid-token count.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger("scaletrain.parallel")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
+               param_dtype: str = "fp32", reduce_dtype: str = "fp32",
+               cpu_offload: bool = False) -> None:
+    """`fully_shard` each block of `model.layers`, then the remaining parameters.
+
+    `model` is a Transformer or a pipeline stage (which has `layers` too).
+    """
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype],
+                                          reduce_dtype=DTYPES[reduce_dtype]),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else None,
+    }
+    if kwargs["offload_policy"] is None:
+        del kwargs["offload_policy"]
+    units: list[FSDPModule] = []
+    for block in model.layers.values():
+        units.append(fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs))
+    # The root's parameters (embedding, norm, head) are used last in backward: keep them
+    # gathered after forward whatever the stage.
+    units.append(fully_shard(model, reshard_after_forward=False, **kwargs))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    log.info("FSDP over mesh %s: %d units, reshard_after_forward=%s, params %s, reduce %s%s",
+             dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True)), len(units),
+             reshard_after_forward, param_dtype, reduce_dtype,
+             ", CPU offload" if cpu_offload else "")

@@ -1,0 +1,73 @@
+"""Process group from the torchrun environment and the named DeviceMesh of a layout.
+
+The mesh has the dimensions of `MESH_ORDER` (`pp, dp_replicate, dp_shard, cp, tp`, tensor
+parallel innermost) plus flattened views used by the techniques:
+
+- `dp`: `dp_replicate x dp_shard`, the ranks that see different data (loader split, DDP).
+- `dp_shard_cp`: `dp_shard x cp`, the ranks FSDP shards over (context-parallel ranks hold the
+  same weights, so their gradients are reduced with the data-parallel ones).
+- `dp_cp`: `dp_replicate x dp_shard x cp`, the ranks whose token counts and losses are summed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from scaletrain.parallel.dims import MESH_ORDER, ParallelDims
+
+log = logging.getLogger("scaletrain.parallel")
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) without it."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_process_group(device: torch.device, timeout_s: float) -> None:
+    """Start the default process group (NCCL on CUDA, gloo on CPU) from torchrun's variables.
+
+    `timeout_s` bounds every collective: a rank that stops answering makes the others fail
+    after at most this long instead of hanging.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(env_world()[2])
+    dist.init_process_group(backend=backend,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    log.info("process group: %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+class ParallelMesh:
+    """The 5-D named mesh plus the flattened `dp`, `dp_shard_cp` and `dp_cp` views."""
+
+    def __init__(self, dims: ParallelDims, device_type: str) -> None:
+        self.dims = dims
+        shape = tuple(getattr(dims, name) for name in MESH_ORDER)
+        self.root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+        self.flat = {
+            "dp": self.root["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": self.root["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": self.root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(name, str) and name in self.flat:
+            return self.flat[name]
+        return self.root[name]
+
+    def coordinate(self, name: str) -> tuple[int, int]:
+        """(this rank's index, size) along dimension `name` (flattened ones included)."""
+        sub = self[name]
+        return sub.get_local_rank(), sub.size()
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self[name].get_group()

@@ -1,0 +1,369 @@
+"""Parallelism: the trainer's one handle on distributed training.
+
+From `ParallelConfig` and the world size it resolves the degrees (`ParallelDims`), validates
+them against the model before any process-group work, starts the process group, builds the
+named mesh and the model in the order PP split -> TP -> CP -> activation checkpointing ->
+compile -> FSDP/DDP (on the meta device, materialized after sharding), and runs one step's
+forward/backward with the loss normalized by the global valid-token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from scaletrain.config import ActivationCheckpointConfig, CompileConfig, ParallelConfig
+from scaletrain.models.args import ModelArgs
+from scaletrain.models.rope import inverse_frequencies
+from scaletrain.models.transformer import Transformer, build_model
+from scaletrain.parallel import cp as cp_lib
+from scaletrain.parallel.activation_checkpoint import apply_ac
+from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.ddp import apply_ddp
+from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
+from scaletrain.parallel.fsdp import apply_fsdp
+from scaletrain.parallel.grad import clip_grad_norm
+from scaletrain.parallel.mesh import ParallelMesh, env_world, init_process_group
+from scaletrain.parallel.pp import (
+    StageModule,
+    build_schedule,
+    prune_for_stages,
+    schedule_problems,
+)
+from scaletrain.parallel.tp import apply_tp
+
+log = logging.getLogger("scaletrain.parallel")
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the activation-checkpoint/compile/DDP wrapper segments."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def resolve_mode(cfg: ParallelConfig, dims: ParallelDims) -> str:
+    if cfg.data_parallel != "auto":
+        return cfg.data_parallel
+    return "zero3" if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 else "ddp"
+
+
+class PipelineLoss:
+    """Loss of one pipeline micro-batch: token-loss sum over the step's global token count."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.n_valid = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, targets) / self.n_valid
+
+
+class Parallelism:
+    """Resolved layout + mesh + the per-step distributed operations."""
+
+    def __init__(self, cfg: ParallelConfig, device: torch.device,
+                 world_size: int | None = None) -> None:
+        self.cfg, self.device = cfg, device
+        self.rank, world, _ = env_world()
+        world = world_size or world
+        self.dims = ParallelDims.resolve(world, pp=cfg.pp, dp_replicate=cfg.dp_replicate,
+                                         dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp)
+        self.enabled = world > 1
+        self.mode = resolve_mode(cfg, self.dims)
+        self.mesh: ParallelMesh | None = None
+        self.dp_rank, self.dp_size = 0, 1
+        self.cp_rank, self.pp_rank = 0, 0
+        self.schedule = None
+        self.stage_specs: list = []
+        self.stage_modules: list[nn.Module] = []
+
+    # --- validation and start-up -----------------------------------------------------------
+    def problems(self, args: ModelArgs, seq_len: int, grad_accum: int) -> list[str]:
+        """Everything wrong with this layout for this model, before any process-group work."""
+        d, cfg = self.dims, self.cfg
+        out = d.model_problems(args, seq_len, cfg.pp_virtual_stages)
+        if self.mode in ("ddp", "zero1") and (d.tp > 1 or d.pp > 1):
+            out.append(f"parallel.data_parallel {self.mode} combines with context parallelism "
+                       "only; use zero2 or zero3 with tensor or pipeline parallelism")
+        if self.mode in ("zero2", "zero3") and d.dp_shard == 1 and d.dp_replicate > 1 \
+                and d.tp == 1 and d.pp == 1 and d.cp == 1:
+            out.append(f"parallel.data_parallel {self.mode} shards over parallel.dp_shard, which "
+                       "is 1; set --parallel.dp_shard -1 (or use ddp/zero1 for pure replicas)")
+        if args.tie_embeddings and (d.tp > 1 or d.pp > 1 or
+                                    (self.mode in ("zero2", "zero3") and self.enabled)):
+            out.append("model.tie_embeddings is not supported with tensor, pipeline or FSDP "
+                       "parallelism yet; use data_parallel ddp/zero1 or an untied model")
+        if (d.tp > 1 or d.cp > 1) and args.arch != "llama":
+            out.append(f"tensor/context parallelism needs arch 'llama' (model has {args.arch})")
+        if d.pp > 1:
+            micro = cfg.pp_microbatches or grad_accum
+            out += schedule_problems(cfg.pp_schedule, d.pp, cfg.pp_virtual_stages, micro)
+            if micro != grad_accum:
+                out.append(f"parallel.pp_microbatches ({micro}) must equal the accumulation steps "
+                           f"({grad_accum}): the micro-batches of a step are the pipeline's")
+            if d.cp > 1:
+                out.append("pipeline x context parallelism is not supported; set parallel.cp 1")
+        if self.cfg.cpu_offload and self.mode not in ("zero2", "zero3"):
+            out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")
+        return out
+
+    def validate(self, args: ModelArgs, seq_len: int, grad_accum: int) -> None:
+        problems = self.problems(args, seq_len, grad_accum)
+        if problems:
+            raise ParallelDimsError("parallel layout cannot run:\n  - " + "\n  - ".join(problems))
+
+    def start(self) -> None:
+        """Start the process group and build the mesh (a no-op for one process)."""
+        if not self.enabled:
+            return
+        init_process_group(self.device, self.cfg.timeout_s)
+        self.rank = dist.get_rank()
+        if self.rank != 0:  # one rank logs; the others report errors only
+            logging.getLogger("scaletrain").setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flattened dim.*")
+            self.mesh = ParallelMesh(self.dims, self.device.type)
+        self.dp_rank, self.dp_size = self.mesh.coordinate("dp")
+        self.cp_rank = self.mesh.coordinate("cp")[0]
+        self.pp_rank = self.mesh.coordinate("pp")[0]
+        log.info("layout %s, data parallel %s", self.dims.mesh_shape, self.mode)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # --- model -----------------------------------------------------------------------------
+    def build_model(self, args: ModelArgs, seed: int, ac: ActivationCheckpointConfig,
+                    compile_cfg: CompileConfig) -> nn.Module:
+        """The model of this rank, parallelized and initialized exactly like the
+        single-process model built with the same seed."""
+        assert self.mesh is not None
+        d, cfg, mesh = self.dims, self.cfg, self.mesh
+        if self.mode in ("ddp", "zero1"):
+            model = build_model(args, self.device, seed=seed)
+            if d.cp > 1:
+                cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
+            apply_ac(model, ac)
+            apply_compile(model, compile_cfg)
+            return apply_ddp(model, mesh["dp_cp"], cfg.bucket_cap_mb)
+        with torch.device("meta"):
+            model = Transformer(args)
+        self.hidden_dim = args.dim
+        if d.pp > 1:
+            self.stage_specs = prune_for_stages(model, self.pp_rank, d.pp, cfg.pp_virtual_stages,
+                                                cfg.pp_schedule)
+        if d.tp > 1:
+            apply_tp(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
+                     loss_parallel=cfg.loss_parallel)
+        if d.cp > 1:
+            cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
+        apply_ac(model, ac)
+        apply_compile(model, compile_cfg)
+        # Pipeline stages are views over the rank's model; each is its own FSDP root.
+        shards = d.tp if d.tp > 1 and cfg.sequence_parallel else 1
+        self.stage_modules = [StageModule(model, spec, shards) for spec in self.stage_specs]
+        if d.dp_replicate * d.dp_shard * d.cp > 1:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flattened dim.*")
+                fsdp_mesh = (mesh.root["dp_replicate", "dp_shard_cp"] if d.dp_replicate > 1
+                             else mesh["dp_shard_cp"])
+            for root in self.stage_modules or [model]:
+                apply_fsdp(root, fsdp_mesh, reshard_after_forward=self.mode == "zero3",
+                           param_dtype=cfg.fsdp_param_dtype,
+                           reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
+        self._materialize(model, args, seed)
+        return model
+
+    def _materialize(self, model: nn.Module, args: ModelArgs, seed: int) -> None:
+        """Allocate this rank's shards and fill them with the values the single-process model
+        gets from `seed` (each rank builds that reference on the CPU and keeps its slices)."""
+        target = "cpu" if self.cfg.cpu_offload else self.device
+        model.to_empty(device=target)
+        reference = build_model(args, "cpu", seed=seed).state_dict()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                full = reference[clean_name(name)]
+                if isinstance(p, DTensor):
+                    part = distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
+                                             src_data_rank=None)
+                    p.to_local().copy_(part.to_local())
+                else:
+                    p.copy_(full)
+        model.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta,
+                                             args.rope_scaling).to(self.device)
+
+    def attach_pipeline(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
+                        microbatches: int) -> None:
+        """Build the pipeline stages and schedule (after the model is materialized)."""
+        assert self.mesh is not None
+        self.pipe_loss = PipelineLoss(loss_fn)
+        self.schedule, self.stages = build_schedule(
+            self.stage_modules, self.mesh["pp"], self.cfg.pp_schedule, microbatches,
+            self.pipe_loss, self.device)
+
+    # --- one step --------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
+        """Sum `t` over mesh dimension `dim` (in place; returned for chaining)."""
+        if self.mesh is not None and self.mesh[dim].size() > 1:
+            dist.all_reduce(t, group=self.mesh.group(dim))
+        return t
+
+    def shard_batch(self, x: torch.Tensor, y: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's part of a batch under context parallelism, with its token positions."""
+        cp = self.dims.cp
+        if cp == 1:
+            return x, y, None
+        lb = self.cfg.cp_load_balance
+        return (cp_lib.shard_sequence(x, self.cp_rank, cp, lb),
+                cp_lib.shard_sequence(y, self.cp_rank, cp, lb),
+                cp_lib.local_positions(x.shape[1], self.cp_rank, cp, lb, x.device))
+
+    @contextlib.contextmanager
+    def loss_context(self) -> Iterator[None]:
+        """Vocabulary-parallel cross-entropy around forward + backward under TP."""
+        if self.dims.tp > 1 and self.cfg.loss_parallel:
+            with loss_parallel():
+                yield
+        else:
+            yield
+
+    def forward_backward(self, model: nn.Module, batches: list[Batch], n_valid: float,
+                         loss_fn: Callable[..., torch.Tensor],
+                         autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+        """Forward and backward over a step's micro-batches; returns this rank's share of the
+        normalized loss (sum over the loss ranks and pipeline stages gives the step's loss)."""
+        if self.schedule is not None:
+            return self._pipeline_step(batches, n_valid)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        last = len(batches) - 1
+        with self.loss_context():
+            for i, (x, y) in enumerate(batches):
+                x, y, positions = self.shard_batch(x, y)
+                sync = contextlib.nullcontext()
+                if i < last and hasattr(model, "no_sync"):  # DDP: reduce on the last only
+                    sync = model.no_sync()
+                with sync:
+                    with autocast():
+                        logits = model(x, positions=positions) if positions is not None \
+                            else model(x)
+                    token_loss = loss_fn(logits, y)
+                    (token_loss / n_valid).backward()
+                detached = token_loss.detach()
+                if isinstance(detached, DTensor):
+                    detached = detached.full_tensor()
+                loss_sum += detached
+        return float(loss_sum) / n_valid
+
+    def _pipeline_step(self, batches: list[Batch], n_valid: float) -> float:
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        self.pipe_loss.n_valid = n_valid
+        first = any(s.embed for s in self.stage_specs)
+        last = any(s.head for s in self.stage_specs)
+        losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": losses} if last else {}
+        with self.loss_context():
+            self.schedule.step(*args, **kwargs)
+        total = 0.0
+        for loss in losses:
+            loss = loss.detach()
+            total += float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+        return total
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        pp_group = self.mesh.group("pp") if self.mesh is not None and self.dims.pp > 1 else None
+        return clip_grad_norm(params, max_norm, pp_group)
+
+    def step_loss(self, local: float) -> float:
+        """The step's loss on every rank from each rank's share."""
+        t = torch.tensor(local, dtype=torch.float64, device=self.device)
+        self.all_reduce(t, "dp_cp")
+        if self.dims.pp > 1:
+            self.all_reduce(t, "pp")
+        return float(t)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterator[Batch],
+                 loss_fn: Callable[..., torch.Tensor],
+                 autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+        """Mean validation loss; every rank is given the same batches."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.schedule is not None:
+            return self._pipeline_eval(list(batches))
+        with self.loss_context():
+            for x, y in batches:
+                x, y = x.to(self.device), y.to(self.device)
+                x, y, positions = self.shard_batch(x, y)
+                with autocast():
+                    logits = model(x, positions=positions) if positions is not None else model(x)
+                loss = loss_fn(logits, y)
+                if isinstance(loss, DTensor):
+                    loss = loss.full_tensor()
+                total += loss.double()
+                count += (y != -100).sum().double()
+        self.all_reduce(total, "cp")
+        self.all_reduce(count, "cp")
+        return float(total / count.clamp(min=1))
+
+    def _pipeline_eval(self, batches: list[Batch]) -> float:
+        """Forward-only pass through the stages in order, with point-to-point hand-overs
+        (torch's schedule `eval` runs backward actions for multi-stage schedules)."""
+        assert self.mesh is not None
+        group = self.mesh.group("pp")
+        pp = self.dims.pp
+        n_stages = pp * len(self.stage_modules)
+        owner = {}
+        for r in range(pp):
+            for sid in _stage_ids_of(r, self):
+                owner[sid] = dist.get_global_rank(group, r)
+        mine = {m.spec.index: m for m in self.stage_modules}
+        me = dist.get_rank()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        shards = self.stage_modules[0].seq_shards
+        with self.loss_context():
+            for x, y in batches:
+                x, y = x.to(self.device), y.to(self.device)
+                h: torch.Tensor | None = None
+                for sid in range(n_stages):
+                    if sid not in mine:
+                        continue
+                    if sid > 0 and owner[sid - 1] != me:
+                        shape = (x.shape[0], x.shape[1] // shards, self.hidden_dim)
+                        h = torch.empty(shape, dtype=torch.float32, device=self.device)
+                        dist.recv(h, src=owner[sid - 1], group=group)
+                    out = mine[sid](x if sid == 0 else h)
+                    if sid == n_stages - 1:
+                        loss = self.pipe_loss.loss_fn(out, y)
+                        if isinstance(loss, DTensor):
+                            loss = loss.full_tensor()
+                        total += loss.double()
+                    else:
+                        h = out.float().contiguous()
+                        if owner[sid + 1] != me:
+                            dist.send(h, dst=owner[sid + 1], group=group)
+                count += (y != -100).sum().double()
+        self.all_reduce(total, "pp")  # only the last stage has the loss
+        return float(total / count.clamp(min=1))
+
+
+def _stage_ids_of(pp_rank: int, par: Parallelism) -> list[int]:
+    from scaletrain.parallel.pp import stage_ids
+
+    return stage_ids(pp_rank, par.dims.pp, par.cfg.pp_virtual_stages, par.cfg.pp_schedule)

@@ -1,0 +1,146 @@
+"""Pipeline parallelism: split the model into stages and run a torch.distributed.pipelining
+schedule over micro-batches.
+
+Stage `s` of `S = pp x virtual_stages` holds a contiguous, balanced run of layers; stage 0 also
+holds the embedding, stage S-1 the final norm and head. A rank keeps one copy of the model with
+every other part removed (parameter names stay those of the full model, so checkpoints reshard
+across layouts), and each of its stages is a thin view over that copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+log = logging.getLogger("scaletrain.parallel")
+
+SCHEDULES: dict[str, type] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE = ("GPipe", "1F1B")
+
+
+def schedule_problems(name: str, pp: int, virtual: int, microbatches: int) -> list[str]:
+    out = []
+    if name not in SCHEDULES:
+        out.append(f"parallel.pp_schedule '{name}' is unknown; choose one of "
+                   f"{', '.join(SCHEDULES)}")
+        return out
+    if name in SINGLE_STAGE and virtual != 1:
+        out.append(f"parallel.pp_schedule {name} runs one stage per rank: set "
+                   "parallel.pp_virtual_stages 1 or pick Interleaved1F1B / InterleavedZeroBubble")
+    if name == "ZBVZeroBubble" and virtual != 2:
+        out.append("parallel.pp_schedule ZBVZeroBubble needs parallel.pp_virtual_stages 2")
+    if name not in SINGLE_STAGE and name != "LoopedBFS" and microbatches % pp:
+        out.append(f"parallel.pp_schedule {name} needs the micro-batch count ({microbatches}) "
+                   f"to be a multiple of parallel.pp ({pp})")
+    return out
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Global stage indices of this rank: looped (r, r+p, ...) or V-shaped for ZBV."""
+    if schedule == "ZBVZeroBubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(virtual)]
+
+
+def split_layers(layer_ids: list[str], n_stages: int) -> list[list[str]]:
+    """Contiguous runs of layers, sizes differing by at most one (earlier stages get more)."""
+    base, extra = divmod(len(layer_ids), n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(layer_ids[start:start + size])
+        start += size
+    return out
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    index: int
+    layers: tuple[str, ...]
+    embed: bool
+    head: bool
+
+
+def prune_for_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int,
+                     schedule: str) -> list[StageSpec]:
+    """Remove from `model` every part no stage of this rank holds; return this rank's stages."""
+    n_stages = pp * virtual
+    runs = split_layers(list(model.layers.keys()), n_stages)
+    specs = [StageSpec(s, tuple(runs[s]), s == 0, s == n_stages - 1)
+             for s in stage_ids(pp_rank, pp, virtual, schedule)]
+    keep = {layer for spec in specs for layer in spec.layers}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if not any(spec.embed for spec in specs):
+        model.tok_embeddings = None
+    if not any(spec.head for spec in specs):
+        model.norm = None
+        model.output = None
+    return specs
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: a view over the rank's (pruned) model running some of its layers."""
+
+    def __init__(self, model: nn.Module, spec: StageSpec, seq_shards: int = 1) -> None:
+        super().__init__()
+        # Under sequence parallelism the hidden state between stages is this rank's slice of
+        # the sequence: RoPE positions must span the full length.
+        self.seq_shards = seq_shards
+        object.__setattr__(self, "_model", model)  # not a child: its names stay the model's
+        self.spec = spec
+        self.layers = nn.ModuleDict({i: model.layers[i] for i in spec.layers})
+        if spec.embed:
+            self.tok_embeddings = model.tok_embeddings
+        if spec.head:
+            self.norm, self.output = model.norm, model.output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq_len = x.shape[1] * (1 if self.spec.embed else self.seq_shards)
+        positions = torch.arange(seq_len, device=x.device)
+        return self._model.forward_part(x, self.spec.layers, embed=self.spec.embed,
+                                        head=self.spec.head, positions=positions)
+
+
+def build_schedule(modules: list[StageModule], pp_mesh: DeviceMesh, name: str,
+                   microbatches: int, loss_fn: Callable[..., torch.Tensor],
+                   device: torch.device) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti,
+                                                  list[PipelineStage]]:
+    """PipelineStages for `specs` and the schedule `name` over them (grads are not rescaled:
+    the loss function already divides by the global token count)."""
+    n_stages = pp_mesh.size() * len(modules)
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(m, m.spec.index, n_stages, device, group=group) for m in modules]
+    cls = SCHEDULES[name]
+    if name in SINGLE_STAGE:
+        schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn,
+                       scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    log.info("pipeline: %s, %d stages (this rank: %s), %d micro-batches", name, n_stages,
+             [m.spec.index for m in modules], microbatches)
+    return schedule, stages

@@ -1,0 +1,128 @@
+"""Spawned-process side of the distributed tests: run trainer steps for several layouts in one
+process group and save what the parent compares (losses, full gradients, bytes per rank)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from tests.trainer_helpers import tiny_config
+
+# A model every layout can split: 4 heads / 2 KV heads (tp 2), 4 layers (pp 4 or pp 2 x v 2),
+# no tied head (tensor and pipeline parallelism keep embedding and head apart).
+MODEL = ["--model.n_layers", "4", "--model.tie_embeddings", "false"]
+BASE = ["--training.max_grad_norm", "0", "--optimizer.implementation", "foreach",
+        "--checkpoint.save_final", "false", "--optimizer.lr", "1e-2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient of this rank's model as a full tensor, keyed by its plain name."""
+    from scaletrain.parallel.parallelize import clean_name
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        out[clean_name(name)] = g.detach().float().cpu().clone()
+    return out
+
+
+def local_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes of parameters and optimizer state this rank holds (shards, not full tensors)."""
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():  # count what a rank holds between steps
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    params = sum(nbytes(p) for p in model.parameters())
+    opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer  # ZeRO-1 wraps one
+    state = sum(nbytes(v) for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return {"params": params, "optim": state}
+
+
+def run_trainer(argv: list[str], steps: int, capture: bool = True,
+                save: bool = False) -> dict[str, Any]:
+    """Train `steps` steps; gradients of the first step are captured before the update."""
+    from scaletrain.train.trainer import Trainer
+
+    total = [] if "--training.steps" in argv else ["--training.steps", str(steps)]
+    cfg = tiny_config(Path(argv[0]), Path(argv[1]), *MODEL, *BASE, *argv[2:], *total)
+    trainer = Trainer(cfg)
+    grads: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def capturing_step(*a: Any, **k: Any) -> Any:
+        if capture and not grads:
+            grads.update(full_grads(trainer.model))
+        return step(*a, **k)
+
+    trainer.optimizer.step = capturing_step
+    losses = []
+    for _ in range(steps):
+        loss, _ = trainer.train_step(trainer.next_batches())
+        trainer.step += 1
+        losses.append(loss)
+    val = trainer.evaluate()
+    out = {"losses": losses, "grads": grads, "val": val,
+           "bytes": local_bytes(trainer.model, trainer.optimizer)}
+    trainer.optimizer.step = step
+    if save:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        out["checkpoint"] = str(trainer.save_checkpoint())
+        if not trainer.par.enabled or trainer.par.dims.pp == 1:
+            full = get_model_state_dict(trainer.model,
+                                        options=StateDictOptions(full_state_dict=True))
+            out["params"] = {k: v.detach().cpu().clone() for k, v in full.items()}
+    out["trainer"] = trainer
+    return out
+
+
+def _entry(rank: int, world: int, port: int, jobs: list[tuple], steps: int,
+           out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        for name, argv, *opts in jobs:
+            res = run_trainer(argv, steps, **(opts[0] if opts else {}))
+            res.pop("trainer")
+            results[name] = res
+            dist.barrier()
+    except Exception:
+        results["error"] = traceback.format_exc()
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        raise
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def spawn(world: int, jobs: list[tuple], steps: int,
+          out_dir: Path) -> list[dict[str, Any]]:
+    """Run `jobs` (name, argv) in `world` processes; return each rank's results."""
+    mp.spawn(_entry, args=(world, free_port(), jobs, steps, str(out_dir)), nprocs=world)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -390,8 +390,10 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
 def read_toml(path: str | Path) -> Config:
     """Read a preset name (`debug` -> configs/debug.toml) or a TOML file path."""
     p = Path(path)
-    if not p.exists() and not p.suffix:
-        p = CONFIG_DIR / f"{path}.toml"
+    preset = CONFIG_DIR / f"{path}.toml"
+    # A bare name is a preset, dots included ("llama3.2-1b" has no ".toml" suffix).
+    if not p.exists() and p.suffix != ".toml" and len(p.parts) == 1 and preset.exists():
+        p = preset
     if not p.exists():
         presets = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.toml")))
         raise ConfigError(f"config file '{path}' not found (built-in presets: {presets})")

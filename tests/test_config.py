@@ -73,6 +73,7 @@ def test_toml_round_trip(tmp_path: Path) -> None:
 def test_every_builtin_preset_loads() -> None:
     for path in (Path(__file__).parents[1] / "scaletrain" / "configs").glob("*.toml"):
         assert isinstance(read_toml(path), Config)
+        assert read_toml(path.stem) == read_toml(path)  # by name, dots included (llama3.2-1b)
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from scaletrain.finetune.base import BaseModel, FinetuneError
 from scaletrain.finetune.sft import ChatFormatter, pack, to_example
@@ -69,6 +69,37 @@ class RowDataset(Dataset[Item]):
 
     def __getitem__(self, i: int) -> Item:
         return self.inputs[i], self.targets[i]
+
+
+class Epochs(Dataset[Item]):
+    """`epochs` passes over `rows`, each pass in its own order seeded by (seed, pass): the
+    global sample order of a fine-tuning run, which the loader's `BatchStream` reads front to
+    back (and resumes by sample count). A global batch may span two passes."""
+
+    def __init__(self, rows: RowDataset, seed: int, epochs: int) -> None:
+        self.rows, self.seed, self.epochs, self.seq_len = rows, seed, epochs, rows.seq_len
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows) * self.epochs
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._orders[epoch] = rng.permutation(len(self.rows))
+        return self._orders[epoch]
+
+    def __getitem__(self, i: int) -> Item:
+        epoch, j = divmod(i, len(self.rows))
+        return self.rows[int(self._order(epoch)[j])]
+
+    def __getitems__(self, indices: list[int]) -> Item:
+        return default_collate([self[i] for i in indices])
+
+
+def epochs_for(rows: RowDataset, n_samples: int) -> int:
+    """Passes over `rows` that hold `n_samples` samples."""
+    return max(1, -(-n_samples // max(len(rows), 1)))
 
 
 # --- SFT ---------------------------------------------------------------------------------------

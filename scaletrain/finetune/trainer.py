@@ -125,8 +125,14 @@ class FinetuneTrainer(Trainer):
         from scaletrain.data.loader import BatchStream
 
         self.pin_memory = self.device.type == "cuda"
-        self.train_stream = BatchStream(train_ds, self.mbs, cfg.training.seed,
-                                        pin_memory=self.pin_memory)
+        if len(train_ds) < self.mbs * self.dp_size:
+            raise ConfigError(f"{len(train_ds)} training items are fewer than one batch of "
+                              f"{self.mbs * self.dp_size}; add data or lower "
+                              "--training.micro_batch_size")
+        n_samples = cfg.training.steps * self.mbs * self.ga * self.dp_size
+        order = ftdata.Epochs(train_ds, cfg.training.seed, ftdata.epochs_for(train_ds, n_samples))
+        self.train_stream = BatchStream(order, self.mbs, pin_memory=self.pin_memory,
+                                        dp_rank=self.dp_rank, dp_size=self.dp_size)
         self.val_data = val_ds
         self.corpus = SimpleNamespace(tokenizer_path=self.base.tokenizer_path,
                                       vocab_size=self.base.args.vocab_size,

@@ -128,7 +128,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, start_pos, mask)
+        h = x + self.attention(self.attention_norm(x), rope, start_pos, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -214,8 +214,8 @@ class Transformer(nn.Module):
             dtype = h.dtype if h.is_floating_point() else torch.float32
             cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
             rope = (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
-        for layer_id in layer_ids:
-            h = self.layers[layer_id](h, rope, start_pos, mask)
+        for layer_id in layer_ids:  # mask by keyword: TP's input plans cover positional inputs
+            h = self.layers[layer_id](h, rope, start_pos, mask=mask)
         return h
 
     # --- initialization -------------------------------------------------------------------

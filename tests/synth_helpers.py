@@ -54,3 +54,8 @@ class ScriptedGenerator:
         self.calls.append(list(prompts))
         seeds = seeds or [None] * len(prompts)
         return [Completion(self.fn(p, s), 3, "stop") for p, s in zip(prompts, seeds)]
+
+
+def lines(path: Path) -> list[str]:
+    """The non-empty lines of a text file."""
+    return [x for x in Path(path).read_text().splitlines() if x.strip()]

@@ -14,6 +14,7 @@ import pytest
 from scaletrain.commands.serve import make_server
 from scaletrain.data.synth.generators import BudgetExhausted, LocalGenerator, SamplingParams
 from scaletrain.data.synth.http_client import HTTPError, HTTPGenerator
+from tests.synth_helpers import lines as _lines
 from tests.synth_helpers import tiny_checkpoint
 
 PROMPTS = ["the cat sat on", "a dog ran in the", "rain falls", "we like to read books and",
@@ -157,7 +158,7 @@ def test_data_synth_over_http_matches_in_process(served, tmp_path, temperature):
     local = SynthRunner(load_config(None, {**common, "generator.checkpoint": str(ckpt),
                                            "output": str(tmp_path / "local")})).run()
     assert http["generated"] == local["generated"] == 8
-    rows = [[json.loads(x) for x in open(tmp_path / d / "candidates.jsonl")]
+    rows = [[json.loads(x) for x in _lines(tmp_path / d / "candidates.jsonl")]
             for d in ("http", "local")]
     assert [(r["id"], r["candidate"], r["critique"], r["kept"]) for r in rows[0]] == \
         [(r["id"], r["candidate"], r["critique"], r["kept"]) for r in rows[1]]

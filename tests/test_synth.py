@@ -18,6 +18,7 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.models.generation import generate, generate_batch
 from scaletrain.models.transformer import build_model
 from tests.synth_helpers import ScriptedGenerator, tiny_checkpoint
+from tests.synth_helpers import lines as _lines
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -132,11 +133,11 @@ def test_threshold_unparsable_and_dedup_drop_what_they_should(tmp_path):
                             "duplicate_in_run": 2}
     assert s["critique_unparsable"] == 2 and runner.critic.parse_failures == 2
     assert s["kept"] + sum(s["dropped"].values()) == s["generated"]  # stats add up
-    recs = [json.loads(line) for line in open(tmp_path / "out" / LOG_NAME)]
+    recs = [json.loads(line) for line in _lines(tmp_path / "out" / LOG_NAME)]
     assert {r["id"] for r in recs if r["reason"] == "duplicate_in_run"} == {"p000001-c1",
                                                                             "p000003-c1"}
     assert all(r["critique"] is not None and "prompt" in r for r in recs)
-    kept = [json.loads(line) for line in open(tmp_path / "out" / "kept.jsonl")]
+    kept = [json.loads(line) for line in _lines(tmp_path / "out" / "kept.jsonl")]
     assert len(kept) == s["kept"] and all(k["metadata"]["score"] >= 5 for k in kept)
     assert sum(v["kept"] for v in s["topics"].values()) == s["kept"]
     assert abs(sum(v["share_kept"] for v in s["topics"].values()) - 1) < 1e-3
@@ -191,7 +192,7 @@ def test_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     cfg2 = _config(tmp_path, **{"judge.kind": "none", "prompts.num_prompts": 7,
                                 "output": str(tmp_path / "fresh")})
     s2 = SynthRunner(cfg2, generator=ScriptedGenerator(_distinct_candidates), critic=None).run()
-    fresh = [json.loads(line) for line in open(tmp_path / "fresh" / LOG_NAME)]
+    fresh = [json.loads(line) for line in _lines(tmp_path / "fresh" / LOG_NAME)]
     assert sorted((r["id"], r["candidate"], r["kept"]) for r in fresh) == \
         sorted((r["id"], r["candidate"], r["kept"]) for r in recs)
     assert s2["kept"] == s["kept"]
@@ -224,15 +225,48 @@ def test_cli_end_to_end_in_process(tmp_path, capsys):
     out = tmp_path / "synth"
     toml = tmp_path / "synth.toml"
     toml.write_text('[judge]\nrubric = "{prompt} {candidate} score:"\nmax_new_tokens = 4\n')
-    argv = ["data", "synth", "--config", str(toml), "--checkpoint", str(ckpt), "--topics", "cat,dog,sun",
-            "--num-prompts", "4", "-n", "2", "--max-new-tokens", "8", "--out", str(out),
+    argv = ["data", "synth", "--config", str(toml), "--checkpoint", str(ckpt),
+            "--topics", "cat,dog,sun", "--num-prompts", "4", "-n", "2",
+            "--max-new-tokens", "8", "--out", str(out),
             "--template", "the {topic} sat on"]
     assert main(argv) == 0
     stats = json.loads((out / "stats.json").read_text())
     assert stats["generated"] == 8
     assert stats["kept"] + sum(stats["dropped"].values()) == 8
     # the judge is the same random model: its replies rarely parse, and that is counted
-    assert stats["critique_unparsable"] == sum(1 for line in open(out / LOG_NAME)
+    assert stats["critique_unparsable"] == sum(1 for line in _lines(out / LOG_NAME)
                                                if json.loads(line)["score"] is None)
     assert main(argv) == 0  # resume: everything done, nothing generated again
     assert len((out / LOG_NAME).read_text().splitlines()) == 8
+
+
+def test_sigkilled_cli_run_resumes_exactly(tmp_path):
+    """A real `kill -9` in the middle of a run, then the same command again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "synth"
+    argv = ["data", "synth", "--checkpoint", str(ckpt), "--topics", "cat,dog,sun,rain",
+            "--num-prompts", "40", "-n", "2", "--max-new-tokens", "16", "--batch-size", "2",
+            "--judge", "none", "--temperature", "0.9", "--out", str(out),
+            "--template", "the {topic} sat on"]
+    proc = subprocess.Popen([sys.executable, "-m", "scaletrain", *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out / LOG_NAME
+    deadline = time.time() + 60
+    while time.time() < deadline and (not log.exists() or log.stat().st_size < 1000):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = len(_lines(log))
+    assert 0 < before < 80, "the run should have been killed part way"
+    from scaletrain.cli import main
+
+    assert main(argv) == 0
+    recs = [json.loads(x) for x in _lines(log)]
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids)) == 80
+    assert json.loads((out / "stats.json").read_text())["generated"] == 80

@@ -11,7 +11,8 @@ one seed per candidate. Rows:
   http            : `scaletrain serve` in a subprocess (server batch = the largest B) and the
                     HTTPGenerator client with `--concurrency` requests in flight
 Torch runs `--threads` threads (default 1) in both processes. Every variant runs `--repeats`
-times after one warm-up call; the median is reported. Results print as a table and go to bench/results/synth_cpu.json. Timings on a shared machine vary.
+times after one warm-up call; the median is reported. Results print as a table and go to
+bench/results/synth_cpu.json. Timings on a shared machine vary.
 """
 
 from __future__ import annotations

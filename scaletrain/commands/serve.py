@@ -107,6 +107,11 @@ class BatchingEngine:
                     it[3].set_exception(e)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # the default listen backlog (5) resets bursts of connections
+
+
 def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
                 model_name: str = "scaletrain", batch_size: int = 8) -> ThreadingHTTPServer:
     """A ready (not yet serving) server; `port=0` picks a free port (`server.server_address`)."""
@@ -204,8 +209,7 @@ def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
                                  "message": {"role": "assistant", "content": c["text"]}}
                                 for k, c in enumerate(out)]}
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = _Server((host, port), Handler)
     server.engine = engine  # type: ignore[attr-defined]
     return server
 

@@ -13,7 +13,7 @@ from scaletrain.data.synth.critique import JudgeCritic, parse_score
 from scaletrain.data.synth.filters import Decontaminator, MinHashIndex
 from scaletrain.data.synth.monitor import distinct_n
 from scaletrain.data.synth.prompts import build_prompts
-from scaletrain.data.synth.runner import LOG_NAME, SynthRunner
+from scaletrain.data.synth.runner import LOG_NAME, SynthRunner, task_log
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.generation import generate, generate_batch
 from scaletrain.models.transformer import build_model
@@ -176,7 +176,7 @@ def test_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     crashing = ScriptedGenerator(_distinct_candidates, fail_after_calls=2)
     with pytest.raises(RuntimeError, match="simulated crash"):
         SynthRunner(cfg, generator=crashing, critic=None).run()
-    log = tmp_path / "out" / LOG_NAME
+    log = task_log(tmp_path / "out", 0)
     assert len(log.read_text().splitlines()) == 8  # 2 chunks x 2 prompts x 2 candidates
     with open(log, "a") as f:  # a crash in the middle of the next write: a torn tail
         f.write('{"id": "p000004-c0", "prompt_id": "p000004", "cand')
@@ -184,7 +184,8 @@ def test_killed_run_resumes_without_duplicates_or_losses(tmp_path):
     s = SynthRunner(cfg, generator=again, critic=None).run()
     asked = [p for call in again.calls for p in call]
     assert len(asked) == 3 * 2  # only the 3 prompts not done before
-    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(_lines(log)) == 14
+    recs = [json.loads(line) for line in _lines(tmp_path / "out" / LOG_NAME)]
     ids = [r["id"] for r in recs]
     assert len(ids) == len(set(ids)) == 14 == s["generated"]
     assert sorted({r["prompt_id"] for r in recs}) == [f"p{i:06d}" for i in range(7)]
@@ -255,7 +256,7 @@ def test_sigkilled_cli_run_resumes_exactly(tmp_path):
             "--template", "the {topic} sat on"]
     proc = subprocess.Popen([sys.executable, "-m", "scaletrain", *argv],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = out / LOG_NAME
+    log = task_log(out, 0)
     deadline = time.time() + 60
     while time.time() < deadline and (not log.exists() or log.stat().st_size < 1000):
         time.sleep(0.05)
@@ -266,7 +267,24 @@ def test_sigkilled_cli_run_resumes_exactly(tmp_path):
     from scaletrain.cli import main
 
     assert main(argv) == 0
-    recs = [json.loads(x) for x in _lines(log)]
+    assert len(_lines(log)) == 80
+    recs = [json.loads(x) for x in _lines(out / LOG_NAME)]
     ids = [r["id"] for r in recs]
     assert len(ids) == len(set(ids)) == 80
     assert json.loads((out / "stats.json").read_text())["generated"] == 80
+
+
+def test_tasks_on_worker_processes_give_the_same_result(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    common = {"generator.checkpoint": str(ckpt), "prompts.template": "the {topic} sat on",
+              "prompts.num_prompts": 6, "prompts.candidates": 2,
+              "prompts.slots.topic": ["cat", "dog", "sun"], "generator.max_new_tokens": 8,
+              "generator.temperature": 0.9, "judge.kind": "none", "chunk_prompts": 2}
+    one = SynthRunner(load_config(None, {**common, "output": str(tmp_path / "one")})).run()
+    two = SynthRunner(load_config(None, {**common, "output": str(tmp_path / "two"),
+                                         "tasks": 3, "workers": 2})).run()
+    assert two["tasks"] == 3 and one["generated"] == two["generated"] == 12
+    assert all(task_log(tmp_path / "two", i).exists() for i in range(3))
+    rows = [[(r["id"], r["candidate"], r["kept"], r["reason"])
+             for r in map(json.loads, _lines(tmp_path / d / LOG_NAME))] for d in ("one", "two")]
+    assert rows[0] == rows[1]

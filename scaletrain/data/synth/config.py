@@ -84,6 +84,10 @@ class FiltersConfig:
 class SynthConfig:
     output: str = "runs/synth"
     chunk_prompts: int = 8  # prompts per generate/critique/write round (the resume unit)
+    tasks: int = 1  # slices of the prompt list, run by the executor (each loads its generator)
+    executor: str = "local"  # "local" (worker processes) or "ray"
+    workers: int = 0  # local worker processes / Ray CPUs (0: the executor's default)
+    ray_address: str = ""  # an existing Ray cluster (empty: start a local one)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
@@ -100,6 +104,10 @@ class SynthConfig:
             raise ValueError("judge.kind = 'classifier' needs judge.classifier = <model dir>")
         if self.prompts.candidates < 1:
             raise ValueError(f"prompts.candidates must be >= 1 (got {self.prompts.candidates})")
+        if self.tasks < 1:
+            raise ValueError(f"tasks must be >= 1 (got {self.tasks})")
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"executor '{self.executor}': use 'local' or 'ray'")
         if self.chunk_prompts < 1:
             raise ValueError(f"chunk_prompts must be >= 1 (got {self.chunk_prompts})")
 

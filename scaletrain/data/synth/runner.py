@@ -1,15 +1,20 @@
 """The resumable generate -> critique -> filter loop of `scaletrain data synth`.
 
-Output directory:
-  candidates.jsonl  the log: one record per candidate (prompt, candidate, critique, score,
-                    kept / reason), appended one chunk of prompts at a time and fsynced
-  kept.jsonl        the kept candidates as documents (written at the end, temp name + rename)
-  stats.json, report.html   monitoring (computed from the log)
+The prompt list is split into `tasks` contiguous slices. A task (in this process, on local
+worker processes or on Ray, through the curation executors) generates, critiques and applies
+the per-candidate filters (threshold, curation steps, decontamination, dedup against the
+corpus) and appends its records, one round of `chunk_prompts` prompts at a time, fsynced, to
+OUT/tasks/task-NNNNN.jsonl. Then one merge pass in prompt order applies MinHash dedup within
+the run and writes:
+  candidates.jsonl  one record per candidate (prompt, candidate, critique, score, kept, reason)
+  kept.jsonl        the kept candidates as documents (score etc. in the metadata)
+  stats.json, report.html   monitoring, computed from the records
+all under temporary names, renamed when complete.
 
-Resume: the log is the completion marker. On start it is read back; a prompt is done when all
-its `candidates` records are there. A torn tail (a crash in the middle of a write) is cut off,
-so its prompts are generated again; done prompts are never generated again, and the dedup
-index is rebuilt from the kept records in log order, so decisions match an uninterrupted run.
+Resume: a task log is its own completion marker. On start it is read back; a prompt is done
+when all its `candidates` records are there. A torn tail (a crash in the middle of a write) is
+cut off, so its prompts are generated again; done prompts are never generated again. The merge
+is recomputed from the logs, so the result equals that of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ from scaletrain.data.synth.prompts import PromptTask, build_prompts, read_values
 logger = logging.getLogger(__name__)
 LOG_NAME, KEPT_NAME, STATS_NAME, REPORT_NAME = ("candidates.jsonl", "kept.jsonl", "stats.json",
                                                 "report.html")
+
+
+def task_log(out: Path, i: int) -> Path:
+    return out / "tasks" / f"task-{i:05d}.jsonl"
+
+
+def task_slice(tasks: list[PromptTask], i: int, n_tasks: int) -> list[PromptTask]:
+    per = -(-len(tasks) // n_tasks)
+    return tasks[i * per : (i + 1) * per]
 
 
 def make_generator(checkpoint: str, url: str, g: Any) -> Generator:
@@ -117,8 +131,8 @@ def read_log(path: Path, tasks: dict[str, PromptTask], n: int) -> list[dict[str,
     return records
 
 
-class SynthRunner:
-    """Generator, critic and filters wired from a config; `run()` returns the summary."""
+class CandidateWorker:
+    """Generation, critique and the per-candidate filters for one slice of the prompts."""
 
     def __init__(self, cfg: SynthConfig, generator: Generator | None = None,
                  critic: Critic | None | str = "auto"):
@@ -137,20 +151,19 @@ class SynthRunner:
             if hasattr(s, "fit"):
                 raise ValueError(f"filters.curation: '{s.name}' needs a whole-corpus pass; use "
                                  "filters.dedup / dedup_corpus for deduplication here")
-        self.index = MinHashIndex(f.dedup_threshold, shingle=f.dedup_shingle,
-                                  ngram=f.dedup_ngram) if f.dedup or f.dedup_corpus else None
-        if self.index is not None and f.dedup_corpus:
+        self.corpus = None
+        if f.dedup_corpus:
             from scaletrain.data.io.readers import read_documents
 
-            n = self.index.add_texts((f"corpus:{d.id}", d.text)
-                                     for d in read_documents(list(f.dedup_corpus)))
+            self.corpus = new_index(cfg)
+            n = self.corpus.add_texts((f"corpus:{d.id}", d.text)
+                                      for d in read_documents(list(f.dedup_corpus)))
             logger.info("dedup: indexed %d corpus documents", n)
         self.decontam = None
         if f.decontaminate:
             texts = [t for path in f.decontaminate for t in read_values(path)]
             self.decontam = Decontaminator(texts, f.decontam_ngram)
 
-    # --- filtering --------------------------------------------------------------------------
     def _decide(self, rec: dict[str, Any]) -> None:
         """Set rec['kept'], rec['reason'] (and maybe rewrite the candidate) in filter order."""
         f = self.cfg.filters
@@ -176,19 +189,13 @@ class SynthRunner:
         if self.decontam is not None and (gram := self.decontam.match(doc.text)):
             rec["reason"], rec["detail"] = "contaminated", gram
             return
-        if self.index is not None:
-            sig = self.index.signatures([doc.text])[0]
-            hit = self.index.query(sig)
+        if self.corpus is not None:
+            hit = self.corpus.query(self.corpus.signatures([doc.text])[0])
             if hit is not None:
-                key, sim = hit
-                rec["reason"] = "duplicate_of_corpus" if key.startswith("corpus:") else \
-                    "duplicate_in_run"
-                rec["detail"] = f"{key} ~{sim:.2f}"
+                rec["reason"], rec["detail"] = "duplicate_of_corpus", f"{hit[0]} ~{hit[1]:.2f}"
                 return
-            self.index.add(rec["id"], sig)
         rec["kept"] = True
 
-    # --- the loop ---------------------------------------------------------------------------
     def _chunk(self, tasks: list[PromptTask]) -> list[dict[str, Any]]:
         n = self.cfg.prompts.candidates
         flat = [(t, k) for t in tasks for k in range(n)]
@@ -208,20 +215,16 @@ class SynthRunner:
             records.append(rec)
         return records
 
-    def run(self) -> dict[str, Any]:
+    def run_slice(self, tasks: list[PromptTask], log_path: Path) -> dict[str, Any]:
+        """Generate what `log_path` does not hold yet; returns this session's counters."""
         cfg = self.cfg
-        out = Path(cfg.output)
-        out.mkdir(parents=True, exist_ok=True)
-        tasks = make_tasks(cfg)
-        by_id = {t.id: t for t in tasks}
-        log_path = out / LOG_NAME
-        records = read_log(log_path, by_id, cfg.prompts.candidates)
-        if self.index is not None:  # rebuild the run's dedup state from what was kept
-            self.index.add_texts((r["id"], r["candidate"]) for r in records if r["kept"])
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        records = read_log(log_path, {t.id: t for t in tasks}, cfg.prompts.candidates)
         done = {r["prompt_id"] for r in records}
         todo = [t for t in tasks if t.id not in done]
         if done:
-            logger.info("resuming: %d of %d prompts already done", len(done), len(tasks))
+            logger.info("%s: resuming, %d of %d prompts already done", log_path.name, len(done),
+                        len(tasks))
         t0, made, complete = time.perf_counter(), 0, True
         with open(log_path, "a", encoding="utf-8") as log:
             for c in range(0, len(todo), cfg.chunk_prompts):
@@ -234,41 +237,128 @@ class SynthRunner:
                 log.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in new))
                 log.flush()
                 os.fsync(log.fileno())
-                records += new
                 made += len(new)
-                dt = time.perf_counter() - t0
-                logger.info("prompts %d/%d, candidates %d (kept %d), %.2f candidates/s",
+                logger.info("%s: prompts %d/%d, %.2f candidates/s", log_path.name,
                             len(done) + c + len(new) // cfg.prompts.candidates, len(tasks),
-                            len(records), sum(r["kept"] for r in records), made / dt)
-        seconds = time.perf_counter() - t0
-        return self.finish(out, records, complete, seconds, made)
+                            made / (time.perf_counter() - t0))
+        g = self.generator
+        return {"complete": complete, "candidates": made,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "tokens_generated": getattr(g, "tokens_generated", None),
+                "http_requests": getattr(g, "requests_sent", None),
+                "http_retries": getattr(g, "retries", None)}
 
-    def finish(self, out: Path, records: list[dict[str, Any]], complete: bool, seconds: float,
-               made: int) -> dict[str, Any]:
+
+def new_index(cfg: SynthConfig) -> MinHashIndex:
+    f = cfg.filters
+    return MinHashIndex(f.dedup_threshold, shingle=f.dedup_shingle, ngram=f.dedup_ngram)
+
+
+class SynthTask:
+    """Task `i` of `n_tasks` for an executor (picklable: it carries only the config)."""
+
+    def __init__(self, cfg: SynthConfig, n_tasks: int):
+        self.cfg, self.n_tasks = cfg, n_tasks
+
+    def __call__(self, i: int) -> dict[str, Any]:
+        tasks = task_slice(make_tasks(self.cfg), i, self.n_tasks)
+        result = CandidateWorker(self.cfg).run_slice(tasks, task_log(Path(self.cfg.output), i))
+        if not result["complete"]:  # no completion marker: the task must run again
+            raise BudgetExhausted(f"task {i}: budget spent; re-run to continue")
+        return result
+
+
+class SynthRunner:
+    """`run()`: every task (resuming), then the merge; returns the summary.
+
+    `generator` / `critic` may be given for the single-task, in-process case (tests, notebooks).
+    """
+
+    def __init__(self, cfg: SynthConfig, generator: Generator | None = None,
+                 critic: Critic | None | str = "auto"):
+        self.cfg, self.generator, self.critic = cfg, generator, critic
+        if cfg.tasks > 1 and (generator is not None or critic != "auto"):
+            raise ValueError("a generator or critic object works only with tasks = 1")
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        out = Path(cfg.output)
+        out.mkdir(parents=True, exist_ok=True)
+        tasks = make_tasks(cfg)
+        n_tasks = max(1, min(cfg.tasks, len(tasks)))
+        t0 = time.perf_counter()
+        if n_tasks == 1:
+            worker = CandidateWorker(cfg, self.generator, self.critic)
+            self.worker = worker
+            results = [worker.run_slice(tasks, task_log(out, 0))]
+        else:
+            from scaletrain.data.executors import LocalExecutor, make_executor
+
+            if cfg.executor == "local":  # spawn: torch's thread pools do not survive a fork
+                executor = LocalExecutor(cfg.workers or None, start_method="spawn")
+            else:
+                executor = make_executor(cfg.executor, cfg.workers or None,
+                                         cfg.ray_address or None)
+            results = executor.run(SynthTask(cfg, n_tasks), n_tasks, str(out / "tasks"),
+                                   desc="synth")
+        by_id = {t.id: t for t in tasks}
+        records = [r for i in range(n_tasks)
+                   for r in read_log(task_log(out, i), by_id, cfg.prompts.candidates)]
+        self._dedup_run(records)
+        session = {"candidates": sum(r.get("candidates", 0) for r in results),
+                   "seconds": round(time.perf_counter() - t0, 3)}
+        for key in ("tokens_generated", "http_requests", "http_retries"):
+            vals = [r.get(key) for r in results if r.get(key) is not None]
+            session[key] = sum(vals) if vals else None
+        complete = all(r.get("complete", True) for r in results) and \
+            len(records) == len(tasks) * cfg.prompts.candidates
+        return self.finish(out, records, complete, session, results)
+
+    def _dedup_run(self, records: list[dict[str, Any]]) -> None:
+        """MinHash within the run, in prompt order: the first of near-duplicates is kept."""
+        if not self.cfg.filters.dedup:
+            return
+        index = new_index(self.cfg)
+        kept = [r for r in records if r["kept"]]
+        for b in range(0, len(kept), 256):
+            chunk = kept[b : b + 256]
+            for r, sig in zip(chunk, index.signatures([r["candidate"] for r in chunk])):
+                hit = index.query(sig)
+                if hit is None:
+                    index.add(r["id"], sig)
+                else:
+                    r["kept"], r["reason"] = False, "duplicate_in_run"
+                    r["detail"] = f"{hit[0]} ~{hit[1]:.2f}"
+
+    def finish(self, out: Path, records: list[dict[str, Any]], complete: bool,
+               session: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
         cfg = self.cfg
         topic = cfg.prompts.topic_slot or None
         if topic and not any(topic in r["slots"] for r in records):
             topic = None
         summary = summarize(records, topic, (cfg.judge.scale_min, cfg.judge.scale_max))
-        summary.update({
-            "complete": complete, "generator": getattr(self.generator, "name", "?"),
-            "session": {"candidates": made, "seconds": round(seconds, 3),
-                        "candidates_per_s": round(made / seconds, 3) if seconds else None,
-                        "tokens_generated": getattr(self.generator, "tokens_generated", None),
-                        "http_requests": getattr(self.generator, "requests_sent", None),
-                        "http_retries": getattr(self.generator, "retries", None)},
-            "config": asdict(cfg)})
-        tmp = out / (KEPT_NAME + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                if r["kept"]:
-                    meta = {k: r[k] for k in ("prompt_id", "prompt", "slots", "critique",
-                                              "score", "tokens")}
-                    f.write(Document(r["id"], r["candidate"], meta).to_json() + "\n")
-        os.replace(tmp, out / KEPT_NAME)
-        for name, text in ((STATS_NAME, json.dumps(summary, indent=2)),
-                           (REPORT_NAME, html_summary(summary))):
-            (out / (name + ".tmp")).write_text(text)
-            os.replace(out / (name + ".tmp"), out / name)
+        session["candidates_per_s"] = round(session["candidates"] / session["seconds"], 3) \
+            if session["seconds"] else None
+        gen = self.generator
+        name = getattr(gen, "name", None) or cfg.generator.url or cfg.generator.checkpoint
+        summary.update({"complete": complete, "generator": name, "tasks": len(results),
+                        "session": session, "config": asdict(cfg)})
+        _write_atomic(out / LOG_NAME, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                              for r in records))
+        kept_lines = []
+        for r in records:
+            if r["kept"]:
+                meta = {k: r[k] for k in ("prompt_id", "prompt", "slots", "critique", "score",
+                                          "tokens")}
+                kept_lines.append(Document(r["id"], r["candidate"], meta).to_json() + "\n")
+        _write_atomic(out / KEPT_NAME, "".join(kept_lines))
+        _write_atomic(out / STATS_NAME, json.dumps(summary, indent=2))
+        _write_atomic(out / REPORT_NAME, html_summary(summary))
         logger.info("%s", terminal_summary(summary))
         return summary
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -79,6 +79,13 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"scaletrain data synth: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a server that fails for good, a spent budget, a failed task
+        from scaletrain.data.synth.generators import BudgetExhausted
+
+        print(f"scaletrain data synth: {e}\nwhat is done is kept; run again to resume",
+              file=sys.stderr)
+        return 3 if isinstance(e, BudgetExhausted) or isinstance(e.__cause__,
+                                                                  BudgetExhausted) else 1
     print(json.dumps({k: summary[k] for k in ("prompts", "generated", "kept", "dropped",
                                               "critique_unparsable", "complete")}))
     print(f"wrote {cfg.output}/candidates.jsonl, kept.jsonl, stats.json, report.html")

@@ -20,6 +20,7 @@ SUBVERBS: dict[str, str] = {
     "pii": "remove personal data and secrets",
     "tokenize": "documents to Megatron-compatible indexed datasets (.bin/.idx)",
     "inspect": "samples and statistics of documents or an indexed dataset",
+    "synth": "synthetic data: generate with an LLM, critique, filter (resumable)",
 }
 
 

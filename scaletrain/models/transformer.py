@@ -72,8 +72,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask`: optional boolean (batch, 1, seq, seq) attention mask (True = attend) that
-        replaces the causal mask (training only, no KV cache)."""
+        """`mask`: optional boolean (batch, 1, seq, keys) attention mask (True = attend) that
+        replaces the causal mask (packed segments; a left-padded batch, also with a KV cache)."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
@@ -158,12 +158,18 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0,
                 segment_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for `tokens`. `segment_ids`: see `hidden_states`. `positions` (seq,) overrides
+                positions: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `tokens` (B, S) at positions start_pos.. (with a KV cache: after it).
+
+        `segment_ids`: see `hidden_states`. `positions` (seq,) overrides
         `start_pos + arange(seq)` for the RoPE/position tables (a rank holding a non-contiguous
-        slice of the sequence passes its own positions)."""
+        slice of the sequence passes its own positions). `key_mask` (B, >= start_pos + S) bool
+        marks real tokens of a padded batch; False entries (padding) are never attended to.
+        """
         return self.forward_part(tokens, self.layers.keys(), embed=True, head=True,
-                                 start_pos=start_pos, positions=positions, segment_ids=segment_ids)
+                                 start_pos=start_pos, positions=positions, segment_ids=segment_ids,
+                                 key_mask=key_mask)
 
     def hidden_states(self, tokens: torch.Tensor, start_pos: int = 0,
                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,16 +184,18 @@ class Transformer(nn.Module):
 
     def forward_part(self, x: torch.Tensor, layer_ids: Iterable[str], embed: bool, head: bool,
                      start_pos: int = 0, positions: torch.Tensor | None = None,
-                     segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     segment_ids: torch.Tensor | None = None,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run part of the model: the embedding (when `embed`, `x` are token ids; otherwise a
         hidden state), the listed layers, then norm and head (when `head`). Pipeline stages
         use it on a model whose other parts were removed."""
-        h = self._trunk(x, layer_ids, embed, start_pos, positions, segment_ids)
+        h = self._trunk(x, layer_ids, embed, start_pos, positions, segment_ids, key_mask)
         return self.output(self.norm(h)) if head else h
 
     def _trunk(self, x: torch.Tensor, layer_ids: Iterable[str], embed: bool, start_pos: int,
                positions: torch.Tensor | None,
-               segment_ids: torch.Tensor | None) -> torch.Tensor:
+               segment_ids: torch.Tensor | None,
+               key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding (when `embed`) and the listed layers; see `forward_part`."""
         seqlen = x.shape[1]  # from the input, never from a sharded hidden state
         mask = None
@@ -203,6 +211,8 @@ class Transformer(nn.Module):
                     f"{self.args.max_seq_len}"
                 )
             positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+            if key_mask is not None:
+                mask = padded_causal_mask(key_mask, start_pos, seqlen)
         h = self.tok_embeddings(x) if embed else x
         rope = None
         if self.pos_embeddings is not None:
@@ -264,6 +274,17 @@ class Transformer(nn.Module):
     def clear_cache(self) -> None:
         for layer in self.layers.values():
             layer.attention.cache = None
+
+
+def padded_causal_mask(key_mask: torch.Tensor, start_pos: int, seqlen: int) -> torch.Tensor:
+    """The (batch, 1, seq, start_pos + seq) boolean mask of a left-padded batch: causal, and
+    only real keys (`key_mask` True), except that a query always sees itself (a padding query
+    would otherwise attend to nothing)."""
+    n_keys = start_pos + seqlen
+    keys = torch.arange(n_keys, device=key_mask.device)
+    queries = torch.arange(start_pos, n_keys, device=key_mask.device)
+    causal = keys[None, :] <= queries[:, None]
+    return causal & (key_mask[:, None, None, :n_keys] | (keys[None, :] == queries[:, None]))
 
 
 def segment_positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

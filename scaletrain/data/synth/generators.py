@@ -1,0 +1,137 @@
+"""Text generators behind one interface: `complete(prompts, params, seeds) -> completions`.
+
+`LocalGenerator` runs scaletrain's own batched generation (left-padded batches through one KV
+cache) over our checkpoints or local Hugging Face models; `HTTPGenerator` (http_client.py)
+talks to any OpenAI-compatible server. Both count what they spend against a budget and raise
+`BudgetExhausted` *before* starting work they could not pay for, so nothing half done is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from scaletrain.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+
+class BudgetExhausted(RuntimeError):
+    """The token or request budget of a generator is spent."""
+
+
+@dataclass
+class SamplingParams:
+    """Decoding controls shared by every generator (OpenAI names where they exist)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.8
+    top_p: float | None = 0.95
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature}); 0 is greedy")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (got {self.top_k}); leave it unset for none")
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: int  # generated tokens (as counted by the generator or reported by the server)
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+
+
+class Generator(Protocol):
+    name: str
+
+    def complete(self, prompts: list[str], params: SamplingParams,
+                 seeds: list[int | None] | None = None) -> list[Completion]: ...
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string (excluded); True when one was found."""
+    cut = min((i for s in stop if s and (i := text.find(s)) >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class LocalGenerator:
+    """In-process generation over a loaded model: prompts sorted by length and batched.
+
+    `token_budget` (generated tokens, 0 = unlimited) is checked before each call: a call that
+    starts may overshoot by at most one call's tokens.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, eos_id: int | None,
+                 batch_size: int = 16, token_budget: int = 0, name: str = "local"):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+        self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
+        self.batch_size, self.token_budget, self.name = batch_size, token_budget, name
+        self.tokens_generated = 0
+        self.lock = threading.Lock()  # the model's KV cache is per model: one batch at a time
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
+                        **kwargs: Any) -> LocalGenerator:
+        from scaletrain.inference import load_for_inference
+
+        model, _, tokenizer, eos = load_for_inference(path, device=device, dtype=dtype)
+        if tokenizer is None:
+            raise ValueError(f"{path} has no tokenizer.json: text generation needs one (copy "
+                             "the tokenizer file into the checkpoint directory)")
+        return cls(model, tokenizer, eos, name=str(path), **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text).ids
+        if not ids:
+            raise ValueError(f"prompt {text[:40]!r} encodes to no tokens")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def complete_ids(self, prompts: list[list[int]], params: SamplingParams,
+                     seeds: list[int | None] | None = None) -> list[list[int]]:
+        """New token ids per prompt, batched `batch_size` at a time (longest first)."""
+        from scaletrain.models.generation import generate_batch
+
+        params.validate()
+        if self.token_budget and self.tokens_generated >= self.token_budget:
+            raise BudgetExhausted(f"token budget of {self.token_budget} generated tokens spent")
+        seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b : b + self.batch_size]
+            with self.lock:
+                res = generate_batch(
+                    self.model, [prompts[i] for i in idx], params.max_new_tokens,
+                    params.temperature, params.top_k, params.top_p, self.eos_id,
+                    [seeds[i] for i in idx])
+            for i, r in zip(idx, res):
+                out[i] = r
+                self.tokens_generated += len(r)
+        return out
+
+    def complete(self, prompts: list[str], params: SamplingParams,
+                 seeds: list[int | None] | None = None) -> list[Completion]:
+        ids = self.complete_ids([self.encode(p) for p in prompts], params, seeds)
+        out = []
+        for new in ids:
+            eos = bool(new) and new[-1] == self.eos_id
+            text, stopped = cut_at_stop(self.decode(new), params.stop)
+            out.append(Completion(text, len(new), "stop" if eos or stopped else "length"))
+        return out

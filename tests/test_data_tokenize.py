@@ -75,6 +75,15 @@ def test_parquet_input_gives_the_same_dataset(shards: Path, tmp_path: Path) -> N
     assert Path(f"{tmp_path}/pq.bin").read_bytes() == Path(f"{tmp_path}/js.bin").read_bytes()
 
 
+def test_zstd_jsonl_gives_the_same_dataset(shards: Path, tmp_path: Path) -> None:
+    zstd = pytest.importorskip("zstandard")
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in _texts(shards))
+    (tmp_path / "d.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress(lines.encode()))
+    tokenize_to_indexed(input_shards(tmp_path / "d.jsonl.zst"), tmp_path / "zs", NEOX)
+    tokenize_to_indexed(input_shards(shards), tmp_path / "js", NEOX)
+    assert Path(f"{tmp_path}/zs.bin").read_bytes() == Path(f"{tmp_path}/js.bin").read_bytes()
+
+
 def test_bad_inputs_are_named(tmp_path: Path) -> None:
     (tmp_path / "x.jsonl").write_text('{"content": "no text field"}\n')
     with pytest.raises(TokenizeError, match=r"x.jsonl:1: no string field 'text'"):

@@ -291,15 +291,6 @@ def train_tokenizer(texts: list[str], vocab_size: int, progress: bool = False) -
         raise CorpusError(f"data.{e}") from None
 
 
-def curate(texts: list[str], names: list[str]) -> tuple[list[str], list[str]]:
-    """Hook for the curation pipeline (issue 3): filters/dedup/PII over the documents.
-
-    TODO(issue 3): run the default curation pipeline here once it lands on main (and add its
-    configuration to the cache key); until then documents pass through unchanged.
-    """
-    return texts, names
-
-
 def _write_split(prefix: Path, tok: TextTokenizer, texts: list[str], progress: bool) -> int:
     """One indexed dataset of `texts` (each followed by EOS); returns its token count."""
     with IndexedDatasetWriter(prefix, tok.dtype) as w:
@@ -320,7 +311,7 @@ def _build(
 ) -> dict:
     """Write train.bin, val.bin, tokenizer.json and (last) meta.json into `tmp`."""
     t0 = time.perf_counter()
-    texts, names = curate(*_read_documents(files))
+    texts, names = _read_documents(files)
     n_bytes = sum(f.read_bytes for f in files)
     log.info(
         "read %d files (%d non-empty documents, %.1f MB) in %.2fs",

@@ -5,13 +5,14 @@ Input shards (the files of `--input`, in sorted order) are tokenized by a pool o
 order, so the output is byte-identical whatever the number of workers. Each document becomes
 one sequence (= one document in the index): [BOS] tokens EOS.
 
-TODO(issue 3): switch `read_documents` to the curation package's readers/executors once they
-land on main; this module only needs an iterator of texts per shard.
+Unlike the curation readers, which skip and count a malformed record, tokenization stops at
+one with its file and line: a training set should not lose documents silently. Curated output
+(`scaletrain data curate`) is valid input.
 """
 
 from __future__ import annotations
 
-import gzip
+import io
 import json
 import logging
 import os
@@ -23,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
+from scaletrain.data.io.paths import open_decompressed
 from scaletrain.data.tokenizer import TextTokenizer
 
 log = logging.getLogger("scaletrain.data")
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".parquet")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson", ".parquet")
 _BATCH_CHARS = 4 << 20  # text per encode_batch call
 
 
@@ -89,10 +91,9 @@ def read_documents(path: Path, text_key: str = "text") -> Iterator[str]:
         for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
             yield from (t for t in batch.column(0).to_pylist() if t)
         return
-    if not name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
+    if not name.endswith(SUFFIXES):
         raise TokenizeError(f"{path}: unknown document format (use {', '.join(SUFFIXES)})")
-    opener = gzip.open if name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with open_decompressed(str(path)) as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

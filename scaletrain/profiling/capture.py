@@ -244,30 +244,15 @@ def cuda_memory_stats(device: torch.device) -> dict[str, int]:
     }
 
 
-_PLAN_MODULES = ("scaletrain.plan.memory", "scaletrain.plan.estimate", "scaletrain.plan")
-_PLAN_FUNCTIONS = ("estimate_for_config", "estimate_from_config", "plan_for_config",
-                   "estimate_memory", "estimate")
-
-
-def plan_estimate(run_cfg: Any) -> Any:
-    """The planner's memory estimate for this config, when `scaletrain.plan` provides one
-    (it is built separately; any failure leaves the field out)."""
+def plan_estimate(run_cfg: Any) -> dict[str, Any] | None:
+    """The planner's estimate for this config (`scaletrain.plan.estimate_for_config`); any
+    failure leaves the field out: an estimate must never hide the OOM itself."""
     if run_cfg is None:
         return None
-    import importlib
+    from scaletrain.plan import estimate
 
-    for module_name in _PLAN_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for name in _PLAN_FUNCTIONS:
-            fn = getattr(module, name, None)
-            if callable(fn):
-                try:
-                    est = fn(run_cfg)
-                except Exception as e:  # an estimate must never hide the OOM itself
-                    log.warning("plan estimate failed: %s", e)
-                    return None
-                return vars(est) if hasattr(est, "__dict__") else est
-    return None
+    try:
+        return estimate.estimate_for_config(run_cfg)
+    except Exception as e:
+        log.warning("plan estimate failed: %s", e)
+        return None

@@ -163,6 +163,32 @@ def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], argv: list[str],
     assert rc == 2 and message in err
 
 
+def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain.finetune.estimate import estimate as ft_estimate
+
+    base = ["plan", "--model", "llama3.2-1b", "--seq-len", "1024", "--mbs", "1", "--json"]
+
+    def mem(*extra: str) -> dict:
+        rc, out, err = _run(capsys, *base, *extra)
+        assert rc == 0, err
+        return json.loads(out)
+
+    pre, full = mem(), mem("--method", "full")
+    assert full["memory_bytes"] == pre["memory_bytes"]  # full fine-tuning = pretraining states
+    lora, qlora = mem("--method", "lora", "--lora-rank", "16"), mem("--method", "qlora")
+    want = ft_estimate(get_preset("llama3.2-1b"), "lora", rank=16)
+    assert lora["finetune"]["trainable"] == want.trainable
+    assert lora["memory_bytes"]["weights"] == want.total * 2  # bf16 weights
+    assert lora["memory_bytes"]["optimizer"] == want.trainable * 8  # two fp32 AdamW moments
+    assert lora["memory_bytes"]["activations"] == pre["memory_bytes"]["activations"]
+    assert qlora["memory_bytes"]["weights"] < lora["memory_bytes"]["weights"] / 2
+    frozen = mem("--method", "freeze", "--train-last", "2")
+    assert lora["memory_bytes"]["total"] < frozen["memory_bytes"]["total"] \
+        < full["memory_bytes"]["total"]
+    rc, _, err = _run(capsys, *base, "--method", "lora", "--dp", "2")
+    assert rc == 2 and "fine-tuning runs on one device" in err
+
+
 def test_cli_negative_size_and_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli(["plan", "--model", "llama3-8b", "--seq-len", "-4", "--mbs", "1"])

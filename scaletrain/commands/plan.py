@@ -9,6 +9,7 @@ import sys
 
 from scaletrain.models.args import ModelArgs, get_preset
 from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate
+from scaletrain.plan.finetune import METHODS, finetune_plan
 from scaletrain.plan.hardware import Device, get_device
 
 GIB, GB = 2**30, 1e9
@@ -88,6 +89,15 @@ def _estimate_main(argv: list[str]) -> int:
     p.add_argument("--offload", action="store_true", help="optimizer state and masters on CPU")
     p.add_argument("--gpus", type=_positive, default=None, help="world size (default: product "
                                                                 "of the degrees)")
+    ft = p.add_argument_group("fine-tuning (one device)")
+    ft.add_argument("--method", choices=METHODS, default="pretrain",
+                    help="model states of a fine-tuning method instead of pretraining")
+    ft.add_argument("--lora-rank", type=_positive, default=8, help="lora/qlora rank")
+    ft.add_argument("--train-last", type=int, default=None,
+                    help="freeze: train only the last k blocks (and the head)")
+    ft.add_argument("--freeze-first", type=int, default=0, help="freeze: the first n blocks")
+    ft.add_argument("--num-labels", type=_positive, default=None,
+                    help="classification head with this many labels")
     a = p.parse_args(argv)
     args = _model(a.model, a.set)
     world = a.gpus or a.dp * a.tp * a.pp * a.cp
@@ -100,6 +110,9 @@ def _estimate_main(argv: list[str]) -> int:
                  optimizer=a.optimizer, offload=a.offload, recompute=a.recompute,
                  every=a.every, scope=a.scope, kernels=a.kernels)
     plan = estimate(args, lay)
+    if a.method != "pretrain":
+        plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
+                             freeze_first=a.freeze_first, num_labels=a.num_labels)
     device = _device(a.gpu, a.gpu_mem)
     if a.json:
         out = plan.to_json()
@@ -124,6 +137,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         f"recompute={lay.recompute}",
         f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
         f"(pipeline stage {plan.stage})",
+        *_finetune_lines(plan),
         f"FLOPs per token: {plan.flops_per_token:.4g} model (6N + attention), "
         f"{plan.hardware_flops_per_token:.4g} hardware (with recomputation)",
         f"pipeline bubble: {plan.bubble_fraction:.1%} of compute; activations of "
@@ -146,6 +160,16 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
     comm = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in plan.comm_bytes_per_step.items() if v)
     lines += ["", f"communication per step (this rank): {comm or 'none'}"]
     return "\n".join(lines)
+
+
+def _finetune_lines(plan: Plan) -> list[str]:
+    if not plan.finetune:
+        return []
+    f = plan.finetune
+    rank = f" r={f['lora_rank']}" if f["lora_rank"] else ""
+    return [f"fine-tuning {f['method']}{rank}: {f['trainable']:,} trainable of {f['total']:,} "
+            f"({f['trainable'] / f['total']:.2%}); activations as for full training (an upper "
+            "bound when blocks are frozen)"]
 
 
 def main(argv: list[str]) -> int:

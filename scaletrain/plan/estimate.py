@@ -121,6 +121,8 @@ class Plan:
     comm_bytes_by_dim: dict[str, int]
     activation_breakdown: dict[str, int]
     cpu_offload_bytes: int = 0
+    finetune: dict[str, Any] | None = None
+    """Set by `plan.finetune.finetune_plan`: method, trainable and total parameters."""
 
     @property
     def total_bytes(self) -> int:
@@ -149,6 +151,7 @@ class Plan:
             "bubble_fraction": self.bubble_fraction,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_bytes_by_dim": self.comm_bytes_by_dim,
+            **({"finetune": self.finetune} if self.finetune else {}),
         }
 
 

@@ -1,0 +1,52 @@
+"""A plan for fine-tuning, for `scaletrain plan --method`: the model-state rows of the
+pretraining plan recomputed for the parameters a method trains (counts from
+`scaletrain.finetune.estimate`, the numbers the fine-tuning trainer reports)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scaletrain.plan.estimate import Plan, PlanError
+from scaletrain.plan.memory import state_bytes
+
+METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
+
+
+def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | None = None,
+                  freeze_first: int = 0, num_labels: int | None = None) -> Plan:
+    """`plan` with the weights of every parameter (QLoRA: block linears as 4-bit NF4 with
+    double quantization) and gradients, master weights and optimizer state of the trainable
+    ones only, in the layout's precision convention.
+
+    Activations keep the full-training estimate: exact for `full`, an upper bound for the
+    others (frozen blocks in front of the first trainable one save nothing for backward).
+    """
+    from scaletrain.finetune.estimate import estimate
+
+    lay = plan.layout
+    if lay.dims.world_size > 1:
+        raise PlanError("fine-tuning runs on one device; plan it without parallel degrees")
+    per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
+    try:
+        ft = estimate(plan.args, method, rank=rank, train_last=train_last,
+                      freeze_first=freeze_first, num_labels=num_labels,
+                      weight_bytes=int(per.weights))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    states = {"weights": ft.weight_bytes,
+              "gradients": int(ft.trainable * per.gradients),
+              "master_weights": int(ft.trainable * per.master_weights),
+              "optimizer": int(ft.trainable * per.optimizer)}
+    offloaded = 0
+    if lay.offload:
+        offloaded = states["master_weights"] + states["optimizer"]
+        states["master_weights"] = states["optimizer"] = 0
+    mem = {k: v for k, v in plan.memory_bytes.items() if k != "total"}
+    mem.update(states)
+    if method in ("lora", "qlora"):
+        mem["cast_weights"] = 0  # autocast caches casts of weights that require grad only
+    mem["total"] = sum(mem.values())
+    info = {"method": method, "trainable": ft.trainable, "total": ft.total,
+            "lora_rank": rank if method in ("lora", "qlora") else None}
+    return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,
+                               cpu_offload_bytes=offloaded, finetune=info)

@@ -557,7 +557,8 @@ def load_config(argv: list[str] | None = None, prog: str = "scaletrain train") -
     base = read_toml(config_path)
     cfg = tyro.cli(
         Config, args=argv, default=base, prog=prog,
-        description="Train a model. `--config NAME_OR_TOML` picks a preset (default: debug).",
+        description="Train a model. `--config NAME_OR_TOML` picks a preset (default: debug); "
+        "`--dry-run` prints the plan (memory, FLOPs) and whether it fits, and builds nothing.",
         config=(tyro.conf.FlagConversionOff,),
     )
     return check(cfg)

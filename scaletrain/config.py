@@ -74,6 +74,11 @@ class DataConfig:
     some distributions ship them separately, so turn this off for a corpus equal across them)."""
     file_glob: str = "**/*.py"
     """Which files under the corpus directory to read."""
+    curate: bool = True
+    """Put the built-in corpus (`stdlib`, `text_dir`) through the default code curation
+    pipeline (size limits, source-file rules, exact + MinHash dedup, PII) before tokenizing;
+    the result is cached with the corpus. Not applied to `data.paths` (curate those with
+    `scaletrain data curate`)."""
     cache_dir: str | None = None
     """Where the tokenizer and token arrays are cached (default ~/.cache/scaletrain)."""
     vocab_size: int = 8192

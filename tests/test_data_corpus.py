@@ -40,6 +40,7 @@ def _cfg(tmp_path: Path, **kw) -> DataConfig:
         cache_dir=str(tmp_path / "cache"),
         vocab_size=300,
         val_fraction=0.25,
+        curate=False,  # the corpus mechanics; curation has its own test below
     )
     base.update(kw)
     return DataConfig(**base)
@@ -228,3 +229,22 @@ def test_stdlib_discovery_and_small_build(tmp_path: Path) -> None:
     assert len(c.train) > 50_000 and len(c.val) > 0
     text = c.load_tokenizer().decode(c.train[:2000].tolist())
     assert "import" in text or "def " in text
+    cur = meta["curation"]  # data.curate is on by default
+    assert cur["documents_out"] == meta["documents"] <= cur["documents_in"] <= meta["files"]
+
+
+def test_curation_drops_duplicates_and_keys_the_cache(tmp_path: Path) -> None:
+    body = "def f{0}(x):\n    return x * {0} + {0}  # a function that is long enough\n"
+    docs = {f"m{i}.txt": body.format(i) * 4 for i in range(6)}
+    docs["copy.txt"] = docs["m3.txt"]
+    _write(tmp_path / "text", docs)
+    curated = prepare_corpus(_cfg(tmp_path, curate=True), progress=False)
+    meta = json.loads((curated.cache_dir / "meta.json").read_text())
+    assert meta["curation"]["dropped"] == {"exact_duplicate": 1}
+    assert meta["documents"] == 6 and meta["curation"]["documents_in"] == 7
+    _write(tmp_path / "short", {"a.txt": "x = 1\n", "b.txt": "y = 2\n"})
+    with pytest.raises(CorpusError, match="curation kept 0 of 2 documents"):
+        prepare_corpus(_cfg(tmp_path, curate=True, path=str(tmp_path / "short")), progress=False)
+    plain = prepare_corpus(_cfg(tmp_path), progress=False)
+    assert plain.cache_dir != curated.cache_dir
+    assert json.loads((plain.cache_dir / "meta.json").read_text())["documents"] == 7

@@ -144,7 +144,7 @@ def _text_dir(root: Path, n: int, word: str) -> Path:
 def test_build_train_val_on_a_small_corpus(tmp_path: Path) -> None:
     cfg = DataConfig(dataset="text_dir", path=str(_text_dir(tmp_path / "text", 8, "words")),
                      file_glob="*.txt", seq_len=16, cache_dir=str(tmp_path / "cache"),
-                     vocab_size=300, val_fraction=0.25)
+                     vocab_size=300, val_fraction=0.25, curate=False)
     stream, val, info = build_train_val(cfg, batch_size=4, seed=0, pin_memory=False,
                                         num_samples=400)
     x, y = next(stream)

@@ -15,6 +15,7 @@ def tiny_argv(output: Path, cache: Path, *extra: str) -> list[str]:
         "--output", str(output), *TINY_MODEL,
         "--data.cache_dir", str(cache), "--data.vocab_size", "512", "--data.seq_len", "32",
         "--data.max_bytes", "400000", "--data.val_fraction", "0.1",
+        "--data.curate", "false",  # curation of the corpus is tested in test_data_corpus
         "--training.steps", "4", "--training.micro_batch_size", "4",
         "--training.grad_accum_steps", "1", "--training.eval_interval", "0",
         "--training.eval_batches", "2", "--training.sample_tokens", "0",

@@ -34,6 +34,7 @@ from tokenizers import Tokenizer
 
 from scaletrain.config import DataConfig
 from scaletrain.data import tokenizer as tokmod
+from scaletrain.data.corpus_curation import curate_documents, curation_spec
 from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 from scaletrain.data.tokenize import write_texts
 from scaletrain.data.tokenizer import TextTokenizer, TokenizerError
@@ -194,6 +195,7 @@ def cache_key(cfg: DataConfig, root: Path, files: list[SourceFile], tok_sha: str
         "tokenizer_sha256": tok_sha,
         "val_fraction": cfg.val_fraction,
         "max_bytes": cfg.max_bytes,
+        "curation": curation_spec() if cfg.curate else None,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -320,6 +322,17 @@ def _build(
         n_bytes / 1e6,
         time.perf_counter() - t0,
     )
+    curation = None
+    if cfg.curate:
+        n_read = len(texts)
+        texts, names, curation = curate_documents(texts, names, tmp / "curation")
+        shutil.rmtree(tmp / "curation", ignore_errors=True)
+        if len(texts) < 2 <= n_read:
+            raise CorpusError(
+                f"curation kept {len(texts)} of {n_read} documents (dropped: "
+                f"{curation['dropped']}); at least 2 are needed: add files or set "
+                "data.curate false"
+            )
     val_idx = split_documents([len(t) for t in texts], cfg.val_fraction)
     is_val = np.zeros(len(texts), dtype=bool)
     is_val[val_idx] = True
@@ -370,6 +383,7 @@ def _build(
         "files": len(files),
         "bytes": n_bytes,
         "documents": len(texts),
+        "curation": curation,
         "val_documents": [names[i] for i in val_idx],
         "train_tokens": n_train,
         "val_tokens": n_val,

@@ -102,3 +102,16 @@ def test_models_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_models_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["models"]) == 0
     assert "8,030,261,248" in capsys.readouterr().out
+
+
+def test_init_values_stream_the_seeded_model_one_parameter_at_a_time() -> None:
+    """What each parallel rank draws to initialize its shards equals the single-process model."""
+    from scaletrain.models.transformer import init_values
+
+    for args in (get_preset("debug"), get_preset("gpt2").replace(n_layers=2)):
+        reference = build_model(args, "cpu", seed=3).state_dict()
+        values = dict(init_values(args, 3))
+        names = {n for n, _ in build_model(args, "cpu").named_parameters()}
+        assert set(values) == names
+        for name, value in values.items():
+            assert torch.equal(value, reference[name]), name

@@ -7,7 +7,7 @@ then `to_empty(device=...)` and `init_weights()`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -239,28 +239,39 @@ class Transformer(nn.Module):
             self.inv_freq.device if self.inv_freq.device.type != "meta" else _device_of(self)
         )
 
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Initialize every parameter and buffer (also after `to_empty` from the meta device).
+    def init_plan(self, std: float = 0.02) -> list[tuple[str, str, float]]:
+        """(parameter name, "normal" | "ones" | "zeros", std) in the order `init_weights`
+        draws them from the RNG (tied parameters once).
 
         Projections into the residual stream (`wo`, `w2`) use std / sqrt(2 * n_layers).
         """
         args = self.args
-        self.reset_buffers()
         out_std = std / math.sqrt(2 * args.n_layers)
+        plan: list[tuple[str, str, float]] = []
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
+            plan.append(("tok_embeddings.weight", "normal", std))
         if self.pos_embeddings is not None:
-            nn.init.normal_(self.pos_embeddings.weight, std=std / 2)
+            plan.append(("pos_embeddings.weight", "normal", std / 2))
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
                 if module is not self.output or not args.tie_embeddings:
-                    nn.init.normal_(module.weight, std=out_std if is_residual else std)
+                    plan.append((f"{name}.weight", "normal", out_std if is_residual else std))
                 if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+                    plan.append((f"{name}.bias", "zeros", 0.0))
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
-                module.reset_parameters()
+                plan.append((f"{name}.weight", "ones", 0.0))
+                if getattr(module, "bias", None) is not None:
+                    plan.append((f"{name}.bias", "zeros", 0.0))
+        return plan
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Initialize every parameter and buffer (also after `to_empty` from the meta device)."""
+        self.reset_buffers()
+        params = dict(self.named_parameters())
+        for name, kind, s in self.init_plan(std):
+            _fill(params[name], kind, s)
 
     # --- generation support ------------------------------------------------------------------
     def setup_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> None:
@@ -304,6 +315,27 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _fill(t: torch.Tensor, kind: str, std: float) -> None:
+    if kind == "normal":
+        nn.init.normal_(t, std=std)
+    else:
+        (nn.init.ones_ if kind == "ones" else nn.init.zeros_)(t)
+
+
+def init_values(args: ModelArgs, seed: int, std: float = 0.02
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, value) of every parameter of `build_model(args, "cpu", seed=seed)`, the same
+    values, made one at a time on the CPU: peak memory is one parameter, not the model."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    torch.manual_seed(seed)
+    for name, kind, s in model.init_plan(std):
+        value = torch.empty(shapes[name])
+        _fill(value, kind, s)
+        yield name, value
 
 
 def empty_model(

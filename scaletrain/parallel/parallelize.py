@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from scaletrain.config import ActivationCheckpointConfig, CompileConfig, ParallelConfig
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.rope import inverse_frequencies
-from scaletrain.models.transformer import Transformer, build_model
+from scaletrain.models.transformer import Transformer, build_model, init_values
 from scaletrain.parallel import cp as cp_lib
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
@@ -188,19 +188,24 @@ class Parallelism:
 
     def _materialize(self, model: nn.Module, args: ModelArgs, seed: int) -> None:
         """Allocate this rank's shards and fill them with the values the single-process model
-        gets from `seed` (each rank builds that reference on the CPU and keeps its slices)."""
+        gets from `seed`: each rank draws them one parameter at a time on the CPU (peak: one
+        full parameter, never the whole model) and keeps its slices."""
         target = "cpu" if self.cfg.cpu_offload else self.device
         model.to_empty(device=target)
-        reference = build_model(args, "cpu", seed=seed).state_dict()
+        local = {clean_name(name): p for name, p in model.named_parameters()}
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                full = reference[clean_name(name)]
+            for name, full in init_values(args, seed):
+                p = local.pop(name, None)
+                if p is None:  # another pipeline stage's parameter (drawn to keep the RNG)
+                    continue
                 if isinstance(p, DTensor):
                     part = distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
                                              src_data_rank=None)
                     p.to_local().copy_(part.to_local())
                 else:
                     p.copy_(full)
+        if local:
+            raise RuntimeError(f"parameters without an initial value: {sorted(local)}")
         model.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta,
                                              args.rope_scaling).to(self.device)
 

@@ -539,6 +539,16 @@ def check(cfg: Config) -> Config:
     return cfg
 
 
+_DESCRIPTIONS = {
+    "scaletrain train": "Train a model. `--config NAME_OR_TOML` picks a preset (default: debug); "
+    "`--dry-run` prints the plan (memory, FLOPs) and whether it fits, and builds nothing.",
+    "scaletrain profile": "Profile a few training steps, then diagnose them. `--config "
+    "NAME_OR_TOML` picks a preset (default: debug).",
+    "scaletrain finetune": "Fine-tune a model (`--base`, `--method`, `--task`, `--data`; see "
+    "docs/finetune.md). `--config NAME_OR_TOML` picks a preset (default: finetune).",
+}
+
+
 def load_config(argv: list[str] | None = None, prog: str = "scaletrain train") -> Config:
     """TOML preset (`--config NAME_OR_PATH`, default `debug`) + command-line overrides, validated.
 
@@ -562,8 +572,8 @@ def load_config(argv: list[str] | None = None, prog: str = "scaletrain train") -
     base = read_toml(config_path)
     cfg = tyro.cli(
         Config, args=argv, default=base, prog=prog,
-        description="Train a model. `--config NAME_OR_TOML` picks a preset (default: debug); "
-        "`--dry-run` prints the plan (memory, FLOPs) and whether it fits, and builds nothing.",
+        description=_DESCRIPTIONS.get(prog, "`--config NAME_OR_TOML` picks a preset (default: "
+                                            "debug)."),
         config=(tyro.conf.FlagConversionOff,),
     )
     return check(cfg)

@@ -46,7 +46,8 @@ class AdapterCheckpointer(Checkpointer):
     state: the frozen base is the base checkpoint, so it is not copied into every step."""
 
     def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
-        model_sd = {k: v for k, v in model.state_dict(keep_vars=True).items()
+        core = getattr(model, "module", model)  # names without DDP's prefix
+        model_sd = {k: v for k, v in core.state_dict(keep_vars=True).items()
                     if isinstance(v, nn.Parameter) and v.requires_grad}
         if isinstance(optimizer, torch.optim.Optimizer):
             optim_sd = get_optimizer_state_dict(model, optimizer)
@@ -55,7 +56,7 @@ class AdapterCheckpointer(Checkpointer):
         return {"model": model_sd, "optimizer": optim_sd, "extra": extra}
 
     def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
-        result = model.load_state_dict(state["model"], strict=False)
+        result = getattr(model, "module", model).load_state_dict(state["model"], strict=False)
         if result.unexpected_keys:
             raise FinetuneError(f"checkpoint holds tensors this model lacks: "
                                 f"{result.unexpected_keys[:5]}")
@@ -98,7 +99,8 @@ class FinetuneTrainer(Trainer):
             self.checkpointer_cls = AdapterCheckpointer
         self.labels: list[str] | None = None
         super().__init__(cfg)
-        self._write_meta()
+        if self.is_main:
+            self._write_meta()
 
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
@@ -187,7 +189,25 @@ class FinetuneTrainer(Trainer):
                  100 * self.params.fraction)
         log.info("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
                                         for k, v in self.memory.items()))
-        return model
+        return self._data_parallel(model) if self.par.enabled else model
+
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
+        """Fine-tuning under torchrun: DDP over every rank (frozen parameters are not reduced)."""
+        d, mode = self.par.dims, self.cfg.parallel.data_parallel
+        if d.tp > 1 or d.pp > 1 or d.cp > 1 or mode not in ("auto", "ddp"):
+            raise ConfigError("fine-tuning runs data parallel with DDP only: drop parallel.tp/"
+                              "pp/cp and set parallel.data_parallel auto or ddp")
+        if self.ft.method == "qlora":
+            raise ConfigError("--method qlora runs on one process (its 4-bit weights are not "
+                              "DDP-broadcastable); use lora for data-parallel fine-tuning")
+        from scaletrain.parallel.ddp import apply_ddp
+
+        return apply_ddp(model, self.par.mesh["dp_cp"], self.cfg.parallel.bucket_cap_mb)
+
+    @property
+    def core(self) -> nn.Module:
+        """The model without its DDP wrapper."""
+        return getattr(self.model, "module", self.model)
 
     def _write_meta(self) -> None:
         ft = self.ft
@@ -227,11 +247,13 @@ class FinetuneTrainer(Trainer):
         if self.ft.method in ("lora", "qlora"):
             from scaletrain.finetune.peft_io import save_adapter
 
-            head = self.model.score if isinstance(self.model, SequenceClassifier) else None
-            backbone = self.model.backbone if head is not None else self.model
-            save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
-                         base_path=str(Path(self.ft.base).resolve()), head=head,
-                         train_norms=self.ft.train_norms)
+            core = self.core
+            head = core.score if isinstance(core, SequenceClassifier) else None
+            backbone = core.backbone if head is not None else core
+            if self.is_main:
+                save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
+                             base_path=str(Path(self.ft.base).resolve()), head=head,
+                             train_norms=self.ft.train_norms)
         return path
 
     # --- evaluation -------------------------------------------------------------------------
@@ -261,8 +283,9 @@ class FinetuneTrainer(Trainer):
             self.last_scores = scores
             log.info("step %5d | validation accuracy %.4f | macro-F1 %.4f", self.step,
                      scores["accuracy"], scores["macro_f1"])
-            with (self.output / "classification.jsonl").open("a") as f:
-                f.write(json.dumps({"step": self.step, "val_loss": loss, **scores}) + "\n")
+            if self.is_main:
+                with (self.output / "classification.jsonl").open("a") as f:
+                    f.write(json.dumps({"step": self.step, "val_loss": loss, **scores}) + "\n")
         return loss
 
     def sample(self, max_new_tokens: int) -> str | None:

@@ -256,14 +256,18 @@ class Parallelism:
         last = len(batches) - 1
         with self.loss_context():
             for i, (x, y) in enumerate(batches):
-                x, y, positions = self.shard_batch(x, y)
+                x, y, positions = (x, y, None) if isinstance(x, dict) else self.shard_batch(x, y)
                 sync = contextlib.nullcontext()
                 if i < last and hasattr(model, "no_sync"):  # DDP: reduce on the last only
                     sync = model.no_sync()
                 with sync:
                     with autocast():
-                        logits = model(x, positions=positions) if positions is not None \
-                            else model(x)
+                        if isinstance(x, dict):  # fine-tuning inputs (tokens, segment ids, ...)
+                            logits = model(**x)
+                        elif positions is not None:
+                            logits = model(x, positions=positions)
+                        else:
+                            logits = model(x)
                     token_loss = loss_fn(logits, y)
                     (token_loss / n_valid).backward()
                 detached = token_loss.detach()

@@ -162,6 +162,7 @@ def _pp_worker(rank: int, world: int, port: int, schedule: str, micro: int, out:
                  "idle_share": max(0.0, 1 - float(g[0]) / float(g[1]))}
                 for r, g in enumerate(gathered)]
         Path(out).write_text(json.dumps(rows))
+    dist.barrier()  # no rank tears gloo down while a peer's pipeline sends are in flight
     dist.destroy_process_group()
 
 

@@ -11,7 +11,7 @@ import torch
 from scaletrain.data.synth.config import load_config
 from scaletrain.data.synth.critique import JudgeCritic, parse_score
 from scaletrain.data.synth.filters import Decontaminator, MinHashIndex
-from scaletrain.data.synth.monitor import distinct_n
+from scaletrain.data.synth.monitor import distinct_n, self_bleu
 from scaletrain.data.synth.prompts import build_prompts
 from scaletrain.data.synth.runner import LOG_NAME, SynthRunner, task_log
 from scaletrain.models.args import ModelArgs
@@ -217,6 +217,14 @@ def test_config_errors_are_clear(tmp_path):
 def test_distinct_n():
     assert distinct_n(["a b c", "a b c"], 1) == 0.5
     assert distinct_n(["a b", "c d"], 2) == 1.0
+
+
+def test_self_bleu_orders_repetition_above_variety():
+    same = self_bleu(["the cat sat on the mat today"] * 3)
+    close = self_bleu(["the cat sat on the mat", "the cat sat on a mat", "a dog ran in the park"])
+    apart = self_bleu(["alpha beta gamma delta", "one two three four", "red green blue black"])
+    assert same == 1.0 and apart < 0.05 < close < same
+    assert self_bleu(["only one text"]) == 0.0
 
 
 def test_cli_end_to_end_in_process(tmp_path, capsys):

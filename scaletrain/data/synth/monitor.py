@@ -7,6 +7,8 @@ exactly what an uninterrupted one would: generated = kept + sum(dropped by reaso
 from __future__ import annotations
 
 import html
+import math
+import random
 from collections import Counter
 from typing import Any
 
@@ -22,6 +24,52 @@ def distinct_n(texts: list[str], n: int) -> float:
         total += len(grams)
         seen.update(grams)
     return round(len(seen) / total, 4) if total else 0.0
+
+
+def self_bleu(texts: list[str], max_n: int = 4, sample: int = 200, seed: int = 0) -> float:
+    """Mean BLEU-`max_n` of each text against all the others as references (Zhu et al. 2018's
+    Texygen measure: 1 = every text repeats the others, near 0 = no shared n-grams).
+
+    Word n-grams; clipped counts against the largest count in any other text; brevity penalty
+    from the closest other length; +0.1 smoothing of empty precisions. At most `sample` texts
+    (a seeded choice), so it stays cheap on large runs.
+    """
+    if len(texts) > sample:
+        texts = random.Random(seed).sample(texts, sample)
+    words = [t.split() for t in texts]
+    if len(words) < 2:
+        return 0.0
+    grams = [[Counter(tuple(w[i:i + n]) for i in range(len(w) - n + 1)) for n in
+              range(1, max_n + 1)] for w in words]
+    # For each n-gram: the largest count and its text, and the second largest count.
+    top: list[dict[tuple[str, ...], tuple[int, int, int]]] = [{} for _ in range(max_n)]
+    for k, per_n in enumerate(grams):
+        for n, counts in enumerate(per_n):
+            for g, c in counts.items():
+                best, owner, second = top[n].get(g, (0, -1, 0))
+                if c > best:
+                    top[n][g] = (c, k, best)
+                else:
+                    top[n][g] = (best, owner, max(second, c))
+    lengths = sorted(len(w) for w in words)
+    scores = []
+    for k, (w, per_n) in enumerate(zip(words, grams, strict=True)):
+        if not w:
+            continue
+        log_p = 0.0
+        for n, counts in enumerate(per_n):
+            total = sum(counts.values())
+            clipped = 0
+            for g, c in counts.items():
+                best, owner, second = top[n][g]
+                clipped += min(c, second if owner == k else best)
+            log_p += math.log((clipped or 0.1) / total) if total else math.log(0.1)
+        others = list(lengths)
+        others.remove(len(w))
+        ref = min(others, key=lambda x: (abs(x - len(w)), x))
+        bp = 1.0 if len(w) > ref else math.exp(1 - ref / len(w))
+        scores.append(bp * math.exp(log_p / max_n))
+    return round(sum(scores) / len(scores), 4) if scores else 0.0
 
 
 def histogram(values: list[float], lo: float, hi: float, bins: int = 10) -> dict[str, Any]:
@@ -72,7 +120,8 @@ def summarize(records: list[dict[str, Any]], topic_slot: str | None, score_range
         "length_chars": {"all": _quantiles([len(r["candidate"]) for r in records]),
                          "kept": _quantiles([len(t) for t in texts])},
         "length_tokens": _quantiles([r.get("tokens", 0) for r in records]),
-        "diversity_kept": {f"distinct_{n}": distinct_n(texts, n) for n in (1, 2, 3)},
+        "diversity_kept": {**{f"distinct_{n}": distinct_n(texts, n) for n in (1, 2, 3)},
+                           "self_bleu_4": self_bleu(texts)},
         "topic_slot": topic_slot, "topics": topics,
     }
 

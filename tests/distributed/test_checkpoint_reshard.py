@@ -11,6 +11,7 @@ import torch
 from tests.distributed.worker import run_trainer, spawn
 
 TOL = 1e-5
+TIED = ["--model.tie_embeddings", "true"]
 
 
 @pytest.mark.distributed
@@ -20,7 +21,9 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
                           "8"], 4, capture=False)
     ref_ga = run_trainer([str(tmp_path / "ref-b"), str(cache),
                           "--training.grad_accum_steps", "2"], 4, capture=False)
-    a, b, c = (str(tmp_path / f"run-{x}") for x in "abc")
+    ref_tied = run_trainer([str(tmp_path / "ref-t"), str(cache), *TIED,
+                            "--training.micro_batch_size", "8"], 4, capture=False)
+    a, b, c, d = (str(tmp_path / f"run-{x}") for x in "abcd")
     jobs = [
         # FSDP (ZeRO-3) over 2 ranks -> DDP over 2 ranks (sharded -> replicated).
         ("fsdp-save", [a, str(cache), "--parallel.data_parallel", "zero3",
@@ -37,6 +40,9 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
                         "--training.steps", "4"], {"save": True}),
         ("zero1-resume", [c, str(cache), "--parallel.data_parallel", "zero1",
                           "--checkpoint.resume", "true", "--training.steps", "4"]),
+        # Tied embedding/head under ZeRO-3 (resumed in one process below).
+        ("tied-save", [d, str(cache), *TIED, "--parallel.data_parallel", "zero3",
+                       "--training.steps", "4"], {"save": True}),
     ]
     result = spawn(2, jobs, 2, tmp_path)
     r0 = result[0]
@@ -52,6 +58,10 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
                         "--training.micro_batch_size", "8"], 2, capture=False)
     diff = max(abs(x - y) for x, y in zip(solo["losses"], ref_dp["losses"][2:], strict=True))
     assert diff <= TOL, (solo["losses"], ref_dp["losses"])
+    tied = run_trainer([d, str(cache), *TIED, "--checkpoint.resume", "true", "--training.steps",
+                        "4", "--training.micro_batch_size", "8"], 2, capture=False)
+    diff = max(abs(x - y) for x, y in zip(tied["losses"], ref_tied["losses"][2:], strict=True))
+    assert diff <= TOL, (tied["losses"], ref_tied["losses"])
 
     # One process reads the FSDP checkpoint: the same weights the ranks held.
     from scaletrain.train.native_format import load_model_checkpoint

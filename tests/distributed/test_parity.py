@@ -27,9 +27,10 @@ def _job(tmp: Path, cache: Path, name: str, *args: str) -> tuple[str, list[str]]
     return name, [str(tmp / name), str(cache), *args]
 
 
-def _reference(tmp: Path, cache: Path, mbs: int, ga: int) -> dict[str, Any]:
-    out = run_trainer([str(tmp / f"ref-{mbs}-{ga}"), str(cache), "--training.micro_batch_size",
-                       str(mbs), "--training.grad_accum_steps", str(ga)], STEPS)
+def _reference(tmp: Path, cache: Path, mbs: int, ga: int, *model: str) -> dict[str, Any]:
+    out = run_trainer([str(tmp / f"ref-{mbs}-{ga}-{len(model)}"), str(cache),
+                       "--training.micro_batch_size", str(mbs), "--training.grad_accum_steps",
+                       str(ga), *model], STEPS)
     out.pop("trainer")
     return out
 
@@ -50,12 +51,14 @@ def _compare(result: list[dict[str, Any]], name: str,
     return rel[0], dloss, dgrad
 
 
-# name, parallel flags, data-parallel degree, accumulation steps
+# name, parallel flags, data-parallel degree, accumulation steps[, model flags of both runs]
 LAYOUTS_2 = [
     ("ddp", ["--parallel.data_parallel", "ddp"], 2, 1),
     ("ddp-ga2", ["--parallel.data_parallel", "ddp"], 2, 2),
     ("zero1", ["--parallel.data_parallel", "zero1"], 2, 1),
     ("zero2", ["--parallel.data_parallel", "zero2"], 2, 1),
+    ("zero3-tied", ["--parallel.data_parallel", "zero3"], 2, 1,
+     ["--model.tie_embeddings", "true"]),  # FSDP keeps one shared embedding/head parameter
     ("zero3", ["--parallel.data_parallel", "zero3"], 2, 2),
     ("tp-sp", ["--parallel.tp", "2"], 1, 1),
     ("tp-nosp", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false",
@@ -79,13 +82,15 @@ LAYOUTS_4 = [
 
 
 def _run(tmp: Path, cache: Path, world: int, layouts: list) -> tuple[dict, list]:
-    refs = {(4 * dp, ga): _reference(tmp, cache, 4 * dp, ga) for _, _, dp, ga in layouts}
-    jobs = [_job(tmp, cache, name, *flags, "--training.grad_accum_steps", str(ga))
-            for name, flags, _, ga in layouts]
+    layouts = [(*lay, []) if len(lay) == 4 else lay for lay in layouts]
+    refs = {(4 * dp, ga, tuple(m)): _reference(tmp, cache, 4 * dp, ga, *m)
+            for _, _, dp, ga, m in layouts}
+    jobs = [_job(tmp, cache, name, *flags, *m, "--training.grad_accum_steps", str(ga))
+            for name, flags, _, ga, m in layouts]
     result = spawn(world, jobs, STEPS, tmp)
     table = {}
-    for name, _, dp, ga in layouts:
-        table[name] = _compare(result, name, refs[(4 * dp, ga)])
+    for name, _, dp, ga, m in layouts:
+        table[name] = _compare(result, name, refs[(4 * dp, ga, tuple(m))])
     return table, result
 
 

@@ -45,6 +45,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # Both are sharded over the vocabulary (Shard(0) of a (vocab, dim) weight), so the head
+        # can share the embedding's DTensor again (parallelize_module distributed each apart).
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         plan: dict[str, object] = {
             "attention": PrepareModuleInput(input_layouts=(seq, None, None),

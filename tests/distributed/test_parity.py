@@ -21,6 +21,9 @@ STEPS = 3
 FIRST_LOSS_TOL = 1e-6
 LOSS_TOL = 1e-5
 GRAD_TOL = 2e-6  # max |g - g_ref| / max |g_ref| per tensor
+# A tied embedding/head (llama3.2-1b): FSDP keeps one shared parameter; TP shards both over the
+# vocabulary (the same Shard(0) placement), so the head shares the embedding's DTensor.
+TIED = ["--model.tie_embeddings", "true"]
 
 
 def _job(tmp: Path, cache: Path, name: str, *args: str) -> tuple[str, list[str]]:
@@ -57,8 +60,8 @@ LAYOUTS_2 = [
     ("ddp-ga2", ["--parallel.data_parallel", "ddp"], 2, 2),
     ("zero1", ["--parallel.data_parallel", "zero1"], 2, 1),
     ("zero2", ["--parallel.data_parallel", "zero2"], 2, 1),
-    ("zero3-tied", ["--parallel.data_parallel", "zero3"], 2, 1,
-     ["--model.tie_embeddings", "true"]),  # FSDP keeps one shared embedding/head parameter
+    ("zero3-tied", ["--parallel.data_parallel", "zero3"], 2, 1, TIED),
+    ("tp-tied", ["--parallel.tp", "2"], 1, 1, TIED),
     ("zero3", ["--parallel.data_parallel", "zero3"], 2, 2),
     ("tp-sp", ["--parallel.tp", "2"], 1, 1),
     ("tp-nosp", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false",
@@ -74,6 +77,7 @@ LAYOUTS_2 = [
 LAYOUTS_4 = [
     ("hsdp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 4, 1),
     ("fsdp-x-tp", ["--parallel.tp", "2"], 2, 1),
+    ("fsdp-x-tp-tied", ["--parallel.tp", "2"], 2, 1, TIED),
     ("pp-x-fsdp", ["--parallel.pp", "2"], 2, 2),
     ("fsdp-x-cp", ["--parallel.cp", "2"], 2, 1),
     ("pp-x-tp", ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.dp_shard", "1"], 1, 2),

@@ -101,9 +101,6 @@ class Parallelism:
                 and d.tp == 1 and d.pp == 1 and d.cp == 1:
             out.append(f"parallel.data_parallel {self.mode} shards over parallel.dp_shard, which "
                        "is 1; set --parallel.dp_shard -1 (or use ddp/zero1 for pure replicas)")
-        if args.tie_embeddings and d.pp > 1:
-            out.append("model.tie_embeddings is not supported with pipeline parallelism yet "
-                       "(embedding and head sit on different stages); use an untied model")
         if (d.tp > 1 or d.cp > 1) and args.arch != "llama":
             out.append(f"tensor/context parallelism needs arch 'llama' (model has {args.arch})")
         if d.pp > 1:

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
-from tests.distributed.worker import free_port
+from tests.distributed.worker import free_port, train_steps
 from tests.finetune_helpers import qa_records, sentiment_records, write_jsonl
 from tests.trainer_helpers import tiny_config
 
@@ -40,21 +40,9 @@ def _run(argv: list[str]) -> dict[str, Any]:
     from scaletrain.finetune.trainer import FinetuneTrainer
 
     trainer = FinetuneTrainer(load_config(argv, prog="scaletrain finetune"))
-    grads: dict[str, torch.Tensor] = {}
-    step = trainer.optimizer.step
-
-    def capturing_step(*a: Any, **k: Any) -> Any:
-        if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in trainer.core.named_parameters()
-                          if p.grad is not None})
-        return step(*a, **k)
-
-    trainer.optimizer.step = capturing_step
-    losses = []
-    for _ in range(STEPS):
-        loss, _ = trainer.train_step(trainer.next_batches())
-        trainer.step += 1
-        losses.append(loss)
+    losses, grads = train_steps(trainer, STEPS, lambda: {
+        n: p.grad.detach().clone() for n, p in trainer.core.named_parameters()
+        if p.grad is not None})
     return {"losses": losses, "grads": grads}
 
 

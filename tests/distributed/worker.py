@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,30 @@ def local_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
     return {"params": params, "optim": state}
 
 
+def train_steps(trainer: Any, steps: int, grads_of: Callable[[], dict[str, torch.Tensor]] | None
+                ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`steps` training steps; their losses and, with `grads_of`, what it returns just before
+    the first optimizer step (the first step's reduced gradients, before the update)."""
+    grads: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def capturing_step(*a: Any, **k: Any) -> Any:
+        if grads_of is not None and not grads:
+            grads.update(grads_of())
+        return step(*a, **k)
+
+    trainer.optimizer.step = capturing_step
+    losses = []
+    try:
+        for _ in range(steps):
+            loss, _ = trainer.train_step(trainer.next_batches())
+            trainer.step += 1
+            losses.append(loss)
+    finally:
+        trainer.optimizer.step = step
+    return losses, grads
+
+
 def run_trainer(argv: list[str], steps: int, capture: bool = True,
                 save: bool = False) -> dict[str, Any]:
     """Train `steps` steps; gradients of the first step are captured before the update."""
@@ -68,24 +93,11 @@ def run_trainer(argv: list[str], steps: int, capture: bool = True,
     total = [] if "--training.steps" in argv else ["--training.steps", str(steps)]
     cfg = tiny_config(Path(argv[0]), Path(argv[1]), *MODEL, *BASE, *argv[2:], *total)
     trainer = Trainer(cfg)
-    grads: dict[str, torch.Tensor] = {}
-    step = trainer.optimizer.step
-
-    def capturing_step(*a: Any, **k: Any) -> Any:
-        if capture and not grads:
-            grads.update(full_grads(trainer.model))
-        return step(*a, **k)
-
-    trainer.optimizer.step = capturing_step
-    losses = []
-    for _ in range(steps):
-        loss, _ = trainer.train_step(trainer.next_batches())
-        trainer.step += 1
-        losses.append(loss)
+    losses, grads = train_steps(trainer, steps,
+                                (lambda: full_grads(trainer.model)) if capture else None)
     val = trainer.evaluate()
     out = {"losses": losses, "grads": grads, "val": val,
            "bytes": local_bytes(trainer.model, trainer.optimizer)}
-    trainer.optimizer.step = step
     if save:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

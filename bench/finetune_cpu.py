@@ -48,6 +48,9 @@ MODELS: dict[str, dict[str, int]] = {
     "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=8192),
     # ~100M parameters (count printed in the table)
     "100m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2304, vocab_size=8192),
+    # llama3.2-1b's block dimensions (16 layers, dim 2048, GQA 32/8, SwiGLU 8192) with the
+    # bench's small vocabulary: for the GPU table (`--device cuda --models 1b`)
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=8192),
     # for the smoke test
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512),
 }
@@ -75,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--precision", default="auto", help="precision.dtype (auto: bf16 where fast)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda adds GPU peak memory)")
     p.add_argument("--work-dir", type=Path, default=None, help="bases and runs (default: temp)")
     p.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     p.add_argument("--one", nargs=3, metavar=("BASE", "DATA", "METHOD"), help=argparse.SUPPRESS)
@@ -130,7 +134,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
 
     base, data, method = a.one
     argv = ["--config", "finetune", "--output", str(a.output), "--finetune.base", base,
-            "--finetune.data", data, "--finetune.task", "sft", "--training.device", "cpu",
+            "--finetune.data", data, "--finetune.task", "sft", "--training.device", a.device,
             "--training.steps", str(a.steps), "--training.micro_batch_size", str(a.batch),
             "--data.seq_len", str(a.seq_len), "--optimizer.lr", str(a.lr),
             "--lr_schedule.warmup_steps", "2", "--lr_schedule.decay", "constant",
@@ -140,6 +144,12 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             "--metrics.log_interval", "1000", "--precision.dtype", a.precision,
             *METHODS[method]]
     trainer = FinetuneTrainer(load_config(argv, prog="bench"))
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        import torch
+
+        built_gpu = torch.cuda.memory_allocated(trainer.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(trainer.device)
     gc.collect()
     built_rss = current_rss_gib()
     start = time.perf_counter()
@@ -156,6 +166,9 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         "first_loss": result.losses[0],
         "final_loss": result.losses[-1], "val_loss": result.val_loss, "steps": result.steps,
         "wall_s": wall, "autocast": trainer.dtype,
+        **({"gpu_allocated_after_build_gib": built_gpu,
+            "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated(trainer.device) / 2**30}
+           if cuda else {}),
     }
 
 
@@ -173,7 +186,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['total_params']:>12,} {100 * r['trainable_params'] / r['total_params']:>6.2f} "
             f"{est:>9.1f} {r['rss_after_build_gib']:>9.2f} {r['peak_rss_gib']:>8.2f} "
             f"{r['tokens_per_s']:>7.0f} {r['tokens_per_s_best']:>7.0f} "
-            f"{r['first_loss']:>8.3f} {r['final_loss']:>9.3f}")
+            f"{r['first_loss']:>8.3f} {r['final_loss']:>9.3f}"
+            + (f" GPU peak {r['gpu_peak_allocated_gib']:.2f} GiB"
+               if "gpu_peak_allocated_gib" in r else ""))
     return "\n".join(lines)
 
 
@@ -195,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             out = work / f"run-{model}-{method}"
             cmd = [sys.executable, __file__, "--one", str(base), str(data), method, "--output",
                    str(out), "--steps", str(a.steps), "--batch", str(a.batch), "--seq-len",
-                   str(a.seq_len), "--lr", str(a.lr), "--precision", a.precision]
+                   str(a.seq_len), "--lr", str(a.lr), "--precision", a.precision,
+                   "--device", a.device]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode or line is None:
@@ -207,7 +223,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                         "machine": platform.machine(),
-                        "note": "shared machine: other jobs ran at the same time"},
+                        "device": a.device,
+                        "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda")
+                        else None},
         "settings": {"steps": a.steps, "batch": a.batch, "seq_len": a.seq_len, "lr": a.lr,
                      "precision": a.precision, "models": {m: MODELS[m] for m in
                                                           a.models.split(",")}},

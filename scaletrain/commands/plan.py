@@ -118,7 +118,7 @@ def _estimate_main(argv: list[str]) -> int:
         out = plan.to_json()
         if device is not None:
             out["device"] = {"name": device.name, "memory_bytes": device.memory_bytes,
-                             "fits": plan.total_bytes <= device.memory_bytes}
+                             "fits": plan.peak_bytes <= device.memory_bytes}
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, device))
@@ -153,10 +153,10 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         lines.append(f"{'(offloaded to CPU)':<28}{plan.cpu_offload_bytes:>18,}"
                      f"{plan.cpu_offload_bytes / GIB:>10.2f}")
     if device is not None:
-        fits = plan.total_bytes <= device.memory_bytes
+        fits = plan.peak_bytes <= device.memory_bytes
         lines.append(f"device {device.name}: {device.memory_gib:.1f} GiB -> "
                      f"{'fits' if fits else 'DOES NOT FIT'} "
-                     f"({plan.total_bytes / device.memory_bytes:.0%} of memory)")
+                     f"({plan.peak_bytes / device.memory_bytes:.0%} of memory)")
     comm = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in plan.comm_bytes_per_step.items() if v)
     lines += ["", f"communication per step (this rank): {comm or 'none'}"]
     return "\n".join(lines)

@@ -57,9 +57,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps([c.to_json() for c in fitting[:a.top]], indent=2))
         return 0 if fitting else 1
     if not fitting:
-        smallest = min(every, key=lambda c: c.plan.total_bytes, default=None)
+        smallest = min(every, key=lambda c: c.plan.peak_bytes, default=None)
         need = "" if smallest is None else \
-            f"; the smallest needs {smallest.plan.total_bytes / GIB:.1f} GiB per GPU"
+            f"; the smallest needs {smallest.plan.peak_bytes / GIB:.1f} GiB per GPU"
         print(f"no layout of {a.model} fits {a.gpus} x {device.name} "
               f"({cluster.usable_bytes / GIB:.1f} GiB usable){need}. More GPUs, a shorter "
               "sequence or a smaller global batch may help.")
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     best = fitting[0]
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in best.times.items() if v > 0.005)
     print(f"\nwhy #1: fastest estimated step ({parts}); it fits with "
-          f"{(cluster.usable_bytes - best.plan.total_bytes) / GIB:.1f} GiB to spare.")
+          f"{(cluster.usable_bytes - best.plan.peak_bytes) / GIB:.1f} GiB to spare.")
     print("nearest alternatives:")
     for name, alt in alternatives(best, every):
         value = alt.to_json().get(name, getattr(alt.layout, name, None))

@@ -125,8 +125,9 @@ class Plan:
     """Set by `plan.finetune.finetune_plan`: method, trainable and total parameters."""
 
     @property
-    def total_bytes(self) -> int:
-        return self.memory_bytes["total"]
+    def peak_bytes(self) -> int:
+        """What must fit on the device: the larger of the two fullest moments of a step."""
+        return self.memory_bytes["peak"]
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
@@ -153,6 +154,24 @@ class Plan:
             "comm_bytes_by_dim": self.comm_bytes_by_dim,
             **({"finetune": self.finetune} if self.finetune else {}),
         }
+
+
+def peak_bytes(mem: dict[str, int], grad_accum: int) -> int:
+    """The larger of the two moments of a step that hold the most (`total`, every component
+    at once, is an upper bound that never happens):
+
+    - the end of a forward pass: activations, logits/loss buffers and 16-bit weight copies
+      live; gradients only when an earlier micro-batch of the same step left them
+      (`zero_grad(set_to_none=True)` frees them after each optimizer step);
+    - the optimizer step: every gradient, no activations.
+
+    Measured on an H200 (bench/plan_gpu.py): within 5 % for llama3.2-1b without and with
+    selective recomputation, +10 % with full recomputation; `total` was 15-31 % high.
+    """
+    states = mem["weights"] + mem["master_weights"] + mem["optimizer"] + mem["comm_buffers"]
+    forward = (states + mem["activations"] + mem["logits_loss"] + mem["cast_weights"]
+               + (mem["gradients"] if grad_accum > 1 else 0))
+    return max(forward, states + mem["gradients"])
 
 
 def bubble_fraction(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1F1B") -> float:
@@ -245,6 +264,7 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         else:
             mem["comm_buffers"] = 0
         mem["total"] = sum(mem.values())
+        mem["peak"] = peak_bytes(mem, m)
         plan = Plan(
             args=args, layout=lay, params=count_params(args).total, params_per_rank=sp.total,
             stage=stage, flops_per_token=flops_per_token(args, lay.seq_len),
@@ -256,7 +276,7 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
                                   "loss": act.loss, "recompute": act.recompute},
             cpu_offload_bytes=offloaded,
         )
-        if best is None or plan.total_bytes > best.total_bytes:
+        if best is None or plan.peak_bytes > best.peak_bytes:
             best = plan
     assert best is not None
     sp = stage_params(args, dims.pp, dims.tp, best.stage, lay.vpp)
@@ -285,5 +305,5 @@ def estimate_for_config(cfg: Any) -> dict[str, Any]:
     out = plan.to_json()
     if device is not None:
         out["device"] = {"name": device.name, "memory_bytes": device.memory_bytes,
-                         "fits": plan.total_bytes <= device.memory_bytes}
+                         "fits": plan.peak_bytes <= device.memory_bytes}
     return out

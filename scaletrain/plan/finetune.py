@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from scaletrain.plan.estimate import Plan, PlanError
+from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
 from scaletrain.plan.memory import state_bytes
 
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
@@ -41,11 +41,12 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     if lay.offload:
         offloaded = states["master_weights"] + states["optimizer"]
         states["master_weights"] = states["optimizer"] = 0
-    mem = {k: v for k, v in plan.memory_bytes.items() if k != "total"}
+    mem = {k: v for k, v in plan.memory_bytes.items() if k not in ("total", "peak")}
     mem.update(states)
     if method in ("lora", "qlora"):
         mem["cast_weights"] = 0  # autocast caches casts of weights that require grad only
     mem["total"] = sum(mem.values())
+    mem["peak"] = peak_bytes(mem, lay.grad_accum)
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None}
     return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,

@@ -61,7 +61,7 @@ class Candidate:
             "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
             "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "zero": lay.zero, "mbs": lay.mbs,
             "ga": lay.grad_accum, "recompute": lay.recompute,
-            "memory_bytes_per_gpu": self.plan.total_bytes, "step_time_s": self.step_time_s,
+            "memory_bytes_per_gpu": self.plan.peak_bytes, "step_time_s": self.step_time_s,
             "mfu": self.mfu, "bubble_fraction": self.plan.bubble_fraction,
             "time_breakdown_s": self.times,
         }
@@ -171,7 +171,7 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
     t, times = step_time(plan, cluster, gbs_tokens)
     peak = cluster.device.peak_tflops[lay.precision] * 1e12
     mfu = plan.flops_per_token * gbs_tokens / (t * cluster.gpus * peak)
-    return Candidate(plan, plan.total_bytes <= cluster.usable_bytes, t, mfu, times)
+    return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times)
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -225,7 +225,7 @@ def why_lost(best: Candidate, alt: Candidate, usable_bytes: float) -> str:
     """One sentence: why `alt` ranks below `best`."""
     gib = 2**30
     if not alt.fits:
-        return (f"does not fit: {alt.plan.total_bytes / gib:.1f} GiB > "
+        return (f"does not fit: {alt.plan.peak_bytes / gib:.1f} GiB > "
                 f"{usable_bytes / gib:.1f} GiB usable")
     if alt.step_time_s <= best.step_time_s * 1.005:
         return "as fast, but more complex (ties go to fewer sharding/recompute features)"

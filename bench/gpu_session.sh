@@ -4,6 +4,9 @@
 #   bash bench/gpu_session.sh compiled  # the compiled AC runs not in `train`
 #   bash bench/gpu_session.sh plan      # issue 6: planner estimate vs max_memory_allocated
 #   bash bench/gpu_session.sh finetune  # issue 8: fine-tuning methods, llama3.2-1b dimensions
+#   bash bench/gpu_session.sh largest   # issue 2: larger compiled micro-batches
+#   bash bench/gpu_session.sh profile   # issue 7: profile + diagnose debug / llama3.2-1b,
+#                                       # eager / compiled; the debug model's tokens/s by batch
 # Results go to $OUT (or bench/results/gpu); `.whl/` holds wheels the machine lacks (tyro).
 set -u
 RES=${OUT:-bench/results/gpu}
@@ -38,5 +41,26 @@ case "${1:-train}" in
     timeout 500 python3 bench/finetune_cpu.py --device cuda --models 1b \
       --methods full,freeze,lora-r8,lora-r16 --steps 8 --batch 4 --seq-len 512 \
       --precision bf16 --json "$RES/finetune_gpu.json"
+    ;;
+  largest)
+    timeout 400 python3 bench/train_gpu.py --batches 16,32 --ac none --steps 6 --warmup 3 \
+      --json "$RES/train_gpu_none_compiled_large.json"
+    ;;
+  profile)
+    for model in debug llama3.2-1b; do
+      for comp in false true; do
+        out=/tmp/prof-$model-$comp
+        timeout 200 python3 -m scaletrain profile --config "$model" --output "$out" \
+          --training.device cuda --compile.enabled "$comp" --metrics.progress_bar false \
+          --data.max_bytes 2000000 --data.vocab_size 8192 \
+          > "$RES/profile-$model-compile_$comp.txt" 2>&1
+        tail -25 "$RES/profile-$model-compile_$comp.txt"
+        cp "$out/profile/diagnosis.json" "$RES/diagnosis-$model-compile_$comp.json" 2>/dev/null
+      done
+    done
+    for comp in "--no-compile" ""; do
+      timeout 200 python3 bench/train_gpu.py --model debug --seq-len 256 --batches 8,64 \
+        --ac none --steps 10 --warmup 3 $comp --json "$RES/train_gpu_debug${comp:+_eager}.json"
+    done
     ;;
 esac

@@ -5,7 +5,8 @@
 For each model, recompute mode, micro-batch and sequence length a real `Trainer` is built
 (bf16 autocast over fp32 parameters, AdamW, eager), three steps are run on random tokens, and
 the peak allocated memory is compared with `scaletrain.plan.estimate_for_config` of the same
-config. Writes bench/results/plan_gpu.json. Without CUDA it prints a message and exits 0.
+config: its `peak` (what decides a fit) and its `total` (every component at once). Writes
+bench/results/plan_gpu.json. Without CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def one(model: str, ac: str, mbs: int, seq: int, work: Path) -> dict[str, Any]:
     mem = est["memory_bytes"]
     del trainer, batch
     return {"model": model, "recompute": ac, "mbs": mbs, "seq": seq, "measured_bytes": peak,
-            "estimate_bytes": mem["total"], "error": (mem["total"] - peak) / peak,
-            "estimate_components": mem}
+            "estimate_peak_bytes": mem["peak"], "error": (mem["peak"] - peak) / peak,
+            "estimate_total_bytes": mem["total"],
+            "error_total": (mem["total"] - peak) / peak, "estimate_components": mem}
 
 
 def main() -> int:
@@ -73,8 +75,9 @@ def main() -> int:
                 rows.append(r)
                 if "error" in r:
                     print(f"{model:12s} {ac:9s} mbs {mbs:3d} seq {seq:5d}: measured "
-                          f"{r['measured_bytes'] / 2**30:7.2f} GiB, estimate "
-                          f"{r['estimate_bytes'] / 2**30:7.2f} GiB ({100 * r['error']:+.1f}%)",
+                          f"{r['measured_bytes'] / 2**30:7.2f} GiB, peak estimate "
+                          f"{r['estimate_peak_bytes'] / 2**30:7.2f} GiB ({100 * r['error']:+.1f}%),"
+                          f" sum of components {100 * r['error_total']:+.1f}%",
                           flush=True)
                 else:
                     print(f"{model:12s} {ac:9s} mbs {mbs:3d} seq {seq:5d}: OOM", flush=True)

@@ -93,6 +93,23 @@ def test_remedies_name_config_keys(reports: dict[str, dict]) -> None:
     assert "parallel.dp_shard" in comm
 
 
+def test_hopper_cublas_kernels_are_tensor_core_gemms_and_set_values_are_not_remedies() -> None:
+    """Names seen in an H200 trace of scaletrain's llama3.2-1b step (cuBLAS's nvjet kernels)."""
+    from types import SimpleNamespace
+
+    from scaletrain.profiling.gpu import is_tensor_core_gemm
+    from scaletrain.profiling.verdict import remedies
+
+    assert is_tensor_core_gemm("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN")
+    assert not is_tensor_core_gemm("void at::native::vectorized_elementwise_kernel<4>")
+    cfg = SimpleNamespace(precision=SimpleNamespace(dtype="bf16"),
+                          compile=SimpleNamespace(enabled=True),
+                          training=SimpleNamespace(micro_batch_size=4))
+    keys = {x.get("key"): x.get("value") for x in remedies("compute-bound", {}, cfg)}
+    assert "precision.dtype" not in keys and "compile.enabled" not in keys
+    assert keys["training.micro_batch_size"] == "8"
+
+
 def test_memory_events_and_timeline() -> None:
     r = analyze([_path("serialized_comm_v100_memory_events_rank1")],
                 memory_timeline=FIXTURES / "memory_timeline.raw.gz")

@@ -30,7 +30,8 @@ from scaletrain.profiling.trace import COMM, COMPUTE, MEMORY, OTHER, Trace
 
 KERNEL_WAIT_US = 30.0
 SHORT_KERNEL_US = 10.0
-_GEMM_RE = re.compile(r"gemm|matmul|cutlass|xmma|cublaslt|wgmma", re.I)
+# nvjet_*: cuBLAS's own GEMM kernels on Hopper and later (no "gemm" in their names).
+_GEMM_RE = re.compile(r"gemm|matmul|cutlass|xmma|cublaslt|wgmma|nvjet", re.I)
 _TENSOR_CORE_RE = re.compile(
     r"tensorop|h884|h1688|s1688|h16816|s16816|i8816|hmma|wgmma|bf16|f16|fp16|half|tf32|xmma|"
     r"sm80_|sm90_|sm100_|_e4m3|_e5m2|mfma", re.I)

@@ -205,6 +205,8 @@ def remedies(verdict: str, r: dict[str, Any], cfg: Any | None = None) -> list[di
             if current is not _MISSING:
                 rec["current"] = str(current).lower() if isinstance(current, bool) else str(current)
                 value = _resolve(value, current)
+                if rec["current"] == value:
+                    continue  # already set: not a change to suggest
             if value[:1] in "x/":  # relative to a value we do not know
                 rec["value"] = ("double" if value[0] == "x" else "halve") + " it"
             else:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -243,27 +244,26 @@ class Parallelism:
 
     def forward_backward(self, model: nn.Module, batches: list[Batch], n_valid: float,
                          loss_fn: Callable[..., torch.Tensor],
-                         autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+                         autocast: Callable[[], contextlib.AbstractContextManager],
+                         forward: Callable[[Any], torch.Tensor] | None = None) -> float:
         """Forward and backward over a step's micro-batches; returns this rank's share of the
-        normalized loss (sum over the loss ranks and pipeline stages gives the step's loss)."""
+        normalized loss (sum over the loss ranks and pipeline stages gives the step's loss).
+        `forward(inputs) -> logits` defaults to `model` (the trainer's `model_forward`)."""
         if self.schedule is not None:
             return self._pipeline_step(batches, n_valid)
+        forward = forward or model
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(batches) - 1
         with self.loss_context():
             for i, (x, y) in enumerate(batches):
-                x, y, positions = (x, y, None) if isinstance(x, dict) else self.shard_batch(x, y)
+                x, y, positions = self.shard_batch(x, y)
                 sync = contextlib.nullcontext()
                 if i < last and hasattr(model, "no_sync"):  # DDP: reduce on the last only
                     sync = model.no_sync()
                 with sync:
                     with autocast():
-                        if isinstance(x, dict):  # fine-tuning inputs (tokens, segment ids, ...)
-                            logits = model(**x)
-                        elif positions is not None:
-                            logits = model(x, positions=positions)
-                        else:
-                            logits = model(x)
+                        logits = model(x, positions=positions) if positions is not None \
+                            else forward(x)
                     token_loss = loss_fn(logits, y)
                     (token_loss / n_valid).backward()
                 detached = token_loss.detach()

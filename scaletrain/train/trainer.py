@@ -248,7 +248,7 @@ class Trainer:
             n_total = float(self.par.all_reduce(n_valid.double(), "dp"))
             local = self.par.forward_backward(
                 self.model, batches, n_total, self.loss_fn,
-                lambda: precision.autocast(self.device, self.dtype))
+                lambda: precision.autocast(self.device, self.dtype), self.model_forward)
             loss = self.par.step_loss(local)
         else:
             loss_sum = torch.zeros((), device=self.device)

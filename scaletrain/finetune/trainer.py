@@ -244,16 +244,15 @@ class FinetuneTrainer(Trainer):
 
     def save_checkpoint(self) -> Path:
         path = super().save_checkpoint()
-        if self.ft.method in ("lora", "qlora"):
+        if self.ft.method in ("lora", "qlora") and self.is_main:
             from scaletrain.finetune.peft_io import save_adapter
 
             core = self.core
             head = core.score if isinstance(core, SequenceClassifier) else None
             backbone = core.backbone if head is not None else core
-            if self.is_main:
-                save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
-                             base_path=str(Path(self.ft.base).resolve()), head=head,
-                             train_norms=self.ft.train_norms)
+            save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
+                         base_path=str(Path(self.ft.base).resolve()), head=head,
+                         train_norms=self.ft.train_norms)
         return path
 
     # --- evaluation -------------------------------------------------------------------------

@@ -15,10 +15,27 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
 from scaletrain.data.documents import Document
 from scaletrain.data.executors import Executor
 from scaletrain.data.io.readers import Shard
 from scaletrain.data.runner import GlobalStep
+
+
+def equal_key_runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group equal keys, keeping input order within each group.
+
+    Returns `(order, starts, first)`, all indexed by sorted position j: `order[j]` is the
+    input index at j (a stable argsort), `starts[j]` is True where a run of equal keys
+    begins, and `first[j]` is the input index of the first element of j's run.
+    """
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.ones(len(sorted_keys), bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    first = order[np.maximum.accumulate(np.where(starts, np.arange(len(sorted_keys)), 0))]
+    return order, starts, first
 
 
 class DedupStep(GlobalStep):

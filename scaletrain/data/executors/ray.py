@@ -7,16 +7,13 @@ import time
 from typing import Any
 
 from scaletrain.data.executors.base import Executor, TaskFn, log_progress, run_and_mark
+from scaletrain.data.optional import require
 
 log = logging.getLogger("scaletrain.data.executor")
 
 
 def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as e:
-        raise RuntimeError("the Ray executor needs ray: pip install 'scaletrain[curate]'") from e
-    return ray
+    return require("ray", "the Ray executor needs ray: pip install 'scaletrain[curate]'")
 
 
 class RayExecutor(Executor):

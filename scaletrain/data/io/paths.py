@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from scaletrain.data.optional import require
+
 # Suffixes read as documents of each format (checked after stripping .gz/.zst).
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -31,13 +33,8 @@ def is_url(path: str) -> bool:
 
 
 def _fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise InputError(
-            "remote paths need fsspec: pip install 'scaletrain[curate]' (plus s3fs/gcsfs)"
-        ) from e
-    return fsspec
+    return require("fsspec", "remote paths need fsspec: pip install 'scaletrain[curate]' (plus "
+                             "s3fs/gcsfs)", InputError)
 
 
 def compression_of(path: str) -> str | None:

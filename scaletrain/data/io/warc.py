@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from scaletrain.data.documents import Document
 from scaletrain.data.io.paths import InputError, open_raw
+from scaletrain.data.optional import require
 
 if TYPE_CHECKING:
     from scaletrain.data.io.readers import ReadReport
@@ -16,10 +17,8 @@ log = logging.getLogger("scaletrain.data.io")
 
 
 def _require(name: str) -> Any:
-    try:
-        return __import__(name)
-    except ImportError as e:
-        raise InputError(f"reading WARC needs {name}: pip install 'scaletrain[curate]'") from e
+    return require(name, f"reading WARC needs {name}: pip install 'scaletrain[curate]'",
+                   InputError)
 
 
 def extract_html(html: str | bytes, url: str | None = None) -> str | None:

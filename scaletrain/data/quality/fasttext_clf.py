@@ -14,20 +14,15 @@ from typing import Any
 
 from scaletrain.data.documents import Document
 from scaletrain.data.io.readers import read_documents
+from scaletrain.data.optional import require
 from scaletrain.data.pipeline import Step
 
 _WS = re.compile(r"\s+")
 
 
 def _fasttext() -> Any:
-    try:
-        import fasttext
-    except ImportError as e:
-        raise RuntimeError(
-            "fastText quality filtering needs fasttext-numpy2-wheel: pip install "
-            "'scaletrain[curate]'"
-        ) from e
-    return fasttext
+    return require("fasttext", "fastText quality filtering needs fasttext-numpy2-wheel: pip "
+                               "install 'scaletrain[curate]'")
 
 
 def _line(text: str) -> str:

@@ -8,20 +8,15 @@ import re
 from typing import Any
 
 from scaletrain.data.documents import Document
+from scaletrain.data.optional import require
 from scaletrain.data.pipeline import Step
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
 def kenlm_module() -> Any:
-    try:
-        import kenlm
-    except ImportError as e:
-        raise RuntimeError(
-            "the perplexity filter needs kenlm: pip install kenlm (builds from source, needs a "
-            "C++ compiler)"
-        ) from e
-    return kenlm
+    return require("kenlm", "the perplexity filter needs kenlm: pip install kenlm (builds from "
+                            "source, needs a C++ compiler)")
 
 
 def normalize_for_lm(line: str) -> str:

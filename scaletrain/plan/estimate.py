@@ -19,6 +19,7 @@ from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.memory import (
     GradConvention,
     layer_range,
+    offload_states,
     sharded_state,
     stage_params,
     state_bytes,
@@ -241,10 +242,7 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
     for stage in stages:
         sp = stage_params(args, dims.pp, dims.tp, stage, lay.vpp)
         states = sharded_state(per_param, sp.total, lay.zero, lay.shard_group)
-        offloaded = 0
-        if lay.offload:
-            offloaded = int(states["optimizer"] + states["master_weights"])
-            states["optimizer"] = states["master_weights"] = 0.0
+        offloaded = offload_states(states, lay.offload)
         act = activation_bytes(args, spec, layer_range(args, dims.pp, stage, lay.vpp),
                                first_stage=stage == 0, last_stage=stage == dims.pp - 1)
         flight = in_flight(dims.pp, stage, m, lay.vpp, lay.schedule)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
-from scaletrain.plan.memory import state_bytes
+from scaletrain.plan.memory import offload_states, state_bytes
 
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 
@@ -37,10 +37,7 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
               "gradients": int(ft.trainable * per.gradients),
               "master_weights": int(ft.trainable * per.master_weights),
               "optimizer": int(ft.trainable * per.optimizer)}
-    offloaded = 0
-    if lay.offload:
-        offloaded = states["master_weights"] + states["optimizer"]
-        states["master_weights"] = states["optimizer"] = 0
+    offloaded = offload_states(states, lay.offload)
     mem = {k: v for k, v in plan.memory_bytes.items() if k not in ("total", "peak")}
     mem.update(states)
     if method in ("lora", "qlora"):

@@ -76,6 +76,16 @@ def sharded_state(per_param: StateBytes, params: int, zero: int, shard: int) -> 
     return {k: getattr(per_param, k) * params / div[k] for k in div}
 
 
+def offload_states(states: dict[str, float], offload: bool) -> int:
+    """With CPU offload, move optimizer state and master weights off the device: zero them
+    in `states` and return their bytes (0 without offload)."""
+    if not offload:
+        return 0
+    moved = int(states["optimizer"] + states["master_weights"])
+    states["optimizer"] = states["master_weights"] = 0
+    return moved
+
+
 @dataclass(frozen=True)
 class StageParams:
     """Parameters one rank of a pipeline stage holds (after tensor parallelism)."""

@@ -8,7 +8,6 @@ source-file rules, exact and MinHash dedup, PII), run by the same runner and loc
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -56,14 +55,16 @@ def curate_documents(texts: list[str], names: list[str], work_dir: Path,
 
 
 def _write_inputs(texts: list[str], names: list[str], folder: Path) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    n = max(1, min(INPUT_FILES, len(texts)))
-    per = -(-len(texts) // n)
-    paths = []
-    for k in range(n):
-        path = folder / f"docs-{k:02d}.jsonl"
-        with open(path, "w", encoding="utf-8") as f:
-            for text, name in zip(texts[k * per:(k + 1) * per], names[k * per:(k + 1) * per]):
-                f.write(json.dumps({"id": name, "text": text}) + "\n")
-        paths.append(str(path))
-    return paths
+    """The documents as about INPUT_FILES JSON-lines files, in order (the curation writer)."""
+    from scaletrain.data.documents import Document
+    from scaletrain.data.io.writers import JsonlWriter
+
+    size = sum(len(t.encode("utf-8")) for t in texts)
+    writer = JsonlWriter(str(folder), prefix="docs", max_bytes=size // INPUT_FILES + 1)
+    try:
+        for text, name in zip(texts, names, strict=True):
+            writer.write(Document(id=name, text=text))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()

@@ -221,8 +221,7 @@ class Transformer(nn.Module):
         else:
             if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
                 self.reset_buffers()
-            dtype = h.dtype if h.is_floating_point() else torch.float32
-            cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
+            cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
             rope = (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
         for layer_id in layer_ids:  # mask by keyword: TP's input plans cover positional inputs
             h = self.layers[layer_id](h, rope, start_pos, mask=mask)

@@ -102,7 +102,7 @@ class Trainer:
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
         if self.par.dims.pp > 1:
-            self.par.attach_pipeline(self.model, self.loss_fn_plain, self.ga)
+            self.par.attach_pipeline(self.model, cross_entropy_sum, self.ga)
         if cfg.precision.param_dtype == "bf16":
             for p in self.model.parameters():  # buffers (RoPE frequencies) stay fp32
                 p.data = p.data.to(torch.bfloat16)
@@ -124,8 +124,6 @@ class Trainer:
         if self.peak_flops is None:
             log.warning("MFU: no peak-FLOPS entry for device '%s' in %s; mfu is reported as null",
                         device_name(self.device), self.dtype)
-
-    loss_fn_plain = staticmethod(cross_entropy_sum)
 
     # --- construction -----------------------------------------------------------------------
     def _check_distributed(self) -> None:

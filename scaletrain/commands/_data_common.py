@@ -112,7 +112,8 @@ def guarded(fn: Any, argv: list[str]) -> int:
     try:
         return int(fn(argv))
     except (InputError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        verb = fn.__module__.rsplit(".", 1)[-1].replace("data_", "data ", 1)
+        print(f"scaletrain {verb}: {e}", file=sys.stderr)  # as every other verb says it
         return 2
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.profiling import cpu, gpu, memory, verdict
+from scaletrain.profiling import cpu, gpu, memory, verdict, warnings
+from scaletrain.profiling import intervals
 from scaletrain.profiling.trace import Trace, load
 
 log = logging.getLogger("scaletrain.profiling")
@@ -33,27 +34,42 @@ def analyze_trace(trace: Trace, top: int = 15) -> dict[str, Any]:
     r: dict[str, Any] = {
         "source": trace.source, "rank": trace.rank, "world_size": trace.world_size,
         "platform": trace.platform, "device": trace.device_name, "time_unit": trace.time_unit,
+        "job": trace.job,
         "steps_in_trace": trace.all_steps, "cpu": cpu.phase_times(trace),
     }
     if trace.has_gpu:
         b = gpu.breakdown(trace)
         r.update(b)
         r["idle_breakdown"] = gpu.idle_breakdown(trace)
+        r["idle_causes"] = gpu.idle_causes(trace, cpu.ranges(trace, cpu.PHASES["data"]))
         r["idle_by_stream"] = gpu.idle_by_stream(trace)
         r["top_kernels"], r["kernels_summary"] = gpu.top_kernels(trace, top)
         r["launch"] = gpu.launches(trace)
-        r["input_wait"] = cpu.input_wait_on_gpu(trace, gpu.idle_intervals(trace), b["span_us"])
+        r["input_wait"] = r["idle_causes"]["input"]
+        r["per_step"] = gpu.per_step(trace)
+        r["sync_events"] = len(trace.syncs)
+    elif trace.is_device_job:
+        r.update(span_us=0.0, breakdown=None, top_kernels=[], overlap=None)
+        r["note"] = (f"a {trace.platform.upper()} job whose trace holds no kernel timing ("
+                     + ("kernels of zero length" if len(trace.gpu) else
+                        "device events: " + ", ".join(trace.device_cats or ("none",)))
+                     + "); the device time cannot be broken down: profile with "
+                     "activities=[CPU, CUDA] (Kineto activity tracing, not a range profile)")
     else:
         r.update(cpu.cpu_only_breakdown(trace))
         r["top_kernels"], r["overlap"] = [], None
-        r["note"] = "CPU-only trace: no GPU activity; the CPU step time is broken down instead"
+        r["note"] = "CPU-only trace: no device activity; the CPU step time is broken down instead"
+    r["step_ms"] = _step_ms(trace, r)
+    r["work_ms_per_step"], r["collective_ms_per_step"] = _work(trace, r)
+    r["warnings"] = warnings.of_trace(trace, r)
     r["memory"] = memory.from_events(trace)
     v = verdict.decide(r)
     r.update(v)
     return r
 
 
-def analyze(paths: list[str | Path], memory_timeline: str | Path | None = None,
+def analyze(paths: list[str | Path],
+            memory_timeline: str | Path | dict[int, str | Path] | None = None,
             time_unit: str = "auto", cfg: Any | None = None, top: int = 15) -> dict[str, Any]:
     """Analyse one trace per rank and combine them into one report."""
     if not paths:
@@ -67,12 +83,35 @@ def analyze(paths: list[str | Path], memory_timeline: str | Path | None = None,
         for i, t in enumerate(traces):
             t.rank = i
     ranks = [analyze_trace(t, top) for t in traces]
-    if memory_timeline is not None:
-        ranks[0]["memory"] = memory.from_timeline(memory_timeline, traces[0])
-        ranks[0].update(verdict.decide(ranks[0]))
+    timelines = memory_timeline if isinstance(memory_timeline, dict) else (
+        {} if memory_timeline is None else {traces[0].rank: memory_timeline})
+    for rank_no, path in timelines.items():
+        i = next((i for i, t in enumerate(traces) if t.rank == rank_no), None)
+        if i is None:
+            log.warning("memory timeline %s: no trace of rank %s given; not used", path, rank_no)
+            continue
+        events = ranks[i].get("memory")
+        ranks[i]["memory"] = memory.from_timeline(path, traces[i])
+        if events:  # keep the device figures of the [memory] events beside the categories
+            for k in ("peak_reserved_bytes", "device_memory_bytes", "peak_fraction_of_device",
+                      "device"):
+                if k in events:
+                    ranks[i]["memory"].setdefault(k, events[k])
+        ranks[i].update(verdict.decide(ranks[i]))
     report = combine(ranks, top)
+    if cfg is not None and getattr(getattr(cfg, "precision", None), "dtype", None) == "auto":
+        report["cpu_bf16"] = _cpu_bf16()
     report["remedies"] = verdict.remedies(report["verdict"], report, cfg)
     return report
+
+
+def _cpu_bf16() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cpu._is_avx512_bf16_supported())
+    except (ImportError, AttributeError):
+        return False
 
 
 def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
@@ -89,6 +128,10 @@ def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
         "span_us": _mean([r.get("span_us") for r in ranks]),
         "breakdown": _mean_dict([r.get("breakdown") for r in ranks]),
         "idle_breakdown": _mean_dict([r.get("idle_breakdown") for r in ranks]),
+        "idle_causes": _mean_dict([r.get("idle_causes") for r in ranks]),
+        "overhead": _mean([r.get("overhead") for r in ranks]),
+        "ranks_given": len(ranks),
+        "warnings": warnings.across(ranks),
         "kernel_time_by_kind": _mean_dict([r.get("kernel_time_by_kind") for r in ranks]),
         "overlap": _mean([r.get("overlap") for r in ranks]),
         "input_wait": _mean([r.get("input_wait") for r in ranks]),
@@ -102,42 +145,93 @@ def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
         "across_ranks": across_ranks(ranks),
     }
     out.update(verdict.decide(out))
+    _straggler_headline(out, ranks)
     return out
 
 
+def _straggler_headline(out: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    """When the ranks wait for one of them, that rank's own cause is the job's verdict."""
+    ar = out["across_ranks"]
+    s = ar.get("straggler_rank")
+    if s is None:
+        return
+    slow = next(r for r in ranks if r["rank"] == s)
+    work = ar["work_ms_per_step"]
+    others = [k for k in work if k != s]
+    out["job_verdict"] = out["verdict"]
+    out["straggler_verdict"] = slow["verdict"]
+    out["evidence"] = [
+        f"rank {s} is the straggler: {work[s]:.1f} ms of its own work per step (step time "
+        f"less collectives) vs {float(np.median([work[k] for k in others])):.1f} ms on the "
+        f"median other rank; the others wait for it in their collectives",
+        f"rank {s} is {slow['verdict']}: " + "; ".join(slow.get("evidence") or []),
+        f"over all ranks on average: {out['verdict']}"]
+    out["verdict"] = slow["verdict"]
+    out["causes"] = slow.get("causes", [])
+    out["secondary"] = [x for x in slow.get("secondary", [])]
+
+
 def _rank_summary(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: r.get(k) for k in ("rank", "source", "breakdown", "overlap", "verdict")} | {
+    return {k: r.get(k) for k in ("rank", "source", "platform", "breakdown", "overlap",
+                                  "verdict", "causes", "evidence", "step_ms",
+                                  "work_ms_per_step", "collective_ms_per_step", "per_step",
+                                  "warnings")} | {
         "step_time_ms": (r.get("cpu") or {}).get("step_time_ms"),
-        "busy_us_per_step": _busy_per_step(r),
     }
 
 
-def _busy_per_step(r: dict[str, Any]) -> float | None:
-    b, steps = r.get("breakdown"), (r.get("cpu") or {}).get("steps")
-    if not b or not steps:
-        return None
-    return r["span_us"] * (1 - b["idle"]) / steps
+def _step_ms(trace: Trace, r: dict[str, Any]) -> float | None:
+    """Time per step: the CPU step ranges, else the device span over the steps."""
+    step = (r.get("cpu") or {}).get("step_time_ms")
+    if step:
+        return float(step)
+    span = r.get("span_us") or 0.0
+    return span / max(len(trace.steps), 1) / 1e3 if span else None
+
+
+def _work(trace: Trace, r: dict[str, Any]) -> tuple[float | None, float | None]:
+    """HTA's straggler measure: per step, the time a rank spends on its own work, i.e. its
+    step time less the time inside collectives (which includes waiting for the other ranks).
+    On a device: communication kernel time; on a CPU: collective calls."""
+    step, n = r.get("step_ms"), max(len(trace.steps), 1)
+    if step is None:
+        return None, None
+    if trace.has_gpu:
+        comm = trace.gpu_kind == gpu.COMM
+        coll = intervals.total(trace.gpu.ts[comm], trace.gpu.end[comm]) / n / 1e3
+    else:
+        coll = intervals.total(*cpu.ranges(trace, cpu.COMM_RE)) / n / 1e3
+    return max(step - coll, 0.0), coll
 
 
 def across_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Spread of step time and idle share; the straggler is the rank with the most busy time
-    per step (the others wait for it in each collective)."""
-    step = {r["rank"]: (r.get("cpu") or {}).get("step_time_ms") for r in ranks}
-    idle = {r["rank"]: (r.get("breakdown") or {}).get("idle") for r in ranks}
-    busy = {r["rank"]: _busy_per_step(r) for r in ranks}
-    known_step = {k: v for k, v in step.items() if v is not None}
-    known_idle = {k: v for k, v in idle.items() if v is not None}
-    known_busy = {k: v for k, v in busy.items() if v is not None}
-    straggler = max(known_busy, key=known_busy.get) if known_busy else None  # type: ignore
+    """Spread of step time, idle share and work; the straggler is the rank with the most work
+    per step (the rank the others wait for in their collectives), named only when its work
+    exceeds the median rank's by at least STRAGGLER_GAP of a step."""
+    step = {r["rank"]: r.get("step_ms") for r in ranks if r.get("step_ms") is not None}
+    idle = {r["rank"]: (r.get("breakdown") or {}).get("idle") for r in ranks
+            if (r.get("breakdown") or {}).get("idle") is not None}
+    work = {r["rank"]: r["work_ms_per_step"] for r in ranks
+            if r.get("work_ms_per_step") is not None}
+    straggler, excess = None, None
+    if len(work) >= 2:
+        top = max(work, key=work.get)  # type: ignore[arg-type]
+        others = float(np.median([v for k, v in work.items() if k != top]))
+        excess = work[top] - others
+        if step.get(top) and excess >= STRAGGLER_GAP * step[top]:
+            straggler = top
     return {
-        "step_time_ms": known_step,
-        "step_time_spread_ms": (max(known_step.values()) - min(known_step.values()))
-        if known_step else None,
-        "idle": known_idle,
-        "idle_spread": (max(known_idle.values()) - min(known_idle.values()))
-        if known_idle else None,
+        "step_time_ms": step,
+        "step_time_spread_ms": (max(step.values()) - min(step.values())) if step else None,
+        "idle": idle,
+        "idle_spread": (max(idle.values()) - min(idle.values())) if idle else None,
+        "work_ms_per_step": work,
         "straggler_rank": straggler,
+        "straggler_excess_ms": excess if straggler is not None else None,
     }
+
+
+STRAGGLER_GAP = 0.05
 
 
 def _mean(xs: list[float | None]) -> float | None:

@@ -27,7 +27,8 @@ PHASES: dict[str, re.Pattern[str]] = {
     "optimizer": re.compile(r"^scaletrain/optimizer|^Optimizer\.step#|^Optimizer\.zero_grad#|"
                             r"^## optimizer ##"),
 }
-COMM_RE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):|^c10d::|^record_param_comms|^scaletrain/comm")
+COMM_RE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):|^c10d::|^record_param_comms|^scaletrain/comm|"
+                     r"^MPI_|^mpi_")
 _STEP_RE = re.compile(r"^(?:ProfilerStep|scaletrain/step)\s*#")
 
 Ranges = tuple[np.ndarray, np.ndarray]
@@ -105,36 +106,45 @@ def outside_phases(trace: Trace, n_steps: int, top: int = 5) -> list[dict[str, A
 
 
 def cpu_only_breakdown(trace: Trace) -> dict[str, Any]:
-    """For a trace without GPU activity the CPU is the compute device: the analysed window is
-    split into communication (collective calls), compute (the forward/backward/optimizer
-    phases, or every operator when there are no phase ranges) and idle (the rest: waiting for
-    input, Python and framework overhead)."""
+    """For a trace without device activity the CPU is the compute device. The analysed window
+    is split, whatever labels the loop used, into: communication (collective calls, MPI
+    ranges), input (data-loading ranges, operators inside them included), compute (PyTorch
+    operators outside those two) and overhead (the rest: Python and framework code between
+    operators). A trace without operator events falls back on the forward/backward/optimizer
+    phase ranges for compute."""
     lo, hi, n = window(trace)
     span = hi - lo
     if span <= 0:
         return {"span_us": 0.0, "breakdown": None}
+    c = trace.cpu
     comm = ranges(trace, COMM_RE)
-    work = [ranges(trace, PHASES[p]) for p in ("forward", "backward", "optimizer")]
-    if not any(len(w[0]) for w in work):
-        c = trace.cpu
-        sel = np.array([not _STEP_RE.search(x) and not PHASES["data"].search(x)
-                        for x in c.name], dtype=bool)
-        work = [intervals.clip(c.ts[sel], c.end[sel], lo, hi)]
-    work_s = np.concatenate([w[0] for w in work] + [comm[0]])
-    work_e = np.concatenate([w[1] for w in work] + [comm[1]])
-    busy = intervals.total(work_s, work_e)
-    comm_t = intervals.total(*comm)
     data = ranges(trace, PHASES["data"])
-    data_t = intervals.total(*data) - intervals.intersect_length(data, (work_s, work_e))
-    idle = max(span - busy, 0.0)
+    is_op = (c.stream == 1) & np.array([not _STEP_RE.search(x) for x in c.name], dtype=bool)
+    if is_op.any():
+        ops = intervals.clip(c.ts[is_op], c.end[is_op], lo, hi)
+    else:
+        parts = [ranges(trace, PHASES[p]) for p in ("forward", "backward", "optimizer")]
+        ops = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    comm_t = intervals.total(*comm)
+    data_t = intervals.total(*data) - intervals.intersect_length(data, comm)
+    claimed = (np.concatenate([comm[0], data[0]]), np.concatenate([comm[1], data[1]]))
+    compute = intervals.total(*ops) - intersect(ops, claimed)
+    overhead = max(span - compute - comm_t - data_t, 0.0)
+    idle = overhead + data_t
     return {
         "span_us": span,
-        "breakdown": {"compute": (busy - comm_t) / span, "communication": comm_t / span,
+        "breakdown": {"compute": compute / span, "communication": comm_t / span,
                       "memory": 0.0, "idle": idle / span},
-        "idle_breakdown": {"input": min(data_t, idle) / idle if idle > 0 else 0.0,
-                           "other": 1 - min(data_t, idle) / idle if idle > 0 else 0.0},
-        "input_wait": min(data_t, idle) / span,
+        "idle_breakdown": {"input": data_t / idle if idle > 0 else 0.0,
+                           "other": overhead / idle if idle > 0 else 0.0},
+        "input_wait": data_t / span,
+        "overhead": overhead / span,
+        "operator_events": bool(is_op.any()),
     }
+
+
+def intersect(a: Ranges, b: Ranges) -> float:
+    return intervals.intersect_length(a, b) if len(a[0]) and len(b[0]) else 0.0
 
 
 def input_wait_on_gpu(trace: Trace, gaps: Ranges, span: float) -> float:

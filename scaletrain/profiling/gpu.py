@@ -211,3 +211,99 @@ def _stats(x: np.ndarray) -> dict[str, float] | None:
 def idle_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """The GPU-wide idle gaps inside the span."""
     return intervals.gaps(trace.gpu.ts, trace.gpu.end)
+
+
+# Runtime calls that make a stream or the host wait (device-side waits show up as cuda_sync).
+_SYNC_CALL_RE = re.compile(r"Synchronize|StreamWaitEvent")
+_COPY_CALL_RE = re.compile(r"^(cuda|hip)Memcpy")
+IDLE_CAUSES = ("input", "host_launch", "blocked_collective", "blocked_copy", "blocked_sync",
+               "blocked_other")
+
+
+def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+    """What the device waited on in each GPU-wide gap, as shares of the span.
+
+    - input: the part of a gap during which the CPU was in a data-loading range;
+    - host_launch: the rest of a gap whose next activity was launched after the gap began (the
+      device waited for the host), or any gap shorter than 30 us (launch latency);
+    - blocked_*: the next activity was already queued when the gap began, so something else
+      held it: `sync` when a stream/event wait overlaps the gap, else `collective` when that
+      activity is a communication kernel, `copy` when it is a memory copy/set, else `other`.
+    Gaps whose next activity has no known launch call are `blocked_other`."""
+    g = trace.gpu
+    out: dict[str, Any] = dict.fromkeys(IDLE_CAUSES, 0.0)
+    if len(g) < 2:
+        return out
+    order = np.argsort(g.ts, kind="stable")
+    ts, end = g.ts[order], g.end[order]
+    launch, kind = trace.launch_ts[order], trace.gpu_kind[order]
+    span = float(end.max() - ts.min())
+    run_end = np.maximum.accumulate(end)
+    gap = ts[1:] - run_end[:-1]
+    sel = np.flatnonzero(gap > 0)
+    a, b = run_end[:-1][sel], ts[1:][sel]
+    nxt = sel + 1
+    data_part = _covered(intervals.merge(*data), a, b)
+    rest = (b - a) - data_part
+    sync_s, sync_e = _call_ranges(trace, _SYNC_CALL_RE, with_sync_events=True)
+    sync_part = _covered(intervals.merge(sync_s, sync_e), a, b)
+    copy_part = _covered(intervals.merge(*_call_ranges(trace, _COPY_CALL_RE)), a, b)
+    host = launch[nxt] > a
+    short = (b - a) < KERNEL_WAIT_US
+    queued = ~host & ~short & ~np.isnan(launch[nxt])
+    host_copy = queued & (copy_part >= 0.5 * (b - a))
+    is_sync = queued & ~host_copy & (sync_part >= 0.5 * (b - a))
+    comm = queued & ~host_copy & ~is_sync & (kind[nxt] == COMM)
+    copy = queued & ~is_sync & ~comm & (host_copy | (kind[nxt] == MEMORY))
+    out["input"] = float(data_part.sum())
+    out["host_launch"] = float(rest[host | short].sum())
+    out["blocked_sync"] = float(rest[is_sync].sum())
+    out["blocked_collective"] = float(rest[comm].sum())
+    out["blocked_copy"] = float(rest[copy].sum())
+    out["blocked_other"] = float(rest[~host & ~short & ~is_sync & ~comm & ~copy].sum())
+    return {k: v / span if span > 0 else 0.0 for k, v in out.items()}
+
+
+def _call_ranges(trace: Trace, pattern: re.Pattern[str], with_sync_events: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The runtime calls whose name matches (and the cuda_sync events when asked)."""
+    rt = trace.runtime
+    calls = np.array([bool(pattern.search(n)) for n in rt.name], dtype=bool)
+    extra = trace.syncs if with_sync_events else None
+    return (np.concatenate([rt.ts[calls]] + ([extra.ts] if extra is not None else [])),
+            np.concatenate([rt.end[calls]] + ([extra.end] if extra is not None else [])))
+
+
+def _covered(merged: tuple[np.ndarray, np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per window [a, b]: the length covered by the disjoint sorted intervals `merged`."""
+    s, e = merged
+    if len(s) == 0 or len(a) == 0:
+        return np.zeros(len(a))
+    cum = np.concatenate([[0.0], np.cumsum(e - s)])
+
+    def upto(t: np.ndarray) -> np.ndarray:  # covered length in (-inf, t]
+        k = np.searchsorted(s, t, side="right")  # intervals starting at or before t
+        inside = np.clip(t - s[np.maximum(k - 1, 0)], 0, (e - s)[np.maximum(k - 1, 0)])
+        return cum[np.maximum(k - 1, 0)] + np.where(k > 0, inside, 0.0)
+
+    return np.maximum(upto(b) - upto(a), 0.0)
+
+
+def per_step(trace: Trace) -> list[dict[str, float]]:
+    """The breakdown (ms) inside each analysed step's window: GPU activity clipped to the
+    step's CPU range (what the per-step plot shows)."""
+    g, out = trace.gpu, []
+    comp = trace.gpu_kind != COMM
+    for n, lo, hi in trace.steps:
+        cs, ce = intervals.clip(g.ts[comp & (trace.gpu_kind != MEMORY)],
+                                g.end[comp & (trace.gpu_kind != MEMORY)], lo, hi)
+        ms, me = intervals.clip(g.ts[trace.gpu_kind == MEMORY], g.end[trace.gpu_kind == MEMORY],
+                                lo, hi)
+        ks, ke = intervals.clip(g.ts[~comp], g.end[~comp], lo, hi)
+        compute = intervals.total(cs, ce)
+        comm = intervals.total(ks, ke) - intervals.intersect_length((ks, ke), (cs, ce))
+        busy = intervals.total(np.concatenate([cs, ms, ks]), np.concatenate([ce, me, ke]))
+        mem = max(busy - compute - comm, 0.0)
+        out.append({"step": n, "compute": compute / 1e3, "communication": comm / 1e3,
+                    "memory": mem / 1e3, "idle": max(hi - lo - busy, 0.0) / 1e3})
+    return out

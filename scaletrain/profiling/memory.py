@@ -75,7 +75,20 @@ def from_timeline(path: str | Path, trace: Trace | None = None) -> dict[str, Any
         "peak_phase": phase_at(trace, float(times[i]) - trace.base_us)
         if trace is not None and times[i] > 0 else None,
         "series": _downsample(times, total),
+        "series_by_category": _by_category(times, sizes),
     }
+
+
+def _by_category(times: np.ndarray, sizes: np.ndarray) -> dict[str, Any]:
+    """Bytes per category at up to MAX_POINTS times (the samples at each bucket's peak)."""
+    keep = times >= 0
+    t, sz = times[keep], sizes[keep]
+    if len(t) > MAX_POINTS:
+        idx = np.array_split(np.arange(len(t)), MAX_POINTS)
+        pick = np.array([j[np.argmax(sz[j].sum(axis=1))] for j in idx])
+        t, sz = t[pick], sz[pick]
+    return {"t_us": t.tolist(), "bytes": {c: sz[:, i].tolist() for i, c in
+                                          enumerate(CATEGORIES) if sz[:, i].any()}}
 
 
 def _coalesce_raw(ev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,10 +28,12 @@ def short(name: str, n: int = 70) -> str:
 def terminal(r: dict[str, Any]) -> str:
     """A summary readable in 40 lines."""
     lines: list[str] = []
-    src = r.get("source") or f"{len(r.get('sources', []))} ranks"
-    rank = f"rank {r['rank']}" if "rank" in r else "all ranks"
+    n = len(r.get("sources", []))
+    src = r.get("source") or f"{n} traces"
+    rank = f"rank {r['rank']}" if "rank" in r else f"{n} ranks"
     if r.get("world_size"):
-        rank += f" of {r['world_size']}"
+        rank = (f"rank {r['rank']} of {r['world_size']}" if "rank" in r
+                else f"{n} of {r['world_size']} ranks")
     cpu = r.get("cpu") or {}
     lines.append(f"scaletrain diagnose: {src} ({rank}, {r.get('platform')}"
                  + (f", {r['device']}" if r.get("device") else "")
@@ -39,11 +41,16 @@ def terminal(r: dict[str, Any]) -> str:
     b = r.get("breakdown")
     if r.get("note"):
         lines.append(f"  {r['note']}")
+    lines += [f"WARNING: {w}" for w in r.get("warnings") or []]
     if b:
         what = "CPU step time" if r.get("platform") == "cpu" else "GPU time"
         span = r.get("span_us")
         lines.append(f"{what}" + (f" over {span / 1e3:.1f} ms:" if span else ":"))
         lines.append("  " + "  ".join(f"{k} {pct(b[k])}" for k in _CATS))
+    ic = r.get("idle_causes")
+    if ic and b:
+        lines.append("  device idle by cause (share of GPU time): " + "  ".join(
+            f"{k.replace('_', ' ')} {pct(v).strip()}" for k, v in ic.items() if v >= 0.0005))
     ib = r.get("idle_breakdown")
     if ib:
         lines.append("  idle: " + "  ".join(f"{k.replace('_', ' ')} {pct(v)}"
@@ -95,17 +102,29 @@ def terminal(r: dict[str, Any]) -> str:
             text += ")"
         if m.get("peak_phase"):
             text += f", during {m['peak_phase']}"
-        if m.get("at_peak"):
+        if m.get("at_peak"):  # the categories of export_memory_timeline
             text += "; at the peak: " + ", ".join(
                 f"{k} {size(v)}" for k, v in m["at_peak"].items())
         lines.append(text)
     ar = r.get("across_ranks")
     if ar:
         lines.append(f"Across ranks: step-time spread {_num(ar['step_time_spread_ms'])} ms, "
-                     f"idle spread {pct(ar['idle_spread']).strip()}, straggler rank "
-                     f"{ar['straggler_rank']}")
-    lines.append(f"VERDICT: {r['verdict']}"
-                 + (f" (also {', '.join(r['secondary'])})" if r.get("secondary") else ""))
+                     f"idle spread {pct(ar['idle_spread']).strip()}, straggler: "
+                     + (f"rank {ar['straggler_rank']} (+{ar['straggler_excess_ms']:.1f} ms of "
+                        "work per step)" if ar.get("straggler_rank") is not None else "none"))
+        for rk in r.get("ranks") or []:
+            lines.append(f"  rank {rk['rank']:>3}: step {_num(rk.get('step_ms'))} ms, own work "
+                         f"{_num(rk.get('work_ms_per_step'))} ms, collectives "
+                         f"{_num(rk.get('collective_ms_per_step'))} ms; {rk.get('verdict')}"
+                         + _causes(rk.get("causes"), 2))
+    head = r["verdict"]
+    if r.get("straggler_verdict") and ar:
+        head += (f" (straggler rank {ar['straggler_rank']}; the other ranks wait for it; "
+                 f"over all ranks: {r['job_verdict']})")
+    elif r.get("secondary"):
+        head += f" (also {', '.join(r['secondary'])})"
+    lines.append(f"VERDICT: {head}" + ("" if r.get("straggler_verdict") else
+                                       _causes(r.get("causes"), 4)))
     lines += [f"  - {e}" for e in r.get("evidence", [])]
     if r.get("remedies"):
         lines.append("Remedies:")
@@ -114,6 +133,13 @@ def terminal(r: dict[str, Any]) -> str:
             cur = f" (now {rem['current']})" if "current" in rem else ""
             lines.append(f"  {head}{cur}  {rem['change']}" if head else f"  {rem['change']}")
     return "\n".join(lines)
+
+
+def _causes(causes: list[dict[str, Any]] | None, n: int) -> str:
+    if not causes:
+        return ""
+    return " — lost: " + ", ".join(f"{c['cause']} {pct(c['share']).strip()}"
+                                   for c in causes[:n])
 
 
 def _num(x: float | None) -> str:
@@ -136,70 +162,7 @@ def write_atomic(path: str | Path, text: str) -> Path:
 
 # --- HTML --------------------------------------------------------------------------------------
 def to_html(r: dict[str, Any]) -> str:
-    """A standalone page: verdict, breakdown per rank, top kernels, memory over time."""
-    parts = [f"<h1>scaletrain diagnose: {html.escape(r['verdict'])}</h1>",
-             "<ul>" + "".join(f"<li>{html.escape(e)}</li>" for e in r.get("evidence", []))
-             + "</ul>"]
-    if r.get("remedies"):
-        parts.append("<h2>Remedies</h2><ul>" + "".join(
-            f"<li><code>{html.escape(x.get('flag') or x.get('key', ''))}</code> "
-            f"{html.escape(x['change'])}</li>" for x in r["remedies"]) + "</ul>")
-    ranks = r.get("ranks") or []
-    if any(x.get("breakdown") for x in ranks):
-        parts.append("<h2>Time breakdown per rank</h2>" + _stacked(ranks))
-    if r.get("top_kernels"):
-        parts.append("<h2>Top kernels (share of kernel time)</h2>" + _bars(r["top_kernels"]))
-    m = r.get("memory")
-    if m and m.get("series"):
-        parts.append(f"<h2>Memory over time ({html.escape(m['source'])})</h2>"
-                     + _line(m["series"]))
-    parts.append("<h2>Terminal summary</h2><pre>" + html.escape(terminal(r)) + "</pre>")
-    style = ("body{font-family:sans-serif;max-width:1000px;margin:auto}"
-             "pre{background:#f5f5f5;padding:8px;overflow-x:auto}")
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>scaletrain diagnose"
-            f"</title><style>{style}</style></head><body>" + "\n".join(parts) + "</body></html>")
+    """A standalone page with plots (plotly when installed, else plain SVG)."""
+    from scaletrain.profiling import html_report
 
-
-def _stacked(ranks: list[dict[str, Any]]) -> str:
-    w, row = 800, 26
-    h = row * len(ranks) + 30
-    out = [f"<svg width='{w + 120}' height='{h}' xmlns='http://www.w3.org/2000/svg'>"]
-    for i, rk in enumerate(ranks):
-        y, x = 10 + i * row, 80.0
-        out.append(f"<text x='0' y='{y + 15}' font-size='12'>rank {rk['rank']}</text>")
-        for cat in _CATS:
-            share = (rk.get("breakdown") or {}).get(cat, 0.0)
-            width = w * share
-            out.append(f"<rect x='{x:.1f}' y='{y}' width='{width:.1f}' height='{row - 6}' "
-                       f"fill='{_COLORS[cat]}'><title>{cat} {100 * share:.1f} %</title></rect>")
-            x += width
-    legend = " ".join(f"<tspan fill='{_COLORS[c]}'>&#9632; {c}</tspan>" for c in _CATS)
-    out.append(f"<text x='80' y='{h - 4}' font-size='12'>{legend}</text></svg>")
-    return "".join(out)
-
-
-def _bars(kernels: list[dict[str, Any]]) -> str:
-    w, row = 500, 20
-    out = [f"<svg width='{w + 520}' height='{row * len(kernels) + 10}' "
-           "xmlns='http://www.w3.org/2000/svg'>"]
-    for i, k in enumerate(kernels):
-        y = 5 + i * row
-        color = _COLORS["communication" if k.get("kind") == "communication" else "compute"]
-        out.append(f"<rect x='0' y='{y}' width='{w * k['share']:.1f}' height='{row - 4}' "
-                   f"fill='{color}'/><text x='{w * k['share'] + 4:.1f}' y='{y + 13}' "
-                   f"font-size='11'>{100 * k['share']:.1f} % {html.escape(short(k['name'], 80))}"
-                   "</text>")
-    return "".join(out) + "</svg>"
-
-
-def _line(series: list[list[float]]) -> str:
-    w, h = 800, 240
-    t = [p[0] for p in series if p[0] >= 0] or [0.0]
-    v = [p[1] for p in series if p[0] >= 0] or [0.0]
-    t0, t1, top = min(t), max(t), max(v) or 1.0
-    span = (t1 - t0) or 1.0
-    pts = " ".join(f"{(x - t0) / span * w:.1f},{h - y / top * (h - 20):.1f}" for x, y in zip(t, v))
-    return (f"<svg width='{w + 10}' height='{h + 20}' xmlns='http://www.w3.org/2000/svg'>"
-            f"<polyline fill='none' stroke='#c62828' points='{pts}'/>"
-            f"<text x='0' y='12' font-size='11'>peak {top / 2**30:.2f} GiB</text>"
-            f"<text x='0' y='{h + 15}' font-size='11'>{span / 1e3:.1f} ms</text></svg>")
+    return html_report.page(r, terminal(r))

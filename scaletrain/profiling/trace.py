@@ -35,7 +35,8 @@ class TraceError(ValueError):
 COMPUTE, COMM, MEMORY, OTHER = 0, 1, 2, 3
 KIND_NAMES = ("compute", "communication", "memory", "other")
 
-_COMM_RE = re.compile(r"^nccl.*Kernel|^rccl.*Kernel")
+# NCCL/RCCL kernels (HTA's rule) and all-to-all kernels of MoE dispatch libraries (DeepEP, ...).
+_COMM_RE = re.compile(r"^nccl.*Kernel|^rccl.*Kernel|all_?to_?all|alltoall|^nvshmem", re.I)
 _MEMORY_RE = re.compile(r"^Memcpy|^Memset|^dma")
 _NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")  # HTA's, as is
 
@@ -46,6 +47,16 @@ _GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
 _RUNTIME_CATS = {"cuda_runtime", "Runtime", "runtime", "cuda_driver"}
 _OP_CATS = {"cpu_op", "Operator", "operator"}
 _CPU_CATS = _OP_CATS | {"user_annotation", "User Annotation"}
+_SYNC_CATS = {"cuda_sync"}
+# Categories that only a device job writes (Kineto's ActivityType names): their presence makes
+# the trace a device trace even when it holds no kernel timing.
+_DEVICE_CATS = {
+    "cuda_runtime": "cuda", "Runtime": "cuda", "cuda_driver": "cuda", "cuda_sync": "cuda",
+    "cuda_profiler_range": "cuda", "gpu_user_annotation": "cuda", "mtia_runtime": "mtia",
+    "mtia_ccp_events": "mtia", "mtia_insight": "mtia", "xpu_runtime": "xpu",
+    "privateuse1_runtime": "privateuse1", "hpu_op": "hpu",
+}
+_RANGE_PROFILE_CATS = {"cuda_profiler_range"}
 # Calls that enqueue one kernel or copy (HTA's launch events; nsys adds a _vNNNN suffix).
 _DIRECT_LAUNCH = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|"
                             r"cudaMemcpyAsync|cudaMemsetAsync|hipLaunchKernel|"
@@ -116,12 +127,21 @@ class Trace:
     memory: np.ndarray  # (n, 3): ts, allocated bytes, reserved bytes
     memory_device: str | None = None
     time_unit: str = "us"
+    syncs: Spans = field(default_factory=Spans)  # cuda_sync events (stream/event/device waits)
+    device_cats: tuple[str, ...] = ()  # device-only event categories seen in the file
+    kernel_timing: bool = True  # False: a device job whose trace has no kernel durations
+    job: str | None = None  # an identifier of the job (distributedInfo), to spot mixed traces
     all_steps: int = 0
     base_us: float = 0.0  # add to a timestamp for epoch time (Kineto's baseTimeNanoseconds)
 
     @property
     def has_gpu(self) -> bool:
-        return len(self.gpu) > 0
+        """Kernel timing to analyse (not just a device job)."""
+        return len(self.gpu) > 0 and self.kernel_timing
+
+    @property
+    def is_device_job(self) -> bool:
+        return self.platform != "cpu"
 
 
 def read_json(path: Path) -> Any:
@@ -184,6 +204,7 @@ def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Tra
     path = Path(path)
     data = read_json(path)
     meta: dict[str, Any] = data if isinstance(data, dict) else {}
+    _refuse_other_profiler_files(path, data)
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise TraceError(f"{path}: no 'traceEvents' list; this is not a PyTorch profiler / "
@@ -193,13 +214,17 @@ def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Tra
         raise TraceError(f"{path}: the trace has no events (did the profiler schedule reach its "
                          "active steps before the run stopped?)")
     scale, unit = _time_scale(events, time_unit)
-    cols: dict[str, tuple[list, ...]] = {k: ([], [], [], [], [], []) for k in ("gpu", "rt", "cpu")}
+    cols: dict[str, tuple[list, ...]] = {k: ([], [], [], [], [], [])
+                                         for k in ("gpu", "rt", "cpu", "sync")}
+    seen: set[str] = set()
     memory: list[tuple[float, float, float, int]] = []
     for e in events:
         cat, ph = e.get("cat"), e.get("ph")
+        if cat in _DEVICE_CATS:
+            seen.add(cat)
         if ph == "X":
             key = ("gpu" if cat in _GPU_CATS else "rt" if cat in _RUNTIME_CATS
-                   else "cpu" if cat in _CPU_CATS else None)
+                   else "cpu" if cat in _CPU_CATS else "sync" if cat in _SYNC_CATS else None)
             if key is None:
                 continue
             try:
@@ -214,14 +239,55 @@ def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Tra
             c[2].append(dur)
             c[3].append(_as_int(e.get("tid")))
             c[4].append(_as_int(args.get("correlation", args.get("correlation id", -1))))
-            c[5].append(_as_int(args.get("stream", -1)) if key == "gpu" else -1)
+            # gpu: the stream; cpu: 1 for an operator, 0 for a record_function range
+            c[5].append(_as_int(args.get("stream", -1)) if key == "gpu"
+                        else int(cat in _OP_CATS) if key == "cpu" else -1)
         elif e.get("name") == "[memory]" and ph in ("i", "I"):
             a = e.get("args") or {}
             if "Total Allocated" in a:
                 memory.append((float(e.get("ts", 0)) * scale, float(a["Total Allocated"]),
                                float(a.get("Total Reserved", 0)), _as_int(a.get("Device Type"))))
-    gpu, rt, cpu = (_whole_us(Spans.from_columns(cols[k])) for k in ("gpu", "rt", "cpu"))
-    return assemble(str(path), meta, _rank_of(meta, path, rank), unit, gpu, rt, cpu, memory)
+    gpu, rt, cpu, sync = (_whole_us(Spans.from_columns(cols[k]))
+                          for k in ("gpu", "rt", "cpu", "sync"))
+    if not seen and any(e.get("cat") in _GPU_CATS for e in events):
+        seen.add("kernel")
+    t = assemble(str(path), meta, _rank_of(meta, path, rank), unit, gpu, rt, cpu, memory)
+    t.syncs = sync
+    t.device_cats = tuple(sorted(seen))
+    _device_facts(t, meta)
+    return t
+
+
+def _refuse_other_profiler_files(path: Path, data: Any) -> None:
+    """A memory timeline or an execution trace is not a Kineto trace: say which file it is."""
+    if isinstance(data, list) and data and (
+            (isinstance(data[0], list) and len(data[0]) == 4 and all(
+                isinstance(x, (int, float)) for x in data[0]))
+            or (len(data) == 2 and isinstance(data[0], list) and isinstance(data[1], list)
+                and data[1] and isinstance(data[1][0], list))):
+        raise TraceError(f"{path}: a memory timeline (export_memory_timeline), not a trace; "
+                         f"pass it with --memory-timeline {path} next to the trace of the run")
+    if isinstance(data, dict) and "nodes" in data and "traceEvents" not in data:
+        raise TraceError(f"{path}: a PyTorch execution trace (ExecutionTraceObserver), which "
+                         "has no timing; pass the Kineto trace (.pt.trace.json[.gz]) recorded "
+                         "with it instead")
+
+
+def _device_facts(t: Trace, meta: dict[str, Any]) -> None:
+    """The device kind from device events, runtime calls and device properties: a job that
+    ran on a device is never called 'cpu', even when its trace holds no kernel timing."""
+    kinds = [_DEVICE_CATS[c] for c in t.device_cats if c in _DEVICE_CATS]
+    if t.platform == "cpu":
+        if "mtia" in kinds:
+            t.platform = "mtia"
+        elif kinds or meta.get("deviceProperties") or (
+                meta.get("cupti_version") is not None and len(t.runtime)):
+            t.platform = "rocm" if any(n.startswith("hip") for n in t.runtime.name[:500]) else (
+                next((k for k in kinds if k != "cuda"), "cuda"))
+    elif "mtia" in kinds:
+        t.platform = "mtia"
+    if t.platform != "cpu" and (not len(t.gpu) or float(t.gpu.dur.max(initial=0)) <= 0):
+        t.kernel_timing = False
 
 
 def _whole_us(s: Spans) -> Spans:
@@ -280,6 +346,8 @@ def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans
         memory=mem[:, :3],
         memory_device=mem_device, time_unit=unit, all_steps=n_steps,
         base_us=float(meta.get("baseTimeNanoseconds") or 0) / 1e3,
+        job=json.dumps({k: info.get(k) for k in ("backend", "world_size")},
+                       sort_keys=True) if isinstance(info, dict) and info else None,
     )
 
 

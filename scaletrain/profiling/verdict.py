@@ -1,16 +1,22 @@
 """The bottleneck verdict and the config changes that address it.
 
-Each candidate bottleneck gets a score: the share of the step (GPU span, or CPU step time for
-CPU-only runs) that it costs.
-- input: the GPU (or the CPU-only step) is idle while the training loop waits for a batch.
-- cpu/launch: the GPU is idle waiting for the host to launch work (host wait and short
-  launch gaps, less the input part).
-- communication: communication kernels not hidden behind compute, plus GPU idle time with work
-  already queued (waiting on other streams/ranks) when the trace communicates at all.
-- memory: memory copies/sets not hidden behind compute; or the peak near the device's capacity.
-- compute: the GPU busy with computation kernels.
-The verdict is the largest loss when it costs at least `LOSS_THRESHOLD` of the step; otherwise
-the run is compute-bound (what remains is the speed of the kernels themselves).
+Every share is of the device's span (GPU time), or of the CPU step time for CPU-only runs, so
+the shares of compute and of each loss add up to one and the verdict can cite them as is.
+On a device the time is split into:
+- compute: computation kernels running;
+- communication: communication kernels not overlapped with compute (exposed), plus idle time
+  whose next work was already queued behind a collective;
+- memory: exposed copies/sets plus idle time queued behind a copy (or a peak near capacity);
+- input: idle time while the host is in a data-loading range;
+- cpu/launch: idle time waiting for the host to launch the next work;
+- sync: idle time with queued work held by a stream/event synchronization;
+- unattributed: idle with queued work and no visible cause (not a verdict on its own).
+On a CPU-only run: compute (operators), communication, input and overhead (Python/framework
+code between operators).
+The verdict is the largest loss when it costs at least `LOSS_THRESHOLD`; several losses each
+below it that together cost at least `MIXED_THRESHOLD` are `mixed` (each listed with its
+share); otherwise the run is compute-bound. `causes` lists every loss of at least
+`CAUSE_THRESHOLD`, largest first.
 """
 
 from __future__ import annotations
@@ -19,106 +25,131 @@ import dataclasses
 from typing import Any
 
 LOSS_THRESHOLD = 0.15
+MIXED_THRESHOLD = 0.30
 SECONDARY_THRESHOLD = 0.08
+CAUSE_THRESHOLD = 0.05
 MEMORY_CAPACITY_THRESHOLD = 0.92
 VERDICTS = ("compute-bound", "memory-bound", "communication-bound", "input-bound",
-            "cpu/launch-bound")
+            "cpu/launch-bound", "sync-bound", "overhead-bound", "mixed", "no kernel timing")
+LOSS_NAMES = {
+    "communication": "exposed communication", "memory": "memory copies", "input": "input",
+    "cpu/launch": "host launch", "sync": "synchronization", "overhead": "Python/framework overhead",
+    "unattributed": "queued work, cause not visible",
+}
 
 
 def scores(r: dict[str, Any]) -> dict[str, float]:
-    """Loss share per bottleneck for one rank's analysis."""
+    """Share of the span per category for one rank's analysis (compute and the losses)."""
     b = r.get("breakdown") or {}
-    idle = b.get("idle", 0.0)
-    ib = r.get("idle_breakdown") or {}
-    input_wait = r.get("input_wait", 0.0)
     if r.get("platform") == "cpu":
         return {"compute": b.get("compute", 0.0), "communication": b.get("communication", 0.0),
-                "input": input_wait, "cpu/launch": max(idle - input_wait, 0.0), "memory": 0.0}
-    has_comm = (r.get("communication_us") or 0) > 0
-    queued_wait = idle * ib.get("other", 0.0)
-    host = idle * (ib.get("host_wait", 0.0) + ib.get("kernel_wait", 0.0))
-    if not has_comm:
-        host += queued_wait
-    mem = b.get("memory", 0.0)
+                "input": r.get("input_wait", 0.0), "overhead": r.get("overhead", 0.0)}
+    ic = r.get("idle_causes") or {}
+    mem = b.get("memory", 0.0) + ic.get("blocked_copy", 0.0)
     cap = (r.get("memory") or {}).get("peak_fraction_of_device") or 0.0
     if cap >= MEMORY_CAPACITY_THRESHOLD:
         mem = max(mem, cap)
     return {
         "compute": b.get("compute", 0.0),
-        "communication": b.get("communication", 0.0) + (queued_wait if has_comm else 0.0),
-        "input": input_wait,
-        "cpu/launch": max(host - input_wait, 0.0),
+        "communication": b.get("communication", 0.0) + ic.get("blocked_collective", 0.0),
         "memory": mem,
+        "input": ic.get("input", r.get("input_wait", 0.0)),
+        "cpu/launch": ic.get("host_launch", 0.0),
+        "sync": ic.get("blocked_sync", 0.0),
+        "unattributed": ic.get("blocked_other", 0.0),
     }
 
 
 def decide(r: dict[str, Any]) -> dict[str, Any]:
-    """{'verdict', 'scores', 'evidence', 'secondary'} for one rank's analysis."""
+    """{'verdict', 'scores', 'causes', 'evidence', 'secondary'} for one analysis."""
+    if r.get("platform") != "cpu" and not r.get("breakdown"):
+        return {"verdict": "no kernel timing", "scores": {}, "causes": [], "secondary": [],
+                "evidence": [r.get("note") or "the trace holds no kernel timing"]}
     s = scores(r)
-    losses = {k: v for k, v in s.items() if k != "compute"}
+    losses = {k: v for k, v in s.items() if k not in ("compute", "unattributed")}
     worst = max(losses, key=losses.get)  # type: ignore[arg-type]
-    main = worst if losses[worst] >= LOSS_THRESHOLD else "compute"
-    secondary = [k for k, v in sorted(losses.items(), key=lambda kv: -kv[1])
-                 if k != main and v >= SECONDARY_THRESHOLD]
-    return {"verdict": f"{main}-bound", "scores": s, "evidence": evidence(main, r, s),
-            "secondary": [f"{k}-bound" for k in secondary]}
+    causes = [{"cause": k, "share": v} for k, v in sorted(
+        ((k, v) for k, v in s.items() if k != "compute"), key=lambda kv: -kv[1])
+        if v >= CAUSE_THRESHOLD]
+    big = [c for c in causes if c["cause"] in losses]
+    if losses[worst] >= LOSS_THRESHOLD:
+        verdict = f"{worst}-bound"
+    elif sum(c["share"] for c in big) >= MIXED_THRESHOLD:
+        verdict = "mixed"
+    else:
+        verdict = "compute-bound"
+    main = verdict.removesuffix("-bound")
+    secondary = [f"{k}-bound" for k, v in sorted(losses.items(), key=lambda kv: -kv[1])
+                 if k != main and v >= SECONDARY_THRESHOLD and verdict != "mixed"]
+    return {"verdict": verdict, "scores": s, "causes": causes,
+            "evidence": evidence(main, r, s, causes), "secondary": secondary}
 
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f} %"
 
 
-def evidence(kind: str, r: dict[str, Any], s: dict[str, float]) -> list[str]:
-    """The numbers that justify the verdict, as sentences."""
+def evidence(kind: str, r: dict[str, Any], s: dict[str, float],
+             causes: list[dict[str, Any]]) -> list[str]:
+    """The numbers the verdict rests on, as sentences (the same numbers as `scores`)."""
     b = r.get("breakdown") or {}
-    ib = r.get("idle_breakdown") or {}
+    ic = r.get("idle_causes") or {}
+    cpu_only = r.get("platform") == "cpu"
+    where = "of each step" if cpu_only else "of the device's time"
+    lost = sum(c["share"] for c in causes if c["cause"] != "unattributed")
     out: list[str] = []
-    where = "of each step" if r.get("platform") == "cpu" else "of the GPU's time"
-    if kind == "input":
-        phases = (r.get("cpu") or {}).get("phases", {})
-        data = phases.get("data", {})
+    if kind == "mixed":
+        out.append(f"no single cause costs {_pct(LOSS_THRESHOLD)}, but together "
+                   f"{_pct(lost)} {where} is lost: " + ", ".join(
+                       f"{LOSS_NAMES[c['cause']]} {_pct(c['share'])}" for c in causes))
+    elif kind == "input":
+        data = ((r.get("cpu") or {}).get("phases") or {}).get("data")
         out.append(f"{_pct(s['input'])} {where} waits for the data loader"
                    + (f" ({data['ms_per_step']:.1f} ms per step in data loading)" if data else ""))
     elif kind == "cpu/launch":
-        out.append(f"the GPU is idle {_pct(b.get('idle'))} of the time; "
-                   f"{_pct(ib.get('host_wait'))} of that idle time is host wait (the GPU waits "
-                   "for the CPU to launch work)" if r.get("platform") != "cpu" else
-                   f"{_pct(s['cpu/launch'])} of each step is outside the model's operators "
-                   "(Python and framework overhead)")
-        outside = (r.get("cpu") or {}).get("outside_phases") or []
-        if outside:
-            out.append("outside the training phases: " + ", ".join(
-                f"{o['name']} {o['ms_per_step']:.2f} ms" for o in outside[:3]) + " per step")
+        out.append(f"{_pct(s['cpu/launch'])} {where} is idle waiting for the host to launch the "
+                   f"next work (the device is idle {_pct(b.get('idle'))} in all)")
         q = _main_queue(r)
         if q is not None:
-            state = "short" if q["mean"] < 4 else "not the limit"
-            out.append(f"the launch queue is {state}: {q['mean']:.1f} outstanding launches on "
-                       f"average (max {q['max']})")
+            out.append(f"launch queue: {q['mean']:.1f} outstanding launches on average "
+                       f"(max {q['max']})")
         short = (r.get("launch") or {}).get("short_kernels")
         if short:
             out.append(f"{_pct(short['share_of_kernels'])} of kernels run under "
                        f"{short['threshold_us']:.0f} us")
-    elif kind == "communication" and r.get("platform") == "cpu":
-        out.append(f"collective calls take {_pct(b.get('communication'))} of each step")
+    elif kind == "overhead":
+        out.append(f"{_pct(s['overhead'])} of each step runs outside PyTorch operators, "
+                   f"collectives and data loading (Python and framework overhead); operators "
+                   f"take {_pct(s['compute'])}")
+    elif kind == "communication" and cpu_only:
+        out.append(f"collective calls take {_pct(s['communication'])} of each step")
     elif kind == "communication":
-        kt = r.get("kernel_time_by_kind") or {}
-        if kt:
-            out.append(f"communication kernels take {_pct(kt.get('communication'))} of busy GPU "
-                       "time on their own")
-        out.append(f"only {_pct(r.get('overlap'))} of communication overlaps computation")
-        if ib.get("other"):
-            out.append(f"the GPU is idle {_pct(b.get('idle'))} of the time, "
-                       f"{_pct(ib.get('other'))} of it with work queued (waiting on other "
-                       "streams or ranks)")
+        out.append(f"{_pct(s['communication'])} {where} is lost to communication: "
+                   f"{_pct(b.get('communication'))} in communication kernels not overlapped "
+                   f"with compute, {_pct(ic.get('blocked_collective'))} idle with work queued "
+                   "behind a collective")
+        if r.get("overlap") is not None:
+            out.append(f"{_pct(r.get('overlap'))} of communication time overlaps computation")
+    elif kind == "sync":
+        out.append(f"{_pct(s['sync'])} {where} is idle with work queued but held by a "
+                   "stream/event synchronization")
+        if r.get("sync_events"):
+            out.append(f"{r['sync_events']} synchronization events in the trace")
     elif kind == "memory":
         m = r.get("memory") or {}
-        if m.get("peak_fraction_of_device"):
+        if (m.get("peak_fraction_of_device") or 0) >= MEMORY_CAPACITY_THRESHOLD:
             out.append(f"peak reserved memory is {_pct(m['peak_fraction_of_device'])} of the "
                        "device")
-        out.append(f"memory copies/sets take {_pct(b.get('memory'))} of the GPU's time")
+        out.append(f"{_pct(s['memory'])} {where} is lost to memory copies: "
+                   f"{_pct(b.get('memory'))} in copies/sets not overlapped with compute, "
+                   f"{_pct(ic.get('blocked_copy'))} idle with work queued while the host sits "
+                   "in a blocking copy call (e.g. .to('cpu') into pageable memory) or a copy "
+                   "waits to run")
     else:
-        device = "CPU" if r.get("platform") == "cpu" else "GPU"
-        out.append(f"computation keeps the {device} busy {_pct(s['compute'])} of the time")
+        device = "CPU's operators" if cpu_only else "device's computation kernels"
+        out.append(f"the {device} take {_pct(s['compute'])} {where}; the largest loss is "
+                   + (f"{LOSS_NAMES[causes[0]['cause']]} {_pct(causes[0]['share'])}"
+                      if causes else f"under {_pct(CAUSE_THRESHOLD)}"))
         q = _main_queue(r)
         if q is not None and q["mean"] > 100:
             out.append(f"the launch queue is full ({q['mean']:.0f} outstanding on average, max "
@@ -127,6 +158,9 @@ def evidence(kind: str, r: dict[str, Any], s: dict[str, float]) -> list[str]:
         if ks:
             out.append(f"tensor-core GEMMs take {_pct(ks.get('tensor_core_gemm_share'))} of "
                        f"kernel time (all GEMMs {_pct(ks.get('gemm_share'))})")
+    if kind not in ("compute", "mixed") and len(causes) > 1:
+        out.append("also lost: " + ", ".join(f"{LOSS_NAMES[c['cause']]} {_pct(c['share'])}"
+                                             for c in causes if c["cause"] != kind))
     return out
 
 
@@ -179,6 +213,17 @@ _REMEDIES: dict[str, list[tuple[str, str, str]]] = {
                                             "multiples of 64)"),
     ],
 }
+_REMEDIES["sync"] = [
+    ("metrics.log_interval", "50", "fewer host-device synchronisations for logging"),
+    ("", "", "avoid .item(), .cpu(), .tolist() and torch.cuda.synchronize() inside the step; "
+             "record events and read them at log steps"),
+]
+_REMEDIES["overhead"] = [
+    ("compile.enabled", "true", "torch.compile removes Python and framework work between "
+                                "operators"),
+    ("training.micro_batch_size", "x2", "larger micro-batches: the same overhead per step, "
+                                        "more work each"),
+]
 _TRANSFER_REMEDIES = [
     ("data.pin_memory", "true", "pinned host memory makes host-to-device copies asynchronous"),
     ("", "", "avoid tensor.to()/.cpu()/.item() inside the step; keep tensors on the device"),
@@ -189,7 +234,16 @@ def remedies(verdict: str, r: dict[str, Any], cfg: Any | None = None) -> list[di
     """Concrete changes for the verdict; `flag` is the command-line override when scaletrain's
     config has that key, `current` the value in `cfg` when the run's config is known."""
     kind = verdict.removesuffix("-bound")
-    items = list(_REMEDIES.get(kind, []))
+    if kind == "mixed":  # the two best remedies of each cause, largest cause first
+        items, seen = [], set()
+        for c in r.get("causes") or []:
+            for rem in _REMEDIES.get(c["cause"], [])[:2]:
+                if rem[0] not in seen or not rem[0]:
+                    seen.add(rem[0])
+                    items.append(rem)
+        kind = ""
+    else:
+        items = list(_REMEDIES.get(kind, []))
     m = r.get("memory") or {}
     if kind == "memory" and (m.get("peak_fraction_of_device") or 0) < MEMORY_CAPACITY_THRESHOLD:
         items = _TRANSFER_REMEDIES  # copies, not capacity, are the problem
@@ -205,7 +259,7 @@ def remedies(verdict: str, r: dict[str, Any], cfg: Any | None = None) -> list[di
             if current is not _MISSING:
                 rec["current"] = str(current).lower() if isinstance(current, bool) else str(current)
                 value = _resolve(value, current)
-                if rec["current"] == value:
+                if _in_effect(key, value, current, r):
                     continue  # already set: not a change to suggest
             if value[:1] in "x/":  # relative to a value we do not know
                 rec["value"] = ("double" if value[0] == "x" else "halve") + " it"
@@ -240,6 +294,19 @@ def _config_value(cfg: Any, key: str) -> Any:
             return _MISSING
         obj = getattr(obj, part)
     return obj
+
+
+def _in_effect(key: str, value: str, current: Any, r: dict[str, Any]) -> bool:
+    """The suggested value is what the run already uses: equal, `auto` that resolves to it on
+    this device, or a count that is already at least the suggestion."""
+    cur = str(current).lower() if isinstance(current, bool) else str(current)
+    if cur == value:
+        return True
+    if key == "precision.dtype" and cur == "auto" and value == "bf16":
+        return r.get("platform") != "cpu" or bool(r.get("cpu_bf16"))
+    if isinstance(current, int) and not isinstance(current, bool) and value.isdigit():
+        return current >= int(value) and key != "parallel.tp"
+    return False
 
 
 def _resolve(value: str, current: Any) -> str:

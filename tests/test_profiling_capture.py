@@ -87,7 +87,7 @@ def test_slow_dataset_is_input_bound_and_workers_fix_it(tmp_path: Path, cache: P
                                                         one_thread: None) -> None:
     slow = _profile(tmp_path / "slow", cache)
     assert slow["verdict"] == "input-bound", slow["evidence"]
-    assert slow["input_wait"] > 0.3
+    assert slow["input_wait"] > 0.15  # the verdict's threshold (the share varies with load)
     keys = [r.get("key") for r in slow["remedies"]]
     assert "data.num_workers" in keys
     num_workers = next(r for r in slow["remedies"] if r.get("key") == "data.num_workers")
@@ -115,7 +115,7 @@ def test_profile_verb_writes_report(tmp_path: Path, cache: Path,
     assert memory["source"].startswith("memory timeline")
     assert memory["at_peak"]["parameter"] > 0 and memory["at_peak"]["optimizer_state"] > 0
     assert memory["peak_phase"] in {"forward", "backward", "optimizer"}
-    assert report["verdict"] in {"compute-bound", "cpu/launch-bound", "input-bound"}
+    assert report["verdict"] in {"compute-bound", "overhead-bound", "input-bound", "mixed"}
     assert report["cpu"]["steps"] == 3  # wait 1 + warmup 1 + active 3 steps were run
     assert "<svg" in (out / "profile" / "report.html").read_text()
     assert "VERDICT" in capsys.readouterr().out

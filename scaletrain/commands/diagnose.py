@@ -43,10 +43,25 @@ def expand(paths: list[str]) -> list[str]:
             continue
         found = latest_traces(p.parent if p.name == "traces" else p)
         if not found:
-            found = next((sorted(p.glob(g)) for g in _PATTERNS if list(p.glob(g))), [])
+            found = next((sorted(f for f in p.glob(g) if not f.name.startswith(
+                "memory_timeline")) for g in _PATTERNS if list(p.glob(g))), [])
         if not found:
             raise TraceError(f"{p}: no trace files (.json, .json.gz, .sqlite) in this folder")
         out.extend(str(f) for f in found)
+    return out
+
+
+def timelines(paths: list[str]) -> dict[int, str]:
+    """The memory timelines of the profile folders given (memory_timeline_rank{R}.raw.json.gz,
+    what `scaletrain profile` writes next to its traces), by rank."""
+    out: dict[int, str] = {}
+    for p in map(Path, paths):
+        if p.is_dir():
+            folder = p.parent if p.name == "traces" else p
+            for f in sorted(folder.glob("memory_timeline_rank*.raw.json*")):
+                rank = f.name.removeprefix("memory_timeline_rank").split(".")[0]
+                if rank.isdigit():
+                    out[int(rank)] = str(f)
     return out
 
 
@@ -56,11 +71,12 @@ def main(argv: list[str]) -> int:
     from scaletrain.profiling.analyze import analyze
 
     try:
-        result = analyze(expand(args.traces), memory_timeline=args.memory_timeline,
+        result = analyze(expand(args.traces),
+                         memory_timeline=args.memory_timeline or timelines(args.traces) or None,
                          time_unit=args.time_unit, top=args.top)
         if args.against:
-            other = analyze(expand(args.against), time_unit=args.time_unit,
-                            top=max(args.top, 50))
+            other = analyze(expand(args.against), memory_timeline=timelines(args.against)
+                            or None, time_unit=args.time_unit, top=max(args.top, 50))
             result["against"] = compare.compare(result, other)
     except (TraceError, ValueError) as e:
         print(f"scaletrain diagnose: {e}", file=sys.stderr)

@@ -74,10 +74,10 @@ def main(argv: list[str]) -> int:
         print(f"scaletrain profile: no trace was written under {folder}/traces; the run ended "
               "before the profiler's active steps", file=sys.stderr)
         return 1
-    timeline = folder / "memory_timeline_rank0.raw.json.gz"
+    from scaletrain.commands.diagnose import timelines
+
     try:
-        result = analyze(traces, memory_timeline=timeline if timeline.exists() else None,
-                         cfg=cfg)
+        result = analyze(traces, memory_timeline=timelines([str(folder)]) or None, cfg=cfg)
     except TraceError as e:
         print(f"scaletrain profile: {e}", file=sys.stderr)
         return 1

@@ -36,11 +36,32 @@ def compare(run: dict[str, Any], other: dict[str, Any], top: int = 10) -> dict[s
     step_a = (run.get("cpu") or {}).get("step_time_ms")
     step_b = (other.get("cpu") or {}).get("step_time_ms")
     return {
+        "memory": _memory(run, other),
         "step_time_ms": step_a, "other_step_time_ms": step_b,
         "speedup": step_b / step_a if step_a and step_b else None,
         "by_category": cats, "by_kernel": kernels[:top],
         "verdict": run.get("verdict"), "other_verdict": other.get("verdict"),
     }
+
+
+def _memory(run: dict[str, Any], other: dict[str, Any]) -> dict[str, Any] | None:
+    """Peak memory of both runs and, where both have a memory timeline, bytes by category at
+    the peak (what activation checkpointing or offload changes)."""
+    a, b = run.get("memory") or {}, other.get("memory") or {}
+    if not a and not b:
+        return None
+    out: dict[str, Any] = {"peak_bytes": a.get("peak_allocated_bytes"),
+                           "other_peak_bytes": b.get("peak_allocated_bytes")}
+    cats = dict.fromkeys(list(a.get("at_peak") or {}) + list(b.get("at_peak") or {}))
+    if cats:
+        out["at_peak"] = {c: {"bytes": (a.get("at_peak") or {}).get(c, 0.0),
+                              "other_bytes": (b.get("at_peak") or {}).get(c, 0.0)}
+                          for c in cats}
+    return out
+
+
+def _gib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / 2**30:.2f} GiB"
 
 
 def terminal(c: dict[str, Any]) -> str:
@@ -51,6 +72,11 @@ def terminal(c: dict[str, Any]) -> str:
     for k, v in c["by_category"].items():
         lines.append(f"  {k:<14} {v['ms_per_step']:9.2f} vs {v['other_ms_per_step']:9.2f}  "
                      f"{v['delta_ms']:+9.2f}")
+    m = c.get("memory")
+    if m:
+        lines.append(f"  peak memory     {_gib(m['peak_bytes'])} vs {_gib(m['other_peak_bytes'])}")
+        for cat, v in (m.get("at_peak") or {}).items():
+            lines.append(f"    {cat:<16} {_gib(v['bytes'])} vs {_gib(v['other_bytes'])}")
     if c["by_kernel"]:
         lines.append("  kernels that changed most:")
         for k in c["by_kernel"]:

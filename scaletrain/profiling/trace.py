@@ -36,7 +36,7 @@ COMPUTE, COMM, MEMORY, OTHER = 0, 1, 2, 3
 KIND_NAMES = ("compute", "communication", "memory", "other")
 
 # NCCL/RCCL kernels (HTA's rule) and all-to-all kernels of MoE dispatch libraries (DeepEP, ...).
-_COMM_RE = re.compile(r"^nccl.*Kernel|^rccl.*Kernel|all_?to_?all|alltoall|^nvshmem", re.I)
+_COMM_RE = re.compile(r"^nccl.*Kernel|^rccl.*Kernel|all_?to_?all|^nvshmem|deep_ep::", re.I)
 _MEMORY_RE = re.compile(r"^Memcpy|^Memset|^dma")
 _NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")  # HTA's, as is
 
@@ -44,7 +44,8 @@ _KERNEL_CATS = {"kernel", "Kernel"}
 _MEMCPY_CATS = {"gpu_memcpy", "Memcpy"}
 _MEMSET_CATS = {"gpu_memset", "Memset"}
 _GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
-_RUNTIME_CATS = {"cuda_runtime", "Runtime", "runtime", "cuda_driver"}
+_RUNTIME_CATS = {"cuda_runtime", "Runtime", "runtime", "cuda_driver", "mtia_runtime",
+                 "xpu_runtime", "privateuse1_runtime", "privateuse1_driver"}
 _OP_CATS = {"cpu_op", "Operator", "operator"}
 _CPU_CATS = _OP_CATS | {"user_annotation", "User Annotation"}
 _SYNC_CATS = {"cuda_sync"}
@@ -67,7 +68,7 @@ _STEP_RE = re.compile(r"(?:ProfilerStep|scaletrain/step)\s*#\s*(\d+)")
 
 def kernel_kind(name: str) -> int:
     """Compute, communication, memory or other, by HTA's name rules."""
-    if _COMM_RE.match(name):
+    if _COMM_RE.search(name):
         return COMM
     if _MEMORY_RE.match(name):
         return MEMORY

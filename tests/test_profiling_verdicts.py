@@ -1,0 +1,214 @@
+"""`scaletrain diagnose` verdicts on small synthetic traces, one per cause and per pitfall
+(tests/profiling_traces.py builds them the way Kineto writes them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.commands import diagnose
+from scaletrain.profiling.analyze import analyze
+from tests.profiling_traces import cpu_trace, gpu_trace
+
+
+def _run(tmp_path: Path, *traces, name: str = "t") -> dict:
+    paths = [t.write(tmp_path / f"{name}_rank{i}.pt.trace.json.gz") for i, t in enumerate(traces)]
+    return analyze(paths)
+
+
+def _share(r: dict, cause: str) -> float:
+    return next((c["share"] for c in r["causes"] if c["cause"] == cause), 0.0)
+
+
+@pytest.mark.parametrize("segments,verdict,cause", [
+    ([("compute", 3000), ("launch", 80), ("compute", 100)] + [("launch", 900)] * 3,
+     "cpu/launch-bound", "cpu/launch"),
+    ([("compute", 3000), ("input", 2000)], "input-bound", "input"),
+    ([("compute", 3000), ("collective", 2000)], "communication-bound", "communication"),
+    ([("compute", 3000), ("exposed_comm", 2000)], "communication-bound", "communication"),
+    ([("compute", 3000), ("alltoall", 2000)], "communication-bound", "communication"),
+    ([("compute", 3000), ("copy", 2000)], "memory-bound", "memory"),
+    ([("compute", 3000), ("memcpy", 2000)], "memory-bound", "memory"),
+    ([("compute", 3000), ("sync", 2000)], "sync-bound", "sync"),
+])
+def test_each_cause_gets_its_verdict_and_cites_its_share(tmp_path: Path, segments, verdict,
+                                                         cause) -> None:
+    r = _run(tmp_path, gpu_trace(segments))
+    assert r["verdict"] == verdict, (r["causes"], r["evidence"])
+    lost = sum(d for k, d in segments if k != "compute")
+    # the share cited is the time lost over the device span (4 steps)
+    assert _share(r, cause) == pytest.approx(4 * lost / r["span_us"], abs=0.02)
+    assert f"{100 * _share(r, cause):.1f} %" in " ".join(r["evidence"])
+    assert r["platform"] == "cuda"
+    assert all("cuda_sync" in w for w in r["warnings"]) and bool(r["warnings"]) == (cause == "sync")
+
+
+def test_one_small_allreduce_does_not_turn_launch_gaps_into_communication(tmp_path: Path) -> None:
+    r = _run(tmp_path, gpu_trace([("compute", 2000), ("launch", 3000), ("exposed_comm", 50),
+                                  ("launch", 1000), ("compute", 200)]))
+    assert r["verdict"] == "cpu/launch-bound", r["evidence"]
+    assert _share(r, "communication") < 0.02
+
+
+def test_losses_each_under_threshold_are_reported_together(tmp_path: Path) -> None:
+    # 14 % input + 14.6 % launch + 14.4 % copies, 57 % compute: 43 % lost in all
+    r = _run(tmp_path, gpu_trace([("compute", 5700), ("input", 1400), ("launch", 1460),
+                                  ("memcpy", 1440)]))
+    assert r["verdict"] == "mixed", r["evidence"]
+    assert {c["cause"] for c in r["causes"]} >= {"input", "cpu/launch", "memory"}
+    assert all(c["share"] < 0.15 for c in r["causes"])
+    text = r["evidence"][0]
+    assert "input" in text and "host launch" in text and "memory copies" in text
+    assert {x.get("key") for x in r["remedies"]} >= {"data.num_workers", "compile.enabled"}
+
+
+def test_compute_bound_when_losses_are_small(tmp_path: Path) -> None:
+    r = _run(tmp_path, gpu_trace([("compute", 9000), ("launch", 300)]))
+    assert r["verdict"] == "compute-bound" and r["causes"] == [] or \
+        r["causes"][0]["share"] < 0.05
+
+
+def test_stragglers_are_the_rank_the_others_wait_for(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # 4 ranks; rank 2's data loader takes 22 ms per step, the others wait for it in NCCL
+    others = [("compute", 30_000), ("exposed_comm", 22_500)]
+    slow = [("input", 22_000), ("compute", 30_000), ("exposed_comm", 500)]
+    traces = [gpu_trace(slow if i == 2 else others, steps=2, rank=i, world=4) for i in range(4)]
+    paths = [t.write(tmp_path / f"rank{i}.json.gz") for i, t in enumerate(traces)]
+    r = analyze(paths)
+    assert r["across_ranks"]["straggler_rank"] == 2
+    assert r["verdict"] == "input-bound" and r["job_verdict"] == "communication-bound"
+    assert diagnose.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "VERDICT: input-bound (straggler rank 2" in out
+    assert out.count("  rank ") == 4 and "4 of 4 ranks" in out
+    # two ranks: the one that computes longer (135 vs 106 ms) is the straggler, not the waiter
+    a = gpu_trace([("compute", 135_000), ("exposed_comm", 1_000)], steps=2, rank=0, world=128)
+    b = gpu_trace([("compute", 106_000), ("exposed_comm", 30_000)], steps=2, rank=1, world=128)
+    r2 = analyze([a.write(tmp_path / "a_rank0.json.gz"), b.write(tmp_path / "b_rank1.json.gz")])
+    assert r2["across_ranks"]["straggler_rank"] == 0
+    assert r2["ranks"][1]["collective_ms_per_step"] > r2["ranks"][0]["collective_ms_per_step"]
+
+
+def test_no_straggler_when_ranks_are_even(tmp_path: Path) -> None:
+    traces = [gpu_trace([("compute", 3000), ("exposed_comm", 500)], rank=i, world=2)
+              for i in range(2)]
+    r = _run(tmp_path, *traces)
+    assert r["across_ranks"]["straggler_rank"] is None and "job_verdict" not in r
+
+
+def test_device_traces_are_never_cpu(tmp_path: Path) -> None:
+    mtia = gpu_trace([("compute", 3000), ("launch", 2000)])
+    for e in mtia.events:
+        if e["cat"] == "cuda_runtime":
+            e["cat"], e["name"] = "mtia_runtime", "mtiaLaunchKernel"
+    r = _run(tmp_path, mtia, name="mtia")
+    assert r["platform"] == "mtia" and r["breakdown"]
+    # a CUPTI range profile: counters per range, no kernel timeline
+    rp = cpu_trace([("op", 500), ("python", 100)])
+    rp.add("cuda_profiler_range", "range 0", 1000, 500)
+    r = _run(tmp_path, rp, name="range")
+    assert r["platform"] == "cuda" and r["verdict"] == "no kernel timing"
+    assert "no kernel timing" in r["note"] and not r["remedies"]
+
+
+def test_zero_length_device_trace_is_stated_not_called_compute_bound(tmp_path: Path) -> None:
+    t = gpu_trace([("compute", 3000)])
+    for e in t.events:
+        if e["cat"] == "kernel":
+            e["dur"] = 0
+    r = _run(tmp_path, t)
+    assert r["verdict"] == "no kernel timing"
+    assert any("zero length" in w for w in r["warnings"])
+
+
+@pytest.mark.parametrize("segments,verdict", [
+    ([("op", 9900), ("python", 100)], "compute-bound"),      # a plain loop of matmuls
+    ([("op", 3000), ("data", 6000), ("python", 100)], "input-bound"),
+    ([("op", 3000), ("python", 6000)], "overhead-bound"),
+    ([("op", 3000), ("mpi", 6000)], "communication-bound"),  # MPI ranges are communication
+])
+def test_cpu_only_traces_on_their_own_terms(tmp_path: Path, segments, verdict) -> None:
+    r = _run(tmp_path, cpu_trace(segments))
+    assert r["platform"] == "cpu" and r["verdict"] == verdict, r["evidence"]
+    assert "launch" not in " ".join(r["evidence"])
+
+
+def test_pitfall_warnings(tmp_path: Path) -> None:
+    r = _run(tmp_path, gpu_trace([("compute", 3000)], markers=False), name="nomark")
+    assert any("no ProfilerStep markers" in w for w in r["warnings"])
+    r = _run(tmp_path, gpu_trace([("compute", 3000)], first_step_extra=20_000), name="warm")
+    assert any("warm-up" in w for w in r["warnings"])
+    r = _run(tmp_path, gpu_trace([("compute", 3000), ("sync", 2000)]), name="sync")
+    assert any("cuda_sync" in w for w in r["warnings"])
+    mixed = _run(tmp_path, gpu_trace([("compute", 3000)], rank=0, world=2),
+                 cpu_trace([("op", 3000)], rank=1, world=4), name="mixed")
+    text = " ".join(mixed["warnings"])
+    assert "device types" in text and "world sizes" in text
+
+
+def test_other_profiler_files_get_a_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    timeline = tmp_path / "memory_timeline.raw.json"
+    timeline.write_text(json.dumps([[1, 0, 1024, 0], [2, 0, 2048, 4]]))
+    assert diagnose.main([str(timeline)]) == 2
+    assert "--memory-timeline" in capsys.readouterr().err
+    et = tmp_path / "et.json"
+    et.write_text(json.dumps({"schema": "1.0.1", "nodes": []}))
+    assert diagnose.main([str(et)]) == 2
+    assert "execution trace" in capsys.readouterr().err
+
+
+TIMELINE = Path("/work/shared/fixtures/traces/memory_timeline.raw.gz")
+
+
+@pytest.mark.skipif(not TIMELINE.exists(), reason="shared fixtures not present")
+def test_profile_folder_reads_memory_timeline_and_against_shows_memory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run" / "profile"
+    (run / "traces").mkdir(parents=True)
+    gpu_trace([("compute", 3000), ("launch", 500)]).write(
+        run / "traces" / "rank0.step5.pt.trace.json.gz")
+    (run / "memory_timeline_rank0.raw.json.gz").write_bytes(TIMELINE.read_bytes())
+    other = gpu_trace([("compute", 6000), ("launch", 500)]).write(tmp_path / "other.json.gz")
+    assert diagnose.main([str(run), "--json", "--against", str(other)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["memory"]["source"].startswith("memory timeline")
+    assert r["memory"]["at_peak"]["activation"] > 2e9
+    mem = r["against"]["memory"]
+    assert mem["peak_bytes"] == pytest.approx(r["memory"]["peak_allocated_bytes"])
+    assert mem["at_peak"]["activation"]["other_bytes"] == 0.0
+    assert diagnose.main([str(run), "--against", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "peak memory" in out and "activation" in out
+
+
+def test_remedies_already_in_effect_are_not_proposed(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from scaletrain.profiling.verdict import remedies
+
+    cfg = SimpleNamespace(precision=SimpleNamespace(dtype="auto"),
+                          compile=SimpleNamespace(enabled=False),
+                          training=SimpleNamespace(micro_batch_size=4),
+                          data=SimpleNamespace(num_workers=8, prefetch_factor=2,
+                                               pin_memory=False))
+    keys = {x.get("key") for x in remedies("compute-bound", {"platform": "cuda"}, cfg)}
+    assert "precision.dtype" not in keys and "compile.enabled" in keys  # auto is bf16 on GPU
+    keys = {x.get("key") for x in remedies("input-bound", {"platform": "cuda"}, cfg)}
+    assert "data.num_workers" not in keys and "data.prefetch_factor" in keys  # 8 >= 4
+
+
+def test_html_report_has_plots(tmp_path: Path) -> None:
+    pytest.importorskip("plotly")
+    traces = [gpu_trace([("compute", 3000), ("exposed_comm", 500 + 2000 * (i == 0))],
+                        rank=i, world=2) for i in range(2)]
+    html = tmp_path / "r.html"
+    paths = [t.write(tmp_path / f"rank{i}.json.gz") for i, t in enumerate(traces)]
+    assert diagnose.main([*map(str, paths), "--html", str(html)]) == 0
+    text = html.read_text()
+    for title in ("Per-step breakdown", "Time breakdown per rank", "Own work and collectives"):
+        assert title in text
+    assert "plotly" in text.lower()

@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.profiling import cpu, gpu, memory, verdict, warnings
-from scaletrain.profiling import intervals
+from scaletrain.profiling import cpu, gpu, intervals, memory, verdict, warnings
 from scaletrain.profiling.trace import Trace, load
 
 log = logging.getLogger("scaletrain.profiling")

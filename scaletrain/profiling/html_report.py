@@ -83,10 +83,9 @@ def _figures(r: dict[str, Any]) -> list[tuple[str, Any]]:
     tops = r.get("top_kernels") or []
     if tops:
         fig = go.Figure(go.Bar(
-            y=[f"{i + 1}. {_short(k['name'])}" for i, k in enumerate(tops)][::-1], x=[100 * k["share"] for k in tops][::-1],
-            orientation="h", marker_color=[COLORS["communication" if k.get("kind") ==
-                                                  "communication" else "compute"]
-                                           for k in tops][::-1]))
+            y=[f"{i + 1}. {_short(k['name'])}" for i, k in enumerate(tops)][::-1],
+            x=[100 * k["share"] for k in tops][::-1],
+            orientation="h", marker_color=[COLORS[_kind(k)] for k in tops][::-1]))
         fig.update_layout(height=120 + 24 * len(tops), xaxis_title="% of kernel time",
                           margin={"l": 420})
         out.append(("Top kernels", fig))
@@ -117,6 +116,10 @@ def _memory(m: dict[str, Any], go: Any) -> Any:
 
 
 _LEGEND = {"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0}
+
+
+def _kind(kernel: dict[str, Any]) -> str:
+    return "communication" if kernel.get("kind") == "communication" else "compute"
 
 
 def _rows(n: int) -> int:

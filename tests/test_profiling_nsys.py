@@ -120,3 +120,27 @@ def test_nsys_errors(tmp_path: Path) -> None:
     rep.write_bytes(b"\0" * 32)
     with pytest.raises(TraceError, match="nsys export --type sqlite"):
         load(rep)
+
+
+def test_nsys_export_of_two_gpus_is_two_timelines(tmp_path: Path) -> None:
+    """The same work recorded on deviceId 1 (new correlation ids, same times): merged into
+    one timeline it would look like overlapped kernels; per device it is two equal ranks."""
+    path = build(tmp_path / "two.sqlite")
+    db = sqlite3.connect(path)
+    shift = 1_000_000
+    db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME SELECT start, end, eventClass, "
+               f"globalTid + 1, correlationId + {shift}, nameId, returnValue, callchainId "
+               "FROM CUPTI_ACTIVITY_KIND_RUNTIME")
+    for table in ("KERNEL", "MEMCPY", "MEMSET"):
+        cols = [r[1] for r in db.execute(f"PRAGMA table_info(CUPTI_ACTIVITY_KIND_{table})")]
+        sel = ", ".join("1" if c == "deviceId" else f"correlationId + {shift}"
+                        if c == "correlationId" else c for c in cols)
+        db.execute(f"INSERT INTO CUPTI_ACTIVITY_KIND_{table} SELECT {sel} "
+                   f"FROM CUPTI_ACTIVITY_KIND_{table}")
+    db.commit()
+    db.close()
+    one = analyze([build(tmp_path / "one.sqlite")])
+    two = analyze([path])
+    assert [r["rank"] for r in two["ranks"]] == [0, 1]
+    for r in two["ranks"]:
+        assert r["breakdown"] == pytest.approx(one["breakdown"])

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from scaletrain.profiling import cpu, gpu, intervals, memory, verdict, warnings
-from scaletrain.profiling.trace import Trace, load
+from scaletrain.profiling.trace import Trace, load_all
 
 log = logging.getLogger("scaletrain.profiling")
 
@@ -76,7 +76,7 @@ def analyze(paths: list[str | Path],
     traces = []
     for i, p in enumerate(paths):
         log.debug("reading %s", p)
-        traces.append(load(p, rank=i, time_unit=time_unit))
+        traces.extend(load_all(p, rank=i, time_unit=time_unit))
     if len({t.rank for t in traces}) < len(traces):
         log.warning("traces share rank numbers; numbering them by their order on the command line")
         for i, t in enumerate(traces):

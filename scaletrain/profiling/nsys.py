@@ -14,11 +14,16 @@ Missing tables are treated as empty; a file without any CUDA activity table is r
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from scaletrain.profiling.trace import Spans, Trace, TraceError, assemble
+
+log = logging.getLogger("scaletrain.profiling")
 
 # CUpti_ActivityMemcpyKind -> the names Kineto uses, so memory ops classify the same way.
 _COPY_KIND = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
@@ -39,6 +44,13 @@ def _rows(db: sqlite3.Connection, table: str, cols: list[str]) -> list[tuple[Any
 
 
 def load_nsys(path: str | Path, rank: int = 0) -> Trace:
+    """The export as one trace (the first device's when it recorded several GPUs)."""
+    return load_nsys_devices(path, rank)[0]
+
+
+def load_nsys_devices(path: str | Path, rank: int = 0) -> list[Trace]:
+    """One trace per GPU (`deviceId`) of the export: one process can drive several GPUs, or
+    one report can hold several ranks; merged, their kernels would look overlapped."""
     p = Path(path)
     try:
         db = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
@@ -59,8 +71,9 @@ def load_nsys(path: str | Path, rank: int = 0) -> Trace:
         db.close()
 
 
-def _read(db: sqlite3.Connection, p: Path, rank: int, strings: dict[int, str]) -> Trace:
+def _read(db: sqlite3.Connection, p: Path, rank: int, strings: dict[int, str]) -> list[Trace]:
     gpu: tuple[list, ...] = ([], [], [], [], [], [])
+    device: list[int] = []
 
     def add(c: tuple[list, ...], name: str, start: int, end: int, tid: int, corr: Any,
             stream: Any) -> None:
@@ -71,18 +84,23 @@ def _read(db: sqlite3.Connection, p: Path, rank: int, strings: dict[int, str]) -
         c[4].append(-1 if corr is None else int(corr))
         c[5].append(-1 if stream is None else int(stream))
 
-    for start, end, stream, corr, dem, short in _rows(
+    for start, end, stream, corr, dem, short, dev in _rows(
             db, "CUPTI_ACTIVITY_KIND_KERNEL",
-            ["start", "end", "streamId", "correlationId", "demangledName", "shortName"]):
+            ["start", "end", "streamId", "correlationId", "demangledName", "shortName",
+             "deviceId"]):
         name = strings.get(dem) or strings.get(short) or f"kernel#{dem}"
         add(gpu, name, start, end, -1, corr, stream)
-    for start, end, stream, corr, kind in _rows(
+        device.append(dev or 0)
+    for start, end, stream, corr, kind, dev in _rows(
             db, "CUPTI_ACTIVITY_KIND_MEMCPY",
-            ["start", "end", "streamId", "correlationId", "copyKind"]):
+            ["start", "end", "streamId", "correlationId", "copyKind", "deviceId"]):
         add(gpu, f"Memcpy {_COPY_KIND.get(kind, 'Unknown')}", start, end, -1, corr, stream)
-    for start, end, stream, corr in _rows(db, "CUPTI_ACTIVITY_KIND_MEMSET",
-                                          ["start", "end", "streamId", "correlationId"]):
+        device.append(dev or 0)
+    for start, end, stream, corr, dev in _rows(
+            db, "CUPTI_ACTIVITY_KIND_MEMSET",
+            ["start", "end", "streamId", "correlationId", "deviceId"]):
         add(gpu, "Memset (Device)", start, end, -1, corr, stream)
+        device.append(dev or 0)
     rt: tuple[list, ...] = ([], [], [], [], [], [])
     for start, end, gtid, corr, name_id in _rows(
             db, "CUPTI_ACTIVITY_KIND_RUNTIME",
@@ -99,5 +117,19 @@ def _read(db: sqlite3.Connection, p: Path, rank: int, strings: dict[int, str]) -
     gpus = _rows(db, "TARGET_INFO_GPU", ["name", "totalMemory"])
     if gpus:
         meta["deviceProperties"] = [{"name": gpus[0][0], "totalGlobalMem": gpus[0][1]}]
-    return assemble(str(p), meta, rank, "ns", *(Spans.from_columns(c) for c in (gpu, rt, cpu)),
-                    memory=[])
+    g, r, c = (Spans.from_columns(x) for x in (gpu, rt, cpu))
+    devices = sorted(set(device))
+    if len(devices) <= 1:
+        return [assemble(str(p), meta, rank, "ns", g, r, c, memory=[])]
+    log.warning("%s: %d GPUs (deviceId %s); analysed as one trace each", p, len(devices),
+                ", ".join(map(str, devices)))
+    dev = np.asarray(device)
+    out = []
+    for d in devices:
+        gd = g.take(dev == d)
+        rd = r.take(np.isin(r.corr, gd.corr))
+        mine = np.isin(c.tid, np.unique(rd.tid))  # NVTX ranges of the threads that launched
+        cd = c.take(mine) if mine.any() else c
+        t = assemble(f"{p}#device{d}", meta, d, "ns", gd, rd, cd, memory=[])
+        out.append(t)
+    return out

@@ -352,6 +352,18 @@ def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans
     )
 
 
+def load_all(path: str | Path, rank: int = 0, time_unit: str = "auto") -> list[Trace]:
+    """Like `load`, but an nsys export that recorded several GPUs gives one trace per GPU."""
+    p = Path(path)
+    if p.is_file():
+        with p.open("rb") as f:
+            if f.read(16).startswith(b"SQLite format 3"):
+                from scaletrain.profiling.nsys import load_nsys_devices
+
+                return load_nsys_devices(p, rank=rank)
+    return [load(p, rank=rank, time_unit=time_unit)]
+
+
 def load(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Trace:
     """A Kineto Chrome trace (.json / .json.gz) or an Nsight Systems SQLite export."""
     p = Path(path)

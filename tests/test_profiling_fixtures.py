@@ -209,3 +209,28 @@ def test_damaged_files_give_clear_errors(tmp_path: Path,
     assert "cut.json.gz" in capsys.readouterr().err
     with pytest.raises(TraceError, match="no such file"):
         load(tmp_path / "missing.json")
+
+
+HTA_RUN = Path(__file__).resolve().parents[1] / "bench" / "results" / "diagnose_cpu.json"
+
+
+@pytest.mark.parametrize("name", list(HTA))
+def test_within_005_pp_of_htas_own_output(reports: dict[str, dict], name: str) -> None:
+    """HTA's figures as HTA 0.5 computed them on these files (bench/diagnose_cpu.py records
+    them): the shares both tools define the same way stay within 0.05 percentage points."""
+    rows = json.loads(HTA_RUN.read_text())["figures"][name]["rows"]
+    r = reports[name]
+    b = r["breakdown"]
+    ours = {"idle": b["idle"], "compute": b["compute"],
+            "non_compute": b["communication"] + b["memory"],
+            **{f"kernel_time_by_kind.{k}": v for k, v in r["kernel_time_by_kind"].items()}}
+    main = json.loads(HTA_RUN.read_text())["figures"][name].get("main_stream")
+    stream = next((s for s in r["idle_by_stream"] if s["stream"] == main), None)
+    if stream:
+        ours |= {f"idle_main_stream.{k}": stream[k] for k in ("host_wait", "kernel_wait", "other")}
+    compared = 0
+    for key, row in rows.items():
+        if key in ours and row.get("hta") is not None:
+            assert 100 * ours[key] == pytest.approx(row["hta"], abs=0.05), key
+            compared += 1
+    assert compared >= 5

@@ -7,6 +7,7 @@ other on the device (or, for CPU-only traces, on the main thread):
 - alltoall: an all-to-all kernel of an MoE dispatch library, likewise alone;
 - memcpy: a device-to-device copy, alone;
 - launch: an idle gap ended by a kernel the host launched only just before it ran;
+- mpi: the same gap while the host is inside an MPI_Allreduce range (a host-side collective);
 - input: an idle gap while the host is in a DataLoader range, ended by a late launch;
 - collective / copy / sync: an idle gap ended by work queued long before, held behind a
   collective (the next work is an all-reduce), a blocking copy call on the host
@@ -78,7 +79,9 @@ def gpu_trace(segments: list[Segment], steps: int = 4, rank: int = 0, world: int
             elif kind == "memcpy":
                 t.device_op("Memcpy DtoD (Device -> Device)", now + 10, d, launch=start,
                             cat="gpu_memcpy", api="cudaMemcpyAsync")
-            elif kind in ("launch", "input"):
+            elif kind in ("launch", "input", "mpi"):
+                if kind == "mpi":
+                    t.add("user_annotation", "MPI_Allreduce", now + 10, d - 10)
                 if kind == "input":
                     t.add("user_annotation", "enumerate(DataLoader)#_MultiProcessingDataLoaderIter"
                           ".__next__", now + 10, d - 10)

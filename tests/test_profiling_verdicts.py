@@ -29,6 +29,7 @@ def _share(r: dict, cause: str) -> float:
     ([("compute", 3000), ("collective", 2000)], "communication-bound", "communication"),
     ([("compute", 3000), ("exposed_comm", 2000)], "communication-bound", "communication"),
     ([("compute", 3000), ("alltoall", 2000)], "communication-bound", "communication"),
+    ([("compute", 3000), ("mpi", 2000)], "communication-bound", "communication"),
     ([("compute", 3000), ("copy", 2000)], "memory-bound", "memory"),
     ([("compute", 3000), ("memcpy", 2000)], "memory-bound", "memory"),
     ([("compute", 3000), ("sync", 2000)], "sync-bound", "sync"),

@@ -40,7 +40,8 @@ def analyze_trace(trace: Trace, top: int = 15) -> dict[str, Any]:
         b = gpu.breakdown(trace)
         r.update(b)
         r["idle_breakdown"] = gpu.idle_breakdown(trace)
-        r["idle_causes"] = gpu.idle_causes(trace, cpu.ranges(trace, cpu.PHASES["data"]))
+        r["idle_causes"] = gpu.idle_causes(trace, cpu.ranges(trace, cpu.PHASES["data"]),
+                                           cpu.ranges(trace, cpu.HOST_COMM_RE))
         r["idle_by_stream"] = gpu.idle_by_stream(trace)
         r["top_kernels"], r["kernels_summary"] = gpu.top_kernels(trace, top)
         r["launch"] = gpu.launches(trace)

@@ -29,6 +29,8 @@ PHASES: dict[str, re.Pattern[str]] = {
 }
 COMM_RE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):|^c10d::|^record_param_comms|^scaletrain/comm|"
                      r"^MPI_|^mpi_")
+# Collectives that run on the host (the host is held until they finish): MPI, gloo.
+HOST_COMM_RE = re.compile(r"^MPI_|^mpi_|^(mpi|gloo):")
 _STEP_RE = re.compile(r"^(?:ProfilerStep|scaletrain/step)\s*#")
 
 Ranges = tuple[np.ndarray, np.ndarray]

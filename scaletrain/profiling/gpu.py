@@ -220,7 +220,8 @@ IDLE_CAUSES = ("input", "host_launch", "blocked_collective", "blocked_copy", "bl
                "blocked_other")
 
 
-def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
+                host_comm: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
     """What the device waited on in each GPU-wide gap, as shares of the span.
 
     - input: the part of a gap during which the CPU was in a data-loading range;
@@ -229,6 +230,8 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray]) -> dict[str, 
     - blocked_*: the next activity was already queued when the gap began, so something else
       held it: `sync` when a stream/event wait overlaps the gap, else `collective` when that
       activity is a communication kernel, `copy` when it is a memory copy/set, else `other`.
+    A gap the host spent mostly inside a host-side collective (`host_comm`: MPI_*, gloo
+    ranges) is `blocked_collective` whatever launched next: the host was held by the collective.
     Gaps whose next activity has no known launch call are `blocked_other`."""
     g = trace.gpu
     out: dict[str, Any] = dict.fromkeys(IDLE_CAUSES, 0.0)
@@ -248,9 +251,12 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray]) -> dict[str, 
     sync_s, sync_e = _call_ranges(trace, _SYNC_CALL_RE, with_sync_events=True)
     sync_part = _covered(intervals.merge(sync_s, sync_e), a, b)
     copy_part = _covered(intervals.merge(*_call_ranges(trace, _COPY_CALL_RE)), a, b)
-    host = launch[nxt] > a
-    short = (b - a) < KERNEL_WAIT_US
-    queued = ~host & ~short & ~np.isnan(launch[nxt])
+    in_comm = np.zeros(len(a), dtype=bool)
+    if host_comm is not None and len(host_comm[0]):
+        in_comm = _covered(intervals.merge(*host_comm), a, b) >= 0.5 * (b - a)
+    host = (launch[nxt] > a) & ~in_comm
+    short = ((b - a) < KERNEL_WAIT_US) & ~in_comm
+    queued = ~host & ~short & ~np.isnan(launch[nxt]) & ~in_comm
     host_copy = queued & (copy_part >= 0.5 * (b - a))
     is_sync = queued & ~host_copy & (sync_part >= 0.5 * (b - a))
     comm = queued & ~host_copy & ~is_sync & (kind[nxt] == COMM)
@@ -258,9 +264,10 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray]) -> dict[str, 
     out["input"] = float(data_part.sum())
     out["host_launch"] = float(rest[host | short].sum())
     out["blocked_sync"] = float(rest[is_sync].sum())
-    out["blocked_collective"] = float(rest[comm].sum())
+    out["blocked_collective"] = float(rest[comm | in_comm].sum())
     out["blocked_copy"] = float(rest[copy].sum())
-    out["blocked_other"] = float(rest[~host & ~short & ~is_sync & ~comm & ~copy].sum())
+    out["blocked_other"] = float(rest[~host & ~short & ~is_sync & ~comm & ~copy
+                                      & ~in_comm].sum())
     return {k: v / span if span > 0 else 0.0 for k, v in out.items()}
 
 

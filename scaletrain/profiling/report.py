@@ -45,13 +45,18 @@ def terminal(r: dict[str, Any]) -> str:
         what = "CPU step time" if r.get("platform") == "cpu" else "GPU time"
         span = r.get("span_us")
         lines.append(f"{what}" + (f" over {span / 1e3:.1f} ms:" if span else ":"))
-        lines.append("  " + "  ".join(f"{k} {pct(b[k])}" for k in _CATS))
+        if r.get("platform") == "cpu" and r.get("overhead") is not None:
+            lines.append(f"  operators {pct(b['compute'])}  communication "
+                         f"{pct(b['communication'])}  input {pct(r.get('input_wait'))}  "
+                         f"Python/framework overhead {pct(r['overhead'])}")
+        else:
+            lines.append("  " + "  ".join(f"{k} {pct(b[k])}" for k in _CATS))
     ic = r.get("idle_causes")
     if ic and b:
         lines.append("  device idle by cause (share of GPU time): " + "  ".join(
             f"{k.replace('_', ' ')} {pct(v).strip()}" for k, v in ic.items() if v >= 0.0005))
     ib = r.get("idle_breakdown")
-    if ib:
+    if ib and r.get("platform") != "cpu":
         lines.append("  idle: " + "  ".join(f"{k.replace('_', ' ')} {pct(v)}"
                                             for k, v in ib.items()))
     if r.get("overlap") is not None:

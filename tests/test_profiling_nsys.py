@@ -144,3 +144,14 @@ def test_nsys_export_of_two_gpus_is_two_timelines(tmp_path: Path) -> None:
     assert [r["rank"] for r in two["ranks"]] == [0, 1]
     for r in two["ranks"]:
         assert r["breakdown"] == pytest.approx(one["breakdown"])
+
+
+def test_nsys_export_without_kernel_rows_is_a_device_job(tmp_path: Path) -> None:
+    path = build(tmp_path / "calls.sqlite")
+    db = sqlite3.connect(path)
+    for table in ("KERNEL", "MEMCPY", "MEMSET"):
+        db.execute(f"DELETE FROM CUPTI_ACTIVITY_KIND_{table}")
+    db.commit()
+    db.close()
+    r = analyze([path])
+    assert r["platform"] == "cuda" and r["verdict"] == "no kernel timing"

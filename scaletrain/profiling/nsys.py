@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.profiling.trace import Spans, Trace, TraceError, assemble
+from scaletrain.profiling.trace import Spans, Trace, TraceError, assemble, device_facts
 
 log = logging.getLogger("scaletrain.profiling")
 
@@ -120,7 +120,11 @@ def _read(db: sqlite3.Connection, p: Path, rank: int, strings: dict[int, str]) -
     g, r, c = (Spans.from_columns(x) for x in (gpu, rt, cpu))
     devices = sorted(set(device))
     if len(devices) <= 1:
-        return [assemble(str(p), meta, rank, "ns", g, r, c, memory=[])]
+        t = assemble(str(p), meta, rank, "ns", g, r, c, memory=[])
+        if len(r):  # CUDA calls were traced: a device job, with or without kernel rows
+            t.device_cats = ("cuda_runtime",)
+            device_facts(t, meta)
+        return [t]
     log.warning("%s: %d GPUs (deviceId %s); analysed as one trace each", p, len(devices),
                 ", ".join(map(str, devices)))
     dev = np.asarray(device)

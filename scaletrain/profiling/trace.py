@@ -255,7 +255,7 @@ def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Tra
     t = assemble(str(path), meta, _rank_of(meta, path, rank), unit, gpu, rt, cpu, memory)
     t.syncs = sync
     t.device_cats = tuple(sorted(seen))
-    _device_facts(t, meta)
+    device_facts(t, meta)
     return t
 
 
@@ -274,7 +274,7 @@ def _refuse_other_profiler_files(path: Path, data: Any) -> None:
                          "with it instead")
 
 
-def _device_facts(t: Trace, meta: dict[str, Any]) -> None:
+def device_facts(t: Trace, meta: dict[str, Any]) -> None:
     """The device kind from device events, runtime calls and device properties: a job that
     ran on a device is never called 'cpu', even when its trace holds no kernel timing."""
     kinds = [_DEVICE_CATS[c] for c in t.device_cats if c in _DEVICE_CATS]

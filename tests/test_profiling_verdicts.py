@@ -173,11 +173,15 @@ def test_profile_folder_reads_memory_timeline_and_against_shows_memory(
     gpu_trace([("compute", 3000), ("launch", 500)]).write(
         run / "traces" / "rank0.step5.pt.trace.json.gz")
     (run / "memory_timeline_rank0.raw.json.gz").write_bytes(TIMELINE.read_bytes())
+    (run / "oom_rank0.json").write_text(json.dumps({
+        "step": 7, "snapshot": str(run / "oom_snapshot_rank0.pickle"),
+        "max_reserved_bytes": 79 * 2**30, "device_total_bytes": 80 * 2**30}))
     other = gpu_trace([("compute", 6000), ("launch", 500)]).write(tmp_path / "other.json.gz")
     assert diagnose.main([str(run), "--json", "--against", str(other)]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["memory"]["source"].startswith("memory timeline")
     assert r["memory"]["at_peak"]["activation"] > 2e9
+    assert any("out of memory at step 7" in w for w in r["warnings"])
     mem = r["against"]["memory"]
     assert mem["peak_bytes"] == pytest.approx(r["memory"]["peak_allocated_bytes"])
     assert mem["at_peak"]["activation"]["other_bytes"] == 0.0

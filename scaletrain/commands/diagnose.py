@@ -65,6 +65,39 @@ def timelines(paths: list[str]) -> dict[int, str]:
     return out
 
 
+def oom_reports(paths: list[str]) -> list[dict]:
+    """The out-of-memory summaries (`oom_rank{R}.json`, plain JSON; the allocator snapshot
+    beside it is a pickle and is never opened here) of the profile folders given."""
+    import json
+
+    out = []
+    for p in map(Path, paths):
+        folder = p.parent if p.name == "traces" else p
+        for f in sorted(folder.glob("oom_rank*.json")) if p.is_dir() else []:
+            try:
+                info = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict):
+                out.append({"file": str(f), **info})
+    return out
+
+
+def _add_ooms(result: dict, ooms: list[dict]) -> None:
+    if not ooms:
+        return
+    result["oom"] = ooms
+    result.setdefault("warnings", [])
+    for o in ooms:
+        peak = o.get("max_reserved_bytes")
+        result["warnings"].append(
+            f"{Path(o['file']).name}: out of memory at step {o.get('step')}"
+            + (f" ({peak / 2**30:.2f} GiB reserved of {o['device_total_bytes'] / 2**30:.2f})"
+               if peak and o.get("device_total_bytes") else "")
+            + (f"; allocator snapshot {o['snapshot']} (open at pytorch.org/memory_viz)"
+               if o.get("snapshot") else ""))
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from scaletrain.profiling import compare, report
@@ -74,6 +107,7 @@ def main(argv: list[str]) -> int:
         result = analyze(expand(args.traces),
                          memory_timeline=args.memory_timeline or timelines(args.traces) or None,
                          time_unit=args.time_unit, top=args.top)
+        _add_ooms(result, oom_reports(args.traces))
         if args.against:
             other = analyze(expand(args.against), memory_timeline=timelines(args.against)
                             or None, time_unit=args.time_unit, top=max(args.top, 50))

@@ -11,6 +11,7 @@ and refuses non-finite state; non-finite state is never saved.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
@@ -227,11 +228,14 @@ class Checkpointer:
         meta = native_format.read_meta(path)  # clear error when missing or garbled
         saved_args = ModelArgs.from_dict(meta["model_args"])
         if saved_args != self.model_args:
+            diff = ", ".join(
+                f"{f.name} {getattr(saved_args, f.name)} (checkpoint) vs "
+                f"{getattr(self.model_args, f.name)} (this run)"
+                for f in dataclasses.fields(saved_args)
+                if getattr(saved_args, f.name) != getattr(self.model_args, f.name))
             raise CheckpointError(
-                f"{path}: checkpoint was written for a different model ({saved_args}); "
-                f"this run builds {self.model_args}: resume with the model settings it was "
-                "saved with"
-            )
+                f"{path / native_format.META_NAME} describes a different model than this run "
+                f"builds ({diff}): resume with the model settings it was saved with")
         if hasattr(optimizer, "init_state"):
             optimizer.init_state()
         state = self._state(model, optimizer, {**extra, "step": 0})

@@ -16,10 +16,12 @@ with `torch.load(weights_only=False)`: a hostile checkpoint could run code on lo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import pickle
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,12 +193,29 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
+@contextlib.contextmanager
+def _quiet_dcp_logger() -> Iterator[None]:
+    """DCP logs every failed load with its traceback; the failure is reported once, by us."""
+    try:
+        from torch.distributed.checkpoint.logger import _dcp_logger as dcp_log
+    except ImportError:  # another torch version: nothing to silence
+        yield
+        return
+    before = dcp_log.disabled
+    dcp_log.disabled = True
+    try:
+        yield
+    finally:
+        dcp_log.disabled = before
+
+
 def load_dcp(state: dict[str, Any], directory: str | Path, no_dist: bool = False,
              remedy: str = DAMAGED) -> None:
     """`dcp.load(state)` from `directory` in place, safely; failures -> one CheckpointError."""
     directory = Path(directory)
+    read_metadata(directory)  # refuse bad metadata before DCP logs its fallbacks
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_dcp_logger():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
             dcp.load(state, checkpoint_id=directory, no_dist=no_dist,

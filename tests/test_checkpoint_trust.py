@@ -283,6 +283,26 @@ def test_finetune_pins_the_exact_base_checkpoint(good_run: Path, cache: Path, tm
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--allow-base-mismatch" in err[0] and "finetune.json" in err[0]
     assert main([*gen, "--allow-base-mismatch"]) == 0
+    # Resuming the LoRA run on the changed base is refused too.
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--output", str(ft),
+                 "--method", "lora", "--training.steps", "3", "--data.seq_len", "64",
+                 "--checkpoint.resume", "true", "--metrics.tensorboard", "false",
+                 "--metrics.progress_bar", "false"]) == 2
+    assert "allow_base_mismatch" in capfd.readouterr().err
+
+
+def test_hf_base_fingerprint_follows_its_files(good_run: Path, tmp_path: Path) -> None:
+    from scaletrain.train.integrity import checkpoint_fingerprint
+
+    hf = tmp_path / "hf"
+    assert main(["convert", str(good_run), str(hf), "--to", "hf"]) == 0
+    first = checkpoint_fingerprint(hf)
+    assert first == checkpoint_fingerprint(hf) and first.startswith("xxh3_128-files:")
+    weights = hf / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(8)
+    weights.write_bytes(bytes(data))
+    assert checkpoint_fingerprint(hf) != first
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o077])

@@ -191,25 +191,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def nonfinite_entries(tree: Any, prefix: str = "") -> list[tuple[str, int, int]]:
-    """(name, non-finite count, size) of every floating tensor in a nested state dict that
-    holds NaN or infinite values (for DTensors: in this rank's shard)."""
-    found: list[tuple[str, int, int]] = []
+def _float_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(tree, torch.Tensor):
         t = _local(tree)
-        if t.is_floating_point() or t.is_complex():
-            if t.device.type == "meta" or t.numel() == 0:
-                return found
-            bad = int((~torch.isfinite(t.detach())).sum())
-            if bad:
-                found.append((prefix, bad, t.numel()))
+        if (t.is_floating_point() or t.is_complex()) and t.device.type != "meta" and t.numel():
+            yield prefix, t.detach()
     elif isinstance(tree, dict):
         for k, v in tree.items():
-            found += nonfinite_entries(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _float_tensors(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            found += nonfinite_entries(v, f"{prefix}.{i}" if prefix else str(i))
-    return found
+            yield from _float_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def nonfinite_entries(tree: Any, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(name, non-finite count, size) of every floating tensor in a nested state dict that
+    holds NaN or infinite values (for DTensors: in this rank's shard). One host sync per
+    device, not one per tensor."""
+    named = list(_float_tensors(tree, prefix))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    counts = [0] * len(named)
+    for idx in by_device.values():
+        found = torch.stack([(~torch.isfinite(named[i][1])).sum() for i in idx]).tolist()
+        for i, c in zip(idx, found):
+            counts[i] = int(c)
+    return [(name, c, t.numel()) for (name, t), c in zip(named, counts) if c]
 
 
 def describe_nonfinite(found: list[tuple[str, int, int]]) -> str:

@@ -317,3 +317,19 @@ def test_convert_output_honours_umask(good_run: Path, tmp_path: Path, mask: int)
                 assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f
     finally:
         os.umask(old)
+
+
+def test_hash_benchmark_reports_its_rows(tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "checkpoint_hash_cpu.py"
+    spec = importlib.util.spec_from_file_location("bench_checkpoint_hash_cpu", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    result = bench.main(["--mb", "20", "--dim", "256", "--repeats", "1", "--dir", str(tmp_path), "--out",
+                         str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["hash_mb_per_s"] > 0 and result["load_verify_on_s"] > 0
+    assert not list(tmp_path.glob("ckpt-hash-*"))  # cleaned up

@@ -328,8 +328,8 @@ def test_hash_benchmark_reports_its_rows(tmp_path: Path) -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
-    result = bench.main(["--mb", "20", "--dim", "256", "--repeats", "1", "--dir", str(tmp_path), "--out",
-                         str(out)])
+    result = bench.main(["--mb", "20", "--dim", "256", "--repeats", "1", "--dir",
+                         str(tmp_path), "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert result["hash_mb_per_s"] > 0 and result["load_verify_on_s"] > 0
     assert not list(tmp_path.glob("ckpt-hash-*"))  # cleaned up

@@ -333,3 +333,20 @@ def test_hash_benchmark_reports_its_rows(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
     assert result["hash_mb_per_s"] > 0 and result["load_verify_on_s"] > 0
     assert not list(tmp_path.glob("ckpt-hash-*"))  # cleaned up
+
+
+def test_trust_flags_reach_worker_threads_and_are_restored() -> None:
+    import argparse
+    import threading
+
+    from scaletrain.commands._checkpoint_flags import trust_settings
+    from scaletrain.train.integrity import verification_enabled
+
+    seen: list[bool] = []
+    with trust_settings(argparse.Namespace(no_verify=True, allow_base_mismatch=False)):
+        worker = threading.Thread(target=lambda: seen.append(verification_enabled()))
+        worker.start()
+        worker.join()
+        assert not verification_enabled()
+    assert seen == [False]
+    assert verification_enabled()

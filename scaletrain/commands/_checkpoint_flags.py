@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Iterator
 
 
@@ -18,10 +19,22 @@ def add_trust_flags(parser: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def trust_settings(args: argparse.Namespace) -> Iterator[None]:
-    """The flags of `add_trust_flags` in force for the loads inside the block."""
-    from scaletrain.finetune.base_pin import base_mismatch_allowed
-    from scaletrain.train.integrity import verification
+    """The flags of `add_trust_flags` in force for the loads inside the block, in this thread
+    and (through the environment) in the worker threads and processes the verb starts."""
+    from scaletrain.finetune.base_pin import ALLOW_ENV, base_mismatch_allowed
+    from scaletrain.train.integrity import VERIFY_ENV, verification
 
-    with verification(False if args.no_verify else None), \
-            base_mismatch_allowed(args.allow_base_mismatch):
-        yield
+    env = {VERIFY_ENV: "0" if args.no_verify else None,
+           ALLOW_ENV: "1" if args.allow_base_mismatch else None}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v is not None})
+    try:
+        with verification(False if args.no_verify else None), \
+                base_mismatch_allowed(True if args.allow_base_mismatch else None):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,14 @@ from scaletrain.train.integrity import checkpoint_fingerprint
 
 log = logging.getLogger("scaletrain.finetune")
 
-_allow: contextvars.ContextVar[bool] = contextvars.ContextVar("allow_base_mismatch",
-                                                              default=False)
+ALLOW_ENV = "SCALETRAIN_ALLOW_BASE_MISMATCH"
+_allow: contextvars.ContextVar[bool | None] = contextvars.ContextVar("allow_base_mismatch",
+                                                                     default=None)
 ADAPTER_METHODS = ("lora", "qlora")
 
 
 @contextlib.contextmanager
-def base_mismatch_allowed(enabled: bool) -> Iterator[None]:
+def base_mismatch_allowed(enabled: bool | None) -> Iterator[None]:
     """Within the block, adapters load onto a changed base with a warning instead of an error."""
     token = _allow.set(enabled)
     try:
@@ -62,7 +64,10 @@ def check_base(meta: dict[str, Any], directory: str | Path, where: str | Path,
     got = checkpoint_fingerprint(directory)
     if got == want:
         return
-    allow = _allow.get() if allow is None else allow
+    if allow is None:
+        allow = _allow.get()
+    if allow is None:  # worker threads and processes of a verb see the environment
+        allow = os.environ.get(ALLOW_ENV, "") == "1"
     msg = (f"{where}: the adapter was trained on base {meta.get('base_checkpoint')} ({want}) but "
            f"the base at {Path(directory).resolve()} is {got}: its weights differ")
     if allow:

@@ -35,7 +35,7 @@ FORMAT = "scaletrain-manifest"
 VERSION = 1
 HASH = "xxh3_128"
 _CHUNK = 8 << 20
-_ENV = "SCALETRAIN_VERIFY_CHECKPOINTS"
+VERIFY_ENV = "SCALETRAIN_VERIFY_CHECKPOINTS"
 _verify: contextvars.ContextVar[bool | None] = contextvars.ContextVar("verify", default=None)
 
 
@@ -50,19 +50,16 @@ class NonFiniteStateError(CheckpointError):
 
 # --- the setting -----------------------------------------------------------------------------
 def verification_enabled(explicit: bool | None = None) -> bool:
-    """`explicit` if given, else the innermost `verification(...)` block, else the
-    SCALETRAIN_VERIFY_CHECKPOINTS environment variable (default on)."""
-    if explicit is not None:
-        return explicit
-    scoped = _verify.get()
-    if scoped is not None:
-        return scoped
-    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether checkpoint loads check hashes: off when any setting says off (`explicit`, the
+    innermost `verification(False)` block, or SCALETRAIN_VERIFY_CHECKPOINTS=0), else on."""
+    if explicit is False or _verify.get() is False:
+        return False
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @contextlib.contextmanager
 def verification(enabled: bool | None) -> Iterator[None]:
-    """Within the block, checkpoint loads verify hashes when `enabled` (None: the default)."""
+    """Within the block, `enabled=False` turns hash verification off (True/None: no change)."""
     token = _verify.set(enabled)
     try:
         yield

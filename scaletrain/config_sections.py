@@ -196,6 +196,9 @@ class CheckpointConfig:
     """Continue from the latest checkpoint under `<output>/checkpoints`."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    verify: bool = True
+    """Check every checkpoint file against the content hashes of its manifest before loading
+    (resume, fine-tuning base); turn off only for huge checkpoints on trusted storage."""
 
 
 @dataclass
@@ -319,3 +322,6 @@ class FinetuneConfig:
     """Classification: comma-separated label names (default: the sorted labels of the data)."""
     packing: bool = True
     """SFT: pack several short examples into one sequence (attention stays inside each)."""
+    allow_base_mismatch: bool = False
+    """LoRA/QLoRA resume: continue even if the base checkpoint's content hash differs from the
+    one recorded in finetune.json (the adapter was trained on other weights)."""

@@ -172,6 +172,7 @@ def test_native_loads_model_key_next_to_optimizer_state(tmp_path):
     """The trainer's checkpoints hold more than the model; loading must read only "model"."""
     import torch.distributed.checkpoint as dcp
 
+    from scaletrain.train.integrity import write_manifest
     from scaletrain.train.native_format import write_meta
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, tie_embeddings=True)
@@ -182,6 +183,7 @@ def test_native_loads_model_key_next_to_optimizer_state(tmp_path):
     dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "extra": {"n": 3}},
              checkpoint_id=tmp_path / "ck", no_dist=True)
     write_meta(tmp_path / "ck", 7, args, None)
+    write_manifest(tmp_path / "ck")
     loaded, loaded_args, tok = load_model_checkpoint(tmp_path / "ck")
     assert loaded_args == args and tok is None
     assert loaded.output.weight is loaded.tok_embeddings.weight
@@ -190,7 +192,7 @@ def test_native_loads_model_key_next_to_optimizer_state(tmp_path):
 
 def test_native_errors_name_the_problem(tmp_path):
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128)
-    with pytest.raises(FileNotFoundError, match="meta.json"):
+    with pytest.raises(ValueError, match="manifest.json not found"):
         load_model_checkpoint(tmp_path)
     save_model_checkpoint(build_model(args, seed=0), args, tmp_path / "ck", step=3)
     assert read_meta(tmp_path / "ck")["step"] == 3
@@ -202,7 +204,11 @@ def test_native_errors_name_the_problem(tmp_path):
     bigger = json.loads(good)
     bigger["model_args"]["n_layers"] = 2
     meta.write_text(json.dumps(bigger))
-    with pytest.raises(ValueError, match=r"lacks .*layers\.1\."):
+    with pytest.raises(ValueError, match=r"meta.json has \d+ bytes but manifest.json records"):
+        load_model_checkpoint(tmp_path / "ck")
+    from scaletrain.train.integrity import verification
+
+    with verification(False), pytest.raises(ValueError, match=r"lacks .*layers\.1\."):
         load_model_checkpoint(tmp_path / "ck")
     with pytest.raises(FileExistsError):
         save_model_checkpoint(build_model(args), args, tmp_path / "ck")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.commands._checkpoint_flags import add_trust_flags, trust_settings
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=_parse_size, default=None, metavar="SIZE",
                    help="HF output: split weights into shards of at most SIZE (e.g. 2GB)")
     p.add_argument("--step", type=int, default=0, help="native output: step recorded in meta")
+    add_trust_flags(p)
     return p
 
 
@@ -92,7 +95,8 @@ def main(argv: list[str]) -> int:
         return int(e.code or 0)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        dst = run(args)
+        with trust_settings(args):
+            dst = run(args)
     except (OSError, ValueError, KeyError) as e:
         print(f"scaletrain convert: error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ import logging
 import sys
 from typing import Any
 
+from scaletrain.commands._checkpoint_flags import add_trust_flags, trust_settings
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-score", type=float, help="drop candidates scored below this")
     p.add_argument("--dedup-corpus", action="append", help="dedup against these documents")
     p.add_argument("--eval", action="append", help="decontaminate against this eval file")
+    add_trust_flags(p)
     return p
 
 
@@ -75,7 +78,8 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg = load_config(args.config, overrides(args))
-        summary = SynthRunner(cfg).run()
+        with trust_settings(args):
+            summary = SynthRunner(cfg).run()
     except (ValueError, FileNotFoundError) as e:
         print(f"scaletrain data synth: {e}", file=sys.stderr)
         return 2

@@ -41,12 +41,15 @@ def main(argv: list[str]) -> int:
     from scaletrain.finetune.freeze import FreezeError
     from scaletrain.finetune.lora import LoRAError
     from scaletrain.finetune.trainer import FinetuneTrainer
-    from scaletrain.train.checkpoint import CheckpointError
+    from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
     from scaletrain.train.trainer import TrainingDiverged
 
     try:
         trainer = FinetuneTrainer(cfg)
         result = trainer.train()
+    except NonFiniteStateError as e:  # the run diverged: not an input error
+        print(f"scaletrain finetune: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, CheckpointError, FinetuneError, LoRAError, FreezeError,
             ImportError) as e:
         print(f"scaletrain finetune: {e}", file=sys.stderr)

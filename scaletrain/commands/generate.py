@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from scaletrain.commands._checkpoint_flags import add_trust_flags, trust_settings
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="weight dtype (default: as stored for HF, float32 for native)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_trust_flags(p)
     return p
 
 
@@ -78,7 +81,8 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse
         return int(e.code or 0)
     try:
-        result = run(args)
+        with trust_settings(args):
+            result = run(args)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"scaletrain generate: error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from scaletrain.commands._checkpoint_flags import add_trust_flags, trust_settings
+
 if TYPE_CHECKING:
     from scaletrain.finetune.loading import Finetuned
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="SFT: 0 for greedy decoding")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object per input")
+    add_trust_flags(p)
     return p
 
 
@@ -106,7 +109,8 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        results = run(args)
+        with trust_settings(args):
+            results = run(args)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"scaletrain predict: error: {e}", file=sys.stderr)
         return 2

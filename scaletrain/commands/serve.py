@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from scaletrain.commands._checkpoint_flags import add_trust_flags, trust_settings
 from scaletrain.data.synth.generators import LocalGenerator, SamplingParams, cut_at_stop
 
 logger = logging.getLogger(__name__)
@@ -224,9 +226,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="most requests decoded together")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     p.add_argument("--model-name", default=None, help="the name /v1/models reports")
+    add_trust_flags(p)
     args = p.parse_args(argv)
-    gen = LocalGenerator.from_checkpoint(args.checkpoint, device=args.device,
-                                         batch_size=args.batch_size)
+    try:
+        with trust_settings(args):
+            gen = LocalGenerator.from_checkpoint(args.checkpoint, device=args.device,
+                                                 batch_size=args.batch_size)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        print(f"scaletrain serve: error: {e}", file=sys.stderr)
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s: reachable from other machines, with no authentication",
                        args.host)

@@ -22,12 +22,15 @@ def main(argv: list[str]) -> int:
         return _dry_run(cfg)
     from scaletrain.parallel.dims import ParallelDimsError
     from scaletrain.parallel.failure import DistributedFailure
-    from scaletrain.train.checkpoint import CheckpointError
+    from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
     from scaletrain.train.trainer import Trainer, TrainingDiverged
 
     try:
         trainer = Trainer(cfg)
         result = trainer.train()
+    except NonFiniteStateError as e:  # the run diverged: not an input error
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, CheckpointError, ParallelDimsError) as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 2

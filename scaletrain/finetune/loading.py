@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from scaletrain.finetune.base import BaseModel, FinetuneError, load_base
+from scaletrain.finetune.base_pin import base_path, check_base
 from scaletrain.finetune.heads import SequenceClassifier
 from scaletrain.finetune.trainer import ADAPTER_DIR, META_NAME, read_meta
 from scaletrain.models.args import ModelArgs
@@ -46,17 +47,10 @@ def _latest_checkpoint(output: Path) -> Path:
 
 
 def _load_trained(model: nn.Module, directory: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    from scaletrain.train.native_format import _single_process_dcp
+    from scaletrain.train.native_format import load_state
 
     state = {"model": model.state_dict()}
-    with _single_process_dcp():
-        try:
-            dcp.load(state, checkpoint_id=directory, no_dist=True)
-        except Exception as e:  # DCP wraps reader errors
-            raise FinetuneError(f"{directory}: cannot read the trained weights: "
-                                f"{str(e).strip().splitlines()[-1]}") from None
+    load_state(state, directory)  # hashes, safe metadata, shapes, finite values
     model.load_state_dict(state["model"])
 
 
@@ -73,7 +67,8 @@ def load_finetuned(output: str | Path, device: torch.device | str = "cpu",
 
     output = Path(output)
     meta = read_meta(output)
-    base = load_base(meta["base"], device)
+    base = load_base(base_path(meta), device)
+    check_base(meta, base.directory, output / META_NAME)
     backbone = base.model
     labels = meta.get("labels")
     model: nn.Module = backbone

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from scaletrain.finetune.lora import HF_TARGETS, TARGETS, LoRASettings, adapter_modules, apply_lora
+from scaletrain.models.files import honour_umask, make_output_dir
 from scaletrain.models.hf import _LLAMA_LAYER
 
 CONFIG_NAME = "adapter_config.json"
@@ -98,11 +98,11 @@ def save_adapter(directory: str | os.PathLike, backbone: nn.Module, settings: Lo
         "alpha_pattern": {},
         "revision": None,
     }
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = make_output_dir(directory)
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        honour_umask(tmp)
         old = directory.with_name(directory.name + ".old")
         if directory.exists():
             shutil.rmtree(old, ignore_errors=True)

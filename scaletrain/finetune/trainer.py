@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from scaletrain.config import Config, ConfigError
 from scaletrain.finetune import data as ftdata
 from scaletrain.finetune.base import FinetuneError, load_base
+from scaletrain.finetune.base_pin import base_record, check_base
 from scaletrain.finetune.freeze import freeze_layers, memory_report, param_report
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
 from scaletrain.finetune.lora import LoRASettings, apply_lora, parse_targets
@@ -32,6 +33,7 @@ from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer
+from scaletrain.train.integrity import verification
 from scaletrain.train.loss import count_valid, cross_entropy_sum
 from scaletrain.train.trainer import Trainer
 
@@ -105,7 +107,9 @@ class FinetuneTrainer(Trainer):
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ft = self.cfg, self.ft
-        self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device)
+        with verification(cfg.checkpoint.verify):
+            self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device)
+        self._check_base_on_resume()
         seq_len = cfg.data.seq_len
         if seq_len > self.base.args.max_seq_len:
             raise ConfigError(f"data.seq_len ({seq_len}) exceeds the base model's max_seq_len "
@@ -140,6 +144,12 @@ class FinetuneTrainer(Trainer):
                                       vocab_size=self.base.args.vocab_size,
                                       eos_id=self.base.eos_id)
         log.info("data: %d training and %d validation items", len(train_ds), len(val_ds))
+
+    def _check_base_on_resume(self) -> None:
+        path = self.output / META_NAME
+        if self.cfg.checkpoint.resume and path.is_file():
+            check_base(read_meta(self.output), self.base.directory, path,
+                       allow=self.ft.allow_base_mismatch)
 
     def _check_labels_on_resume(self) -> None:
         path = self.output / META_NAME
@@ -213,7 +223,8 @@ class FinetuneTrainer(Trainer):
         ft = self.ft
         meta = {
             "format": "scaletrain-finetune", "version": 1, "method": ft.method, "task": ft.task,
-            "base": str(Path(ft.base).resolve()), "labels": self.labels,
+            "base": str(Path(ft.base).resolve()), **base_record(self.base.directory),
+            "labels": self.labels,
             "seq_len": self.cfg.data.seq_len, "packing": ft.packing,
             "lora": None if ft.method not in ("lora", "qlora") else {
                 "rank": self.lora.rank, "alpha": self.lora.alpha, "dropout": self.lora.dropout,

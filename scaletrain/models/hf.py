@@ -16,13 +16,13 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from scaletrain.models.args import ModelArgs, RopeScaling
+from scaletrain.models.files import honour_umask, make_output_dir
 from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
@@ -458,8 +458,7 @@ def save_hf_checkpoint(
     args: ModelArgs = model.args
     tensors = {k: v.detach().cpu() for k, v in to_hf_state_dict(model.state_dict(), args).items()}
     dtype = model.tok_embeddings.weight.dtype
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = make_output_dir(directory)
     try:
         cfg = hf_config_from_model_args(args, dtype, bos_token_id, eos_token_id)
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
@@ -482,6 +481,7 @@ def save_hf_checkpoint(
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        honour_umask(tmp)  # safetensors writes 0600 files
         os.replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

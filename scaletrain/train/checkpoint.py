@@ -2,17 +2,22 @@
 RNG states and step, through torch.distributed.checkpoint (DCP; one process works too).
 
 Layout: `<output>/checkpoints/step-0000100/` holds DCP shards plus `meta.json` (the native
-format of `scaletrain.train.native_format`, so `generate` and `convert` read it). Each
-checkpoint is written under a temporary name and renamed when complete; the last K are kept.
+format of `scaletrain.train.native_format`, so `generate` and `convert` read it) and
+`manifest.json` (content hashes of every file, `scaletrain.train.integrity`). Each checkpoint is
+written under a temporary name and renamed when complete; the last K are kept. Loading verifies
+the hashes, reads DCP metadata through a restricted unpickler (`scaletrain.train.safe_dcp`)
+and refuses non-finite state; non-finite state is never saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -32,6 +36,18 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.train import native_format
+from scaletrain.train.integrity import (
+    CheckpointError,
+    NonFiniteStateError,
+    checkpoint_files,
+    describe_nonfinite,
+    hash_files,
+    nonfinite_entries,
+    verification_enabled,
+    verify_manifest,
+    write_manifest,
+)
+from scaletrain.train.safe_dcp import load_dcp
 
 log = logging.getLogger("scaletrain.train")
 
@@ -52,15 +68,32 @@ def _barrier() -> None:
         dist.barrier()
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or does not match the run."""
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
-def _root_cause(e: BaseException) -> str:
-    """One line naming what failed, without DCP's per-rank tracebacks."""
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    return f"{type(e).__name__}: {e}"
+def _gather(local: Any) -> list[Any]:
+    """Every rank's `local` value, on every rank (just [local] in one process)."""
+    if not _distributed():
+        return [local]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out
+
+
+def _agree(check: Callable[[], None]) -> None:
+    """Run `check` on every rank; if it fails on any, raise the first failure on all of them
+    (so no rank is left waiting in a collective)."""
+    try:
+        check()
+        local = None
+    except CheckpointError as e:
+        local = (type(e).__name__, str(e))
+    failed = [f for f in _gather(local) if f is not None]
+    if failed:
+        kind, msg = failed[0]
+        raise (NonFiniteStateError if kind == NonFiniteStateError.__name__ else CheckpointError)(
+            msg)
 
 
 def rng_state() -> dict[str, Any]:
@@ -84,8 +117,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class Checkpointer:
     def __init__(self, folder: str | Path, keep_last: int, model_args: ModelArgs,
-                 tokenizer_file: str | Path | None = None) -> None:
+                 tokenizer_file: str | Path | None = None, verify: bool | None = None) -> None:
         self.folder = Path(folder)
+        self.verify = verification_enabled(verify)
+        """Check the manifest's content hashes before loading (checkpoint.verify)."""
         self.keep_last = keep_last
         self.model_args = model_args
         self.tokenizer_file = Path(tokenizer_file) if tokenizer_file else None
@@ -116,15 +151,20 @@ class Checkpointer:
         return {"model": model_sd, "optimizer": optim_sd, "extra": extra}
 
     def save(self, step: int, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> Path:
-        """Write checkpoint `step` (temp dir, then rename) and prune old ones."""
+        """Write checkpoint `step` (temp dir, then rename) and prune old ones.
+
+        State with NaN/inf values is never written (`NonFiniteStateError`). The manifest of
+        content hashes is written last; with several ranks each hashes a share of the files.
+        """
         final = self.path(step)
         tmp = final.with_name(final.name + ".tmp")
         main = _is_main()  # with several processes rank 0 does the file work, all write shards
+        state = self._state(model, optimizer, {**extra, "step": step})
+        _agree(lambda: self._refuse_nonfinite(state, optimizer, step))
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state = self._state(model, optimizer, {**extra, "step": step})
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(state, checkpoint_id=tmp)
@@ -132,21 +172,39 @@ class Checkpointer:
             optimizer.consolidate_state_dict(to=0)
             if main:
                 torch.save(optimizer.state_dict(), tmp / ZERO1_FILE)
-        if not main:
-            _barrier()
-            return final
-        tokenizer_name = None
-        if self.tokenizer_file and self.tokenizer_file.is_file():
-            tokenizer_name = "tokenizer.json"
-            shutil.copyfile(self.tokenizer_file, tmp / tokenizer_name)
-        native_format.write_meta(tmp, step, self.model_args, tokenizer_name)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        self._prune()
-        log.info("saved checkpoint %s", final)
+        if main:
+            tokenizer_name = None
+            if self.tokenizer_file and self.tokenizer_file.is_file():
+                tokenizer_name = "tokenizer.json"
+                shutil.copyfile(self.tokenizer_file, tmp / tokenizer_name)
+            native_format.write_meta(tmp, step, self.model_args, tokenizer_name)
+        _barrier()
+        rank, world = _world()
+        entries: dict[str, Any] = {}
+        for part in _gather(hash_files(tmp, checkpoint_files(tmp)[rank::world])):
+            entries.update(part)
+        if main:
+            write_manifest(tmp, entries)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune()
+            log.info("saved checkpoint %s", final)
         _barrier()
         return final
+
+    def _refuse_nonfinite(self, state: dict[str, Any], optimizer: Any, step: int) -> None:
+        found = nonfinite_entries({k: v for k, v in state.items() if k != "extra"})
+        if isinstance(optimizer, ZeroRedundancyOptimizer):  # this rank's partition
+            found += nonfinite_entries(optimizer.optim.state_dict()["state"], "optimizer")
+        if found:
+            last = self.steps()
+            kept = f"the last good checkpoint is {self.path(last[-1])}" if last else \
+                "no earlier checkpoint exists"
+            raise NonFiniteStateError(
+                f"step {step}: the model/optimizer state holds {describe_nonfinite(found)}; no "
+                f"checkpoint was written ({kept}). The run diverged: lower optimizer.lr or keep "
+                "training.max_grad_norm on, then resume from that checkpoint")
 
     def _prune(self) -> None:
         for step in self.steps()[: -self.keep_last]:
@@ -156,44 +214,59 @@ class Checkpointer:
              extra: dict[str, Any]) -> dict[str, Any]:
         """Load a checkpoint into `model` and `optimizer` in place; return its `extra` dict.
 
-        `extra` is a template with the same keys and kinds of values as the saved one.
+        `extra` is a template with the same keys and kinds of values as the saved one. The
+        files are checked against the manifest (unless `verify` is off), `.metadata` is read
+        through the restricted unpickler and the loaded state must be finite; any failure is
+        one `CheckpointError` on every rank.
         """
         path = Path(path)
+        remedy = (f"delete {path} to resume from the previous checkpoint, or start fresh "
+                  "without --checkpoint.resume")
+        if self.verify:
+            rank, world = _world()
+            _agree(lambda: verify_manifest(path, remedy, rank, world))
         meta = native_format.read_meta(path)  # clear error when missing or garbled
         saved_args = ModelArgs.from_dict(meta["model_args"])
         if saved_args != self.model_args:
+            diff = ", ".join(
+                f"{f.name} {getattr(saved_args, f.name)} (checkpoint) vs "
+                f"{getattr(self.model_args, f.name)} (this run)"
+                for f in dataclasses.fields(saved_args)
+                if getattr(saved_args, f.name) != getattr(self.model_args, f.name))
             raise CheckpointError(
-                f"{path}: checkpoint was written for a different model ({saved_args}); "
-                f"this run builds {self.model_args}"
-            )
+                f"{path / native_format.META_NAME} describes a different model than this run "
+                f"builds ({diff}): resume with the model settings it was saved with")
         if hasattr(optimizer, "init_state"):
             optimizer.init_state()
         state = self._state(model, optimizer, {**extra, "step": 0})
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(state, checkpoint_id=path)
-        except (Exception, CheckpointException) as e:  # the latter is a BaseException
-            raise CheckpointError(
-                f"{path}: cannot load checkpoint ({_root_cause(e)}); it may be damaged: "
-                "delete it to resume from an earlier one"
-            ) from None
+        load_dcp(state, path, no_dist=not _distributed(), remedy=remedy)
+        zero1 = None
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            self._set_zero1_state(path, model, optimizer, state)
+            zero1 = self._read_zero1(path, remedy)
+        _agree(lambda: native_format.check_finite(
+            {k: v for k, v in state.items() if k != "extra"} | {"zero1": zero1}, path,
+            "weights and optimizer state"))
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            set_model_state_dict(model, state["model"])
+            if zero1 is not None:
+                optimizer.load_state_dict(zero1)
         else:
             self._set_state(model, optimizer, state)
         log.info("resumed from %s (step %d)", path, state["extra"]["step"])
         return state["extra"]
 
-    def _set_zero1_state(self, path: Path, model: nn.Module,
-                         optimizer: ZeroRedundancyOptimizer, state: dict[str, Any]) -> None:
-        """The model from DCP; the optimizer from this rank's own file of the partitioned state."""
-        set_model_state_dict(model, state["model"])
+    def _read_zero1(self, path: Path, remedy: str) -> dict[str, Any] | None:
+        """The consolidated ZeRO-1 optimizer state (each rank keeps its own partition of it)."""
         zero1 = path / ZERO1_FILE
-        if zero1.is_file():  # each rank keeps its own partition of the full state
-            optimizer.load_state_dict(torch.load(zero1, weights_only=False))
-        else:
+        if not zero1.is_file():
             log.warning("%s has no ZeRO-1 optimizer state: optimizer starts fresh", path)
+            return None
+        try:
+            return torch.load(zero1, weights_only=True, map_location="cpu")
+        except Exception as e:  # damaged, or objects beyond plain data (refused unpickled)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointError(f"{zero1} cannot be loaded safely ({type(e).__name__}: "
+                                  f"{first}); {remedy}") from None
 
     def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         """Put loaded model and optimizer state (as `_state` lays it out) into place."""

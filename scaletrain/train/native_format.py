@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,18 @@ from typing import Any
 import torch
 
 from scaletrain.models.args import ModelArgs
+from scaletrain.models.files import honour_umask, make_output_dir
 from scaletrain.models.transformer import Transformer, empty_model
+from scaletrain.train.integrity import (
+    CheckpointError,
+    NonFiniteStateError,
+    describe_nonfinite,
+    nonfinite_entries,
+    verification_enabled,
+    verify_manifest,
+    write_manifest,
+)
+from scaletrain.train.safe_dcp import DAMAGED, load_dcp, read_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -58,28 +68,66 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     """The validated `meta.json` of a native checkpoint, with errors that name the file."""
     path = Path(directory) / META_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: not a scaletrain native checkpoint")
+        raise CheckpointError(f"{path} not found: not a scaletrain native checkpoint (give the "
+                              "checkpoint directory, a run directory or a Hugging Face folder)")
+    fix = f"restore {path} from a good copy of the checkpoint"
     try:
         meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON (damaged checkpoint?): {e}") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON (damaged checkpoint?): {e}; {fix}"
+                              ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: 'format' must be {FORMAT!r}")
+        raise CheckpointError(f"{path}: 'format' must be {FORMAT!r}; {fix}")
     if meta.get("version") != VERSION:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: version {meta.get('version')!r} is not supported (this scaletrain reads "
             f"version {VERSION})"
         )
     for key, kind in (("step", int), ("model_args", dict)):
         if not isinstance(meta.get(key), kind):
-            raise ValueError(f"{path}: '{key}' must be a {kind.__name__}")
+            raise CheckpointError(f"{path}: '{key}' must be a {kind.__name__}; {fix}")
     tok = meta.get("tokenizer")
-    if tok is not None and not isinstance(tok, str):
-        raise ValueError(f"{path}: 'tokenizer' must be a file name or null")
+    if tok is not None and (not isinstance(tok, str) or len(Path(tok).parts) != 1
+                            or tok in ("..", ".")):
+        raise CheckpointError(f"{path}: 'tokenizer' must be a file name in the checkpoint or "
+                              f"null; {fix}")
     try:
         ModelArgs.from_dict(meta["model_args"])
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: invalid model_args: {e}") from None
+        raise CheckpointError(f"{path}: invalid model_args: {e}; {fix}") from None
+    return meta
+
+
+def open_checkpoint(directory: str | os.PathLike, verify: bool | None = None,
+                    remedy: str = DAMAGED) -> dict[str, Any]:
+    """Every check before tensors are read: the manifest's hashes (unless verification is off),
+    `meta.json`, and `.metadata` through the restricted unpickler. Returns the meta."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a checkpoint directory")
+    if verification_enabled(verify):
+        verify_manifest(directory, remedy)
+    meta = read_meta(directory)
+    read_metadata(directory)
+    return meta
+
+
+def check_finite(state: Any, directory: str | os.PathLike, what: str = "weights") -> None:
+    """Refuse loaded state with NaN/inf values (a damaged or diverged checkpoint)."""
+    found = nonfinite_entries(state)
+    if found:
+        raise CheckpointError(
+            f"{directory}: the loaded {what} hold {describe_nonfinite(found)}; the checkpoint is "
+            "damaged or was saved by a diverged run: use an earlier checkpoint")
+
+
+def load_state(state: dict[str, Any], directory: str | os.PathLike, verify: bool | None = None
+               ) -> dict[str, Any]:
+    """Load `state` (e.g. {"model": model.state_dict()}) from a native checkpoint in one
+    process, in place, verified and safely; returns the checkpoint's meta."""
+    meta = open_checkpoint(directory, verify)
+    load_dcp(state, directory, no_dist=True)
+    check_finite(state, directory)
     return meta
 
 
@@ -89,16 +137,6 @@ def _single_process_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process")
         yield
-
-
-def _stored_keys(directory: Path) -> set[str]:
-    """Fully qualified names ("model.layers.0...") of the entries a DCP checkpoint holds."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
-    except Exception as e:  # a truncated or foreign .metadata file
-        raise ValueError(f"{directory / '.metadata'} is damaged: {e}") from None
 
 
 def save_model_checkpoint(
@@ -118,8 +156,11 @@ def save_model_checkpoint(
     directory = Path(directory)
     if directory.exists():
         raise FileExistsError(f"{directory} already exists; choose a new output directory")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    found = nonfinite_entries(model.state_dict())
+    if found:
+        raise NonFiniteStateError(f"the model holds {describe_nonfinite(found)}: refusing to "
+                                  f"write {directory}")
+    tmp = make_output_dir(directory)
     try:
         with _single_process_dcp():
             dcp.save({"model": model.state_dict()}, checkpoint_id=tmp, no_dist=True)
@@ -130,6 +171,8 @@ def save_model_checkpoint(
                 tok_name = "tokenizer.json"
             shutil.copyfile(tokenizer_file, tmp / tok_name)
         write_meta(tmp, step, args, tok_name)
+        write_manifest(tmp)
+        honour_umask(tmp)
         os.replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -147,31 +190,13 @@ def load_model_checkpoint(
 
     Only the "model" entry is read, so checkpoints that also hold optimizer state load too.
     """
-    import torch.distributed.checkpoint as dcp
-
     directory = Path(directory)
-    meta = read_meta(directory)
+    meta = open_checkpoint(directory)
     args = ModelArgs.from_dict(meta["model_args"])
-    if not (directory / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{directory / '.metadata'} not found: the DCP files of this checkpoint are missing"
-        )
     model = empty_model(args, device=device, dtype=dtype)
     state = {"model": model.state_dict()}
-    stored = _stored_keys(directory)
-    missing = sorted(k for k in (f"model.{name}" for name in state["model"]) if k not in stored)
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(
-            f"{directory}: the checkpoint lacks {len(missing)} model tensor(s) that "
-            f"{META_NAME}'s model_args need: {shown}"
-        )
-    with _single_process_dcp():
-        try:
-            dcp.load(state, checkpoint_id=directory, no_dist=True)
-        except Exception as e:  # DCP wraps reader errors with every rank's traceback
-            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{directory}: cannot read the model weights: {last}") from None
+    load_dcp(state, directory, no_dist=True)
+    check_finite(state, directory)
     tokenizer = None
     if meta.get("tokenizer"):
         tokenizer = directory / meta["tokenizer"]
@@ -182,5 +207,5 @@ def load_model_checkpoint(
     return model, args, tokenizer
 
 
-__all__ = ["META_NAME", "write_meta", "read_meta", "save_model_checkpoint",
-           "load_model_checkpoint"]
+__all__ = ["META_NAME", "write_meta", "read_meta", "open_checkpoint", "load_state",
+           "check_finite", "save_model_checkpoint", "load_model_checkpoint", "CheckpointError"]

@@ -114,7 +114,8 @@ class Trainer:
             self.loss_fn = torch.compile(cross_entropy_sum)
         self.checkpointer = self.checkpointer_cls(self.output / "checkpoints",
                                                   cfg.checkpoint.keep_last, self.model_args,
-                                                  self.corpus.tokenizer_path)
+                                                  self.corpus.tokenizer_path,
+                                                  verify=cfg.checkpoint.verify)
         self.step = 0
         if cfg.checkpoint.resume:
             self._resume()

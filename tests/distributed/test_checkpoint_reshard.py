@@ -63,8 +63,11 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
     diff = max(abs(x - y) for x, y in zip(tied["losses"], ref_tied["losses"][2:], strict=True))
     assert diff <= TOL, (tied["losses"], ref_tied["losses"])
 
-    # One process reads the FSDP checkpoint: the same weights the ranks held.
+    # One process reads the FSDP checkpoint (its manifest verified): the same weights the
+    # ranks held.
     from scaletrain.train.native_format import load_model_checkpoint
+
+    assert (Path(r0["fsdp-save"]["checkpoint"]) / "manifest.json").is_file()
 
     model = load_model_checkpoint(r0["fsdp-save"]["checkpoint"])[0]
     state = model.state_dict()

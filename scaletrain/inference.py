@@ -107,6 +107,47 @@ def tokenizer_eos_id(tokenizer: Tokenizer | None) -> int | None:
     return None
 
 
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer configs
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_chat_template(directory: Path) -> tuple[str | None, dict[str, str]]:
+    """(chat template, special-token strings) from `tokenizer_config.json` (or the separate
+    `chat_template.jinja` newer tokenizers write), when present."""
+    template, special = None, {}
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{config} is not valid JSON: {e}") from None
+        template = data.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            text = _token_text(data.get(key))
+            if text is not None:
+                special[key] = text
+    jinja = directory / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text()
+    return (template if isinstance(template, str) else None), special
+
+
+def load_chat_template(path: str | os.PathLike) -> tuple[str | None, dict[str, str]]:
+    """The chat template of any model directory; a fine-tuning run's is its base model's."""
+    meta_path = Path(path) / "finetune.json"
+    if meta_path.is_file():
+        base = _read_json(meta_path).get("base")
+        if not isinstance(base, str):
+            raise ValueError(f"{meta_path} names no base model")
+        return load_chat_template(base)
+    return read_chat_template(find_checkpoint(path)[1])
+
+
 def load_for_inference(
     path: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -150,4 +191,5 @@ def _load_finetuned(
     return done.model, done.base.args, done.base.tokenizer, done.base.eos_id
 
 
-__all__ = ["find_checkpoint", "load_for_inference", "hf_eos_id", "tokenizer_eos_id"]
+__all__ = ["find_checkpoint", "load_for_inference", "load_chat_template", "read_chat_template",
+           "hf_eos_id", "tokenizer_eos_id"]

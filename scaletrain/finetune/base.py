@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from scaletrain.inference import read_chat_template
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import Transformer
 
@@ -42,36 +42,6 @@ class BaseModel:
         return self.eos_id if self.eos_id is not None else 0
 
 
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer configs
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def read_chat_template(directory: Path) -> tuple[str | None, dict[str, str]]:
-    """(chat template, special-token strings) from `tokenizer_config.json` (or the separate
-    `chat_template.jinja` newer tokenizers write), when present."""
-    template, special = None, {}
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            data = json.loads(config.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise FinetuneError(f"{config} is not valid JSON: {e}") from None
-        template = data.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            text = _token_text(data.get(key))
-            if text is not None:
-                special[key] = text
-    jinja = directory / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        template = jinja.read_text()
-    return (template if isinstance(template, str) else None), special
-
-
 def load_base(path: str | Path, device: torch.device | str = "cpu") -> BaseModel:
     """Load the base model (fp32) and its tokenizer from a HF dir, native checkpoint or run."""
     from scaletrain.inference import load_for_inference
@@ -93,7 +63,10 @@ def load_base(path: str | Path, device: torch.device | str = "cpu") -> BaseModel
             f"base model {path} has no tokenizer.json; fine-tuning reads text, so put the "
             "model's tokenizer.json next to its weights"
         )
-    template, special = read_chat_template(directory)
+    try:
+        template, special = read_chat_template(directory)
+    except ValueError as e:
+        raise FinetuneError(str(e)) from None
     model.train()
     log.info("base model %s: %s, %d layers, dim %d", directory, args.arch, args.n_layers,
              args.dim)

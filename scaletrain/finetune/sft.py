@@ -145,6 +145,13 @@ class ChatFormatter:
             raise FinetuneError(f"{where}: the chat template failed: {e}") from None
         return ids + tail, mask + [False] * len(tail)
 
+    def conversation_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Ids of a conversation followed by the assistant's turn opening (serve's chat), the
+        same tokens fine-tuning puts before an assistant reply."""
+        if self.has_template:
+            return self._ids(self.render(messages, add_generation_prompt=True))
+        return self._fallback(messages)[0] + self._ids("assistant: ")
+
     def prompt_ids(self, prompt: str) -> list[int]:
         """Ids of a new prompt, ready for the model to generate the response (for predict)."""
         if self.has_template:

@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from scaletrain.commands import convert, generate  # noqa: E402
-from scaletrain.inference import load_for_inference  # noqa: E402
+from scaletrain.loader import load_for_inference  # noqa: E402
 from scaletrain.models.args import ModelArgs  # noqa: E402
 from scaletrain.models.generation import generate as generate_ids  # noqa: E402
 from scaletrain.models.hf import load_hf_checkpoint  # noqa: E402

@@ -154,8 +154,13 @@ def test_sft_prompt_tokens_are_not_scored() -> None:
     ids, mask = fmt.encode({"prompt": "what is two plus two", "response": "four"}, "rec")
     ex = to_example(ids, mask, seq_len=32, where="rec")
     assert ex.inputs == ids[:-1]
-    # targets: the prompt words after the first are ignored, then "four" and eos are scored
-    assert ex.labels == [IGNORE_INDEX] * 4 + [tok.vocab["four"], 0]
+    # the default format "user: ...\nassistant: four<eos>\n": only "four" and eos are scored
+    words = {v: k for k, v in tok.vocab.items()}
+    assert [words[i] for i in ids] == ["user:", "what", "is", "two", "plus", "two",
+                                       "assistant:", "four", "<eos>"]
+    assert ex.labels == [IGNORE_INDEX] * 6 + [tok.vocab["four"], 0]
+    # predict asks exactly what training put before the response
+    assert fmt.prompt_ids("what is two plus two") == ids[:7]
 
 
 def test_sft_chat_template_scores_only_assistant_turns() -> None:

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from scaletrain.inference import load_for_inference
+    from scaletrain.loader import load_for_inference
     from scaletrain.models.generation import generate
 
     device = torch.device(args.device)  # a malformed name raises RuntimeError

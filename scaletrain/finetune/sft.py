@@ -4,6 +4,11 @@ then rows of `seq_len` tokens (several short examples packed into one row when a
 Only response tokens are scored: prompt tokens get the label IGNORE_INDEX. With a chat template
 (the tokenizer config's Jinja `chat_template`), each assistant turn's rendered text is scored and
 everything the template puts around it (system prompt, user turns, role headers) is not.
+
+One prompt format: a prompt/response record is the conversation [user: prompt, assistant:
+response], and the same formatter renders prompts for `predict`, `serve`'s chat endpoint and
+`data synth` (chat), so a model is asked exactly as it was trained. Without a template the
+documented default is `role: content` lines and `assistant: ` before the reply.
 """
 
 from __future__ import annotations
@@ -81,8 +86,6 @@ class ChatFormatter:
             response = record.get("response", record.get("completion"))
             if not isinstance(record["prompt"], str) or not isinstance(response, str):
                 raise FinetuneError(f"{where}: 'prompt' and 'response' must be strings")
-            if not self.has_template:
-                return self._plain(record["prompt"], response)
             messages = [{"role": "user", "content": record["prompt"]},
                         {"role": "assistant", "content": response}]
         else:
@@ -92,14 +95,10 @@ class ChatFormatter:
             )
         return self._templated(messages, where) if self.has_template else self._fallback(messages)
 
-    def _plain(self, prompt: str, response: str) -> tuple[list[int], list[bool]]:
-        """No template: prompt as given, then response + end-of-text, which alone is scored."""
-        p = self.tokenizer.encode(prompt).ids  # the tokenizer's own BOS, if it adds one
-        r = self._ids(response) + ([self.eos_id] if self.eos_id is not None else [])
-        return p + r, [False] * len(p) + [True] * len(r)
-
     def _fallback(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
-        """No template: `role: content` lines; assistant contents + end-of-text are scored."""
+        """No template, the documented default format: one `role: content` line per message,
+        an assistant turn being `assistant: ` + content + end-of-text + newline; assistant
+        contents + end-of-text are scored."""
         ids: list[int] = []
         mask: list[bool] = []
         for m in messages:
@@ -153,11 +152,9 @@ class ChatFormatter:
         return self._fallback(messages)[0] + self._ids("assistant: ")
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        """Ids of a new prompt, ready for the model to generate the response (for predict)."""
-        if self.has_template:
-            text = self.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return self._ids(text)
-        return self.tokenizer.encode(prompt).ids
+        """Ids of a new prompt as one user message, ready for the model to generate the
+        response (predict), formatted exactly as a prompt/response record is in training."""
+        return self.conversation_prompt_ids([{"role": "user", "content": prompt}])
 
 
 def _check_messages(messages: Any, where: str) -> None:

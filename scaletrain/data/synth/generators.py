@@ -76,12 +76,14 @@ class LocalGenerator:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, eos_id: int | None,
                  batch_size: int = 16, token_budget: int = 0, name: str = "local",
-                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
+                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+                 chat: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
         self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
         self.chat_template, self.special_tokens = chat_template, special_tokens
         self._formatter: Any = None
+        self.chat = chat  # prompts are user messages, formatted as `chat_ids` does
         self.batch_size, self.token_budget, self.name = batch_size, token_budget, name
         self.tokens_generated = 0
         self.lock = threading.Lock()  # the model's KV cache is per model: one batch at a time
@@ -89,15 +91,18 @@ class LocalGenerator:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
                         **kwargs: Any) -> LocalGenerator:
-        from scaletrain.inference import load_chat_template, load_for_inference
+        from scaletrain.loader import load_model
+        from scaletrain.models.transformer import Transformer
 
-        model, _, tokenizer, eos = load_for_inference(path, device=device, dtype=dtype)
-        if tokenizer is None:
+        loaded = load_model(path, device=device, dtype=dtype)
+        if not isinstance(loaded.model, Transformer):
+            raise ValueError(f"{path} is a classification fine-tune, not a language model")
+        if loaded.tokenizer is None:
             raise ValueError(f"{path} has no tokenizer.json: text generation needs one (copy "
                              "the tokenizer file into the checkpoint directory)")
-        template, special = load_chat_template(path)
-        return cls(model, tokenizer, eos, name=str(path), chat_template=template,
-                   special_tokens=special, **kwargs)
+        return cls(loaded.model, loaded.tokenizer, loaded.eos_id, name=str(path),
+                   chat_template=loaded.chat_template, special_tokens=loaded.special_tokens,
+                   **kwargs)
 
     @property
     def pad_id(self) -> int:
@@ -161,7 +166,8 @@ class LocalGenerator:
             raise BudgetExhausted(f"token budget of {self.token_budget} generated tokens spent")
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
         stop = self.stop_check(params.stop)
-        rows = [Row(self.encode(p), params.max_new_tokens, s, stop=stop)
+        rows = [Row(self.chat_ids([{"role": "user", "content": p}]) if self.chat
+                    else self.encode(p), params.max_new_tokens, s, stop=stop)
                 for p, s in zip(prompts, seeds)]
         out: list[Completion | None] = [None] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i].prompt))

@@ -217,13 +217,16 @@ def load_model(
     if tok_path is not None and not tok_path.is_file():
         tok_path = None
     tokenizer = _load_tokenizer(tok_path)
+    template, special = read_chat_template(directory)
+    # eos: the model config's, else the tokenizer config's eos_token, else a well-known name
     eos = hf_eos_id(directory) if kind == "hf" else None
+    if eos is None and tokenizer is not None and special.get("eos_token"):
+        eos = tokenizer.token_to_id(special["eos_token"])
     if eos is None:
         eos = tokenizer_eos_id(tokenizer)
     if eos is not None and not 0 <= eos < args.vocab_size:
         logger.warning("ignoring eos id %d outside the vocabulary (%d)", eos, args.vocab_size)
         eos = None
-    template, special = read_chat_template(directory)
     gen_cfg = _read_json(directory / GENERATION_CONFIG_NAME) if kind == "hf" else {}
     model.eval()
     return LoadedModel(model, args, directory, tokenizer, tok_path, eos, template, special,

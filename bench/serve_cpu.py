@@ -9,12 +9,13 @@ Serve: `scaletrain serve` in a subprocess with `--batch-size B` for each B of `-
 (1 = one request at a time); `--concurrency` client threads send `--requests` completion
 requests in total (prompts of mixed lengths, max_tokens drawn from 8..`--max-tokens`, greedy,
 so rows of one batch finish at different times). Reported: requests/s, generated tokens/s,
-latency median and p95. Eval: the same tiny task set (loglikelihood, multiple choice,
-generate_until, rolling loglikelihood; `--eval-docs` documents each) with `scaletrain eval`
-in-process and with lm_eval through a `serve` subprocess (lm_eval's default batch size 1),
-wall time each, and whether the metrics agree. Torch runs `--threads` threads (default 1) in
-every process. Results print as a table and go to bench/results/serve_cpu.json. Timings on a
-shared machine vary.
+latency median and p95; and, on the largest batch size, one request carrying B prompts vs
+the same B prompts as concurrent requests. Eval: the same tiny task set (loglikelihood,
+multiple choice, generate_until, rolling loglikelihood; `--eval-docs` documents each) with
+`scaletrain eval` in-process and with lm_eval through a `serve` subprocess (lm_eval's
+default batch size 1), wall time each, and whether the metrics agree. Torch runs
+`--threads` threads (default 1) in every process. Results print as a table and go to
+bench/results/serve_cpu.json. Timings on a shared machine vary.
 """
 
 from __future__ import annotations
@@ -96,6 +97,31 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int,
             "latency_median_s": round(statistics.median(latencies), 3),
             "latency_p95_s": round(latencies[min(len(latencies) - 1,
                                                  int(0.95 * len(latencies)))], 3)}
+
+
+def prompt_list(url: str, prompts: int, max_tokens: int, seed: int = 0) -> dict[str, float]:
+    """One request carrying `prompts` prompts vs the same prompts as concurrent requests."""
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choices(WORDS, k=rng.randint(2, 60))) for _ in range(prompts)]
+    body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.perf_counter()
+    one = _post(url, {**body, "prompt": texts})
+    as_list = time.perf_counter() - t0
+    outs: list[str] = [""] * prompts
+
+    def send(i: int) -> None:
+        outs[i] = _post(url, {**body, "prompt": texts[i]})["choices"][0]["text"]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(prompts)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    concurrent = time.perf_counter() - t0
+    same = [c["text"] for c in sorted(one["choices"], key=lambda c: c["index"])] == outs
+    return {"prompts": prompts, "one_request_s": round(as_list, 3),
+            "concurrent_requests_s": round(concurrent, 3), "same_text": same}
 
 
 def write_tasks(directory: Path, docs: int, seed: int = 0) -> list[str]:
@@ -202,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 load(url, min(4, a.requests), min(4, a.concurrency), 8, seed=1)  # warm-up
                 rows[f"batch_size={b}"] = load(url, a.requests, a.concurrency, a.max_tokens)
+                if b == max(sizes):
+                    lists = prompt_list(url, b, a.max_tokens)
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
@@ -212,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         print(f"{name:<14}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
               f"{r['latency_median_s']:>8.2f}{r['latency_p95_s']:>8.2f}")
+    print(f"{lists['prompts']} prompts in one request: {lists['one_request_s']:.2f} s; as "
+          f"{lists['prompts']} concurrent requests: {lists['concurrent_requests_s']:.2f} s; "
+          f"same text: {lists['same_text']}")
     if evals:
         print(f"eval ({len(evals['tasks'])} tasks x {evals['docs_per_task']} docs): in-process "
               f"{evals['in_process_s']:.1f} s, through serve {evals['through_serve_s']:.1f} s, "
@@ -219,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "threads": a.threads, "torch": torch.__version__, "requests": a.requests,
            "concurrency": a.concurrency, "max_tokens": a.max_tokens, "serve": rows,
+           "prompt_list": lists,
            "eval": evals}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(out, indent=2) + "\n")

@@ -21,7 +21,8 @@ from tests.synth_helpers import tiny_checkpoint
 def served(tmp_path_factory):
     ckpt = tiny_checkpoint(tmp_path_factory.mktemp("serve-openai") / "ckpt")
     gen = LocalGenerator.from_checkpoint(ckpt, batch_size=4)
-    limits = ServerLimits(max_n=4, max_rows=8, max_body_bytes=20_000, read_timeout_s=1.0)
+    limits = ServerLimits(max_n=4, max_rows=8, max_body_bytes=20_000, read_timeout_s=1.0,
+                          max_connections=3)
     server = make_server(gen, "127.0.0.1", 0, "tiny", batch_size=4, limits=limits)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server.server_address[1], gen
@@ -177,3 +178,18 @@ def test_stalled_upload_times_out_and_others_are_served(served):
     reply = b"".join(chunks).decode()
     assert reply.startswith("HTTP/1.1 408") and '"error"' in reply
     assert time.monotonic() - t0 < 5
+
+
+def test_connections_are_bounded_and_freed(served):
+    port, _ = served
+    stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    for s in stalled:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\n")  # and nothing more
+    time.sleep(0.2)
+    status, ctype, data = request(port, "GET", "/health")
+    assert status == 503 and ctype == "application/json"
+    assert json.loads(data)["error"]["code"] == "server_busy"
+    time.sleep(1.5)  # the stalled connections time out and free their slots
+    assert request(port, "GET", "/health")[0] == 200
+    for s in stalled:
+        s.close()

@@ -33,6 +33,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a client may take to send its request")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    p.add_argument("--max-connections", type=int, default=64,
+                   help="open connections at once (503 beyond)")
     p.add_argument("--max-rows", type=int, default=256,
                    help="most completions (prompts x n) per request")
     args = p.parse_args(argv)
@@ -44,7 +46,8 @@ def main(argv: list[str]) -> int:
     name = args.model_name or str(args.checkpoint).rstrip("/").split("/")[-1]
     limits = ServerLimits(max_n=args.max_n, max_rows=args.max_rows,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                          read_timeout_s=args.read_timeout)
+                          read_timeout_s=args.read_timeout,
+                          max_connections=args.max_connections)
     server = make_server(gen, args.host, args.port, name, args.batch_size, limits)
     host, port = server.server_address[:2]
     print(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)

@@ -2,7 +2,8 @@
 
 Every answer that is not a success is OpenAI-shaped JSON ({"error": {...}}), whatever the
 status or method. A request body is bounded (`max_body_bytes`, 413) and must arrive within
-`read_timeout_s` (408); a request waits at most `request_timeout_s` for its completions.
+`read_timeout_s` (408); a request waits at most `request_timeout_s` for its completions; at
+most `max_connections` connections are open at once (503 beyond).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -30,13 +32,41 @@ ROUTES = {"/v1/completions": False, "/completions": False,
 @dataclass
 class ServerLimits(Limits):
     max_body_bytes: int = 4 << 20
+    max_connections: int = 64
     read_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
 
 
 class _Server(ThreadingHTTPServer):
+    """One thread per connection, at most `max_connections` at once: a connection beyond that
+    is answered 503 at once and closed, so stalled clients cannot hold unbounded threads."""
+
     daemon_threads = True
     request_queue_size = 256  # the default listen backlog (5) resets bursts of connections
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            body = json.dumps(ApiError(503, f"the server has {self.max_connections} open "
+                                            "connections; retry later",
+                                       code="server_busy").body()).encode()
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                                b"application/json\r\nConnection: close\r\nContent-Length: "
+                                + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
@@ -172,6 +202,6 @@ def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 
-    server = _Server((host, port), Handler)
+    server = _Server((host, port), Handler, lim.max_connections)
     server.engine = engine  # type: ignore[attr-defined]
     return server

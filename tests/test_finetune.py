@@ -248,3 +248,17 @@ def test_estimate_matches_the_built_model(method: str, kw: dict, tiny_args: Mode
     assert (est.trainable, est.total) == (report.trainable, report.total)
     actual = report.trainable_bytes + report.frozen_bytes
     assert est.weight_bytes == pytest.approx(actual, rel=0.02)
+
+
+def test_sft_accepts_openai_content_parts() -> None:
+    fmt = ChatFormatter(_Tok(), eos_id=0)
+    plain = [{"role": "user", "content": "what is two plus two"},
+             {"role": "assistant", "content": "four"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "what is "},
+                                          {"type": "text", "text": "two plus two"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "four"}]}]
+    assert fmt.encode({"messages": parts}, "rec") == fmt.encode({"messages": plain}, "rec")
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+             {"role": "assistant", "content": "four"}]
+    with pytest.raises(ValueError, match="rec: content part of type 'image_url'"):
+        fmt.encode({"messages": image}, "rec")

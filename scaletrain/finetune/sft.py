@@ -157,13 +157,35 @@ class ChatFormatter:
         return self.conversation_prompt_ids([{"role": "user", "content": prompt}])
 
 
+def content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of OpenAI text parts
+    ({"type": "text", "text": ...}) joined. Other part types raise ValueError."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}: content part of type {kind!r} is not supported; "
+                                 "only text parts are")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"{where}: 'content' must be a string or a list of text parts")
+
+
 def _check_messages(messages: Any, where: str) -> None:
+    """Validate messages in place; list-of-parts content becomes its text."""
     if not isinstance(messages, list) or not messages:
         raise FinetuneError(f"{where}: 'messages' must be a non-empty list")
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                or not isinstance(m.get("content"), str):
-            raise FinetuneError(f"{where}: each message needs string 'role' and 'content'")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise FinetuneError(f"{where}: each message needs a string 'role' and a 'content'")
+        try:
+            m["content"] = content_text(m.get("content"), where)
+        except ValueError as e:
+            raise FinetuneError(str(e)) from None
     if not any(m["role"] == "assistant" for m in messages):
         raise FinetuneError(f"{where}: no assistant message, so nothing would be trained on")
 
@@ -216,4 +238,4 @@ def pack(examples: list[Example], seq_len: int, pad_id: int,
     return rows
 
 
-__all__ = ["ChatFormatter", "Example", "to_example", "pack"]
+__all__ = ["ChatFormatter", "Example", "to_example", "pack", "content_text"]

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from scaletrain.finetune.sft import content_text
+
 # Accepted and without effect on the result: identifiers and transport options.
 _INERT = {"model", "user", "stream_options", "metadata", "store"}
 _COMMON = {"max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop", "seed",
@@ -125,23 +127,6 @@ def _prompts(value: Any, vocab: int) -> list[list[int] | str]:
     return out
 
 
-def _text(content: Any, where: str) -> str:
-    """Message content: a string or a list of text parts ({"type": "text", "text": ...})."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad(f"{where}: content part of type {kind!r} is not supported; this "
-                          "model reads text parts only", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad(f"{where}: 'content' must be a string or a list of text parts", "messages")
-
-
 def messages_of(value: Any) -> list[dict[str, str]]:
     """Chat messages with plain-text content."""
     if not isinstance(value, list) or not value:
@@ -150,7 +135,11 @@ def messages_of(value: Any) -> list[dict[str, str]]:
     for k, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{k}] needs a string 'role'", "messages")
-        out.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{k}]")})
+        try:
+            text = content_text(m.get("content"), f"messages[{k}]")
+        except ValueError as e:
+            raise bad(str(e), "messages") from None
+        out.append({"role": m["role"], "content": text})
     return out
 
 

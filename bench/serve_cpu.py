@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{evals['in_process_s']:.1f} s, through serve {evals['through_serve_s']:.1f} s, "
               f"metrics differ by at most {evals['max_relative_difference']:.1e} (relative)")
     out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "load_average_1min_at_end": round(os.getloadavg()[0], 2),
            "threads": a.threads, "torch": torch.__version__, "requests": a.requests,
            "concurrency": a.concurrency, "max_tokens": a.max_tokens, "serve": rows,
            "prompt_list": lists,

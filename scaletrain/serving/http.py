@@ -178,6 +178,9 @@ def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
                 self._error(e)
             except ValueError as e:  # a prompt that encodes to nothing, ...
                 self._error(ApiError(400, str(e)))
+            except TimeoutError:
+                self._error(ApiError(504, f"the completions took longer than "
+                                          f"{lim.request_timeout_s} s", code="timeout"))
             except Exception as e:  # keep serving; report the failure to the client
                 logger.exception("request failed")
                 self._error(ApiError(500, f"{type(e).__name__}: {e}"))

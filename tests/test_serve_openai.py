@@ -117,6 +117,14 @@ def test_streaming_with_the_openai_client(served):
                                            temperature=0, stream=True))
     assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
     assert len(parts) > 2 and parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    words = whole.choices[0].text.split()
+    stop = " " + words[1]  # a stop string met mid-stream: never sent, ends the choice
+    cut = client.completions.create(model="tiny", prompt="the cat", max_tokens=10,
+                                    temperature=0, stop=stop)
+    parts = list(client.completions.create(model="tiny", prompt="the cat", max_tokens=10,
+                                           temperature=0, stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == cut.choices[0].text
+    assert stop not in cut.choices[0].text and parts[-1].choices[0].finish_reason == "stop"
     msgs = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
     chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8,
                                           temperature=0)

@@ -25,6 +25,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "predict": ("scaletrain.commands.predict", "run a fine-tuned model on new texts"),
     "launch": ("scaletrain.commands.launch", "write a Slurm sbatch script for a multi-node run"),
     "serve": ("scaletrain.commands.serve", "OpenAI-compatible HTTP endpoint over a checkpoint"),
+    "eval": ("scaletrain.commands.eval", "lm-evaluation-harness tasks on a model, in-process"),
 }
 
 

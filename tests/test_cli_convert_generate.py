@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from scaletrain.commands import convert, generate  # noqa: E402
-from scaletrain.inference import load_for_inference  # noqa: E402
+from scaletrain.loader import load_for_inference  # noqa: E402
 from scaletrain.models.args import ModelArgs  # noqa: E402
 from scaletrain.models.generation import generate as generate_ids  # noqa: E402
 from scaletrain.models.hf import load_hf_checkpoint  # noqa: E402
@@ -212,3 +212,21 @@ def test_native_errors_name_the_problem(tmp_path):
         load_model_checkpoint(tmp_path / "ck")
     with pytest.raises(FileExistsError):
         save_model_checkpoint(build_model(args), args, tmp_path / "ck")
+
+
+def test_generate_defaults_come_from_generation_config(hf_dir, tmp_path, capsys):
+    import shutil
+
+    greedy_dir = tmp_path / "greedy"
+    shutil.copytree(hf_dir, greedy_dir)
+    (greedy_dir / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    argv = ["--prompt-ids", "5,17,99,3", "--max-new-tokens", "12", "--no-eos", "--json"]
+    assert generate.main(["--checkpoint", str(greedy_dir), *argv]) == 0
+    model = load_for_inference(greedy_dir)[0]
+    assert json.loads(capsys.readouterr().out)["ids"] == generate_ids(model, [5, 17, 99, 3], 12)
+    (greedy_dir / "generation_config.json").write_text(json.dumps({"temperature": 1.5}))
+    outs = set()
+    for seed in range(3):
+        assert generate.main(["--checkpoint", str(greedy_dir), *argv, "--seed", str(seed)]) == 0
+        outs.add(tuple(json.loads(capsys.readouterr().out)["ids"]))
+    assert len(outs) > 1  # sampled, not greedy

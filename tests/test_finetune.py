@@ -154,8 +154,13 @@ def test_sft_prompt_tokens_are_not_scored() -> None:
     ids, mask = fmt.encode({"prompt": "what is two plus two", "response": "four"}, "rec")
     ex = to_example(ids, mask, seq_len=32, where="rec")
     assert ex.inputs == ids[:-1]
-    # targets: the prompt words after the first are ignored, then "four" and eos are scored
-    assert ex.labels == [IGNORE_INDEX] * 4 + [tok.vocab["four"], 0]
+    # the default format "user: ...\nassistant: four<eos>\n": only "four" and eos are scored
+    words = {v: k for k, v in tok.vocab.items()}
+    assert [words[i] for i in ids] == ["user:", "what", "is", "two", "plus", "two",
+                                       "assistant:", "four", "<eos>"]
+    assert ex.labels == [IGNORE_INDEX] * 6 + [tok.vocab["four"], 0]
+    # predict asks exactly what training put before the response
+    assert fmt.prompt_ids("what is two plus two") == ids[:7]
 
 
 def test_sft_chat_template_scores_only_assistant_turns() -> None:
@@ -243,3 +248,17 @@ def test_estimate_matches_the_built_model(method: str, kw: dict, tiny_args: Mode
     assert (est.trainable, est.total) == (report.trainable, report.total)
     actual = report.trainable_bytes + report.frozen_bytes
     assert est.weight_bytes == pytest.approx(actual, rel=0.02)
+
+
+def test_sft_accepts_openai_content_parts() -> None:
+    fmt = ChatFormatter(_Tok(), eos_id=0)
+    plain = [{"role": "user", "content": "what is two plus two"},
+             {"role": "assistant", "content": "four"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "what is "},
+                                          {"type": "text", "text": "two plus two"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "four"}]}]
+    assert fmt.encode({"messages": parts}, "rec") == fmt.encode({"messages": plain}, "rec")
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+             {"role": "assistant", "content": "four"}]
+    with pytest.raises(ValueError, match="rec: content part of type 'image_url'"):
+        fmt.encode({"messages": image}, "rec")

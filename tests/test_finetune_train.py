@@ -201,3 +201,28 @@ def test_bad_inputs_get_clear_messages(bases: dict[str, Path], tmp_path: Path,
                "--training.steps", "2", "--checkpoint.resume", "true")
     assert "not in the label set" in fails("--finetune.labels", "positive,negative",
                                            data=bases["cls"], task="classification")
+
+
+def test_default_seq_len_fits_the_base(bases: dict[str, Path], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from scaletrain.loader import load_model
+
+    short = tmp_path / "short-base"  # the HF base, with a context of 64 positions
+    shutil.copytree(bases["hf"], short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    limit = load_model(short).args.max_seq_len
+    assert limit == 64  # shorter than the preset's data.seq_len
+    out = tmp_path / "fit"
+    argv = ["--base", str(short), "--data", str(bases["sft"]), "--method", "lora",
+            "--task", "sft", "--output", str(out), "--training.steps", "1",
+            "--training.eval_interval", "0", *QUIET]
+    assert finetune_cmd.main(argv) == 0
+    assert json.loads((out / "finetune.json").read_text())["seq_len"] == limit
+    capsys.readouterr()
+    too_long = ["--output", str(tmp_path / "long"), *argv[argv.index("--training.steps"):],
+                *argv[:8], "--data.seq_len", str(limit + 1)]
+    assert finetune_cmd.main(too_long) == 2  # a length the user chose is not changed
+    assert "exceeds the base model's max_seq_len" in capsys.readouterr().err

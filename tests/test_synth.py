@@ -46,11 +46,27 @@ def test_batched_generation_matches_one_at_a_time(arch):
         assert row == (full[: full.index(eos) + 1] if eos in full else full)
 
 
+def test_rubric_with_literal_braces_is_refused_before_any_generation():
+    calls = []
+    gen = ScriptedGenerator(lambda p, s: calls.append(p) or "Score: 5")
+    with pytest.raises(ValueError, match="literal braces"):
+        JudgeCritic(gen, rubric='{prompt} {candidate} reply as {"score": N}')
+    assert calls == []
+    ok = JudgeCritic(gen, rubric='{prompt} {candidate} reply as {{"score": N}}')
+    assert ok.critique(["p"], ["c"])[0].score == 5 and calls == ['p c reply as {"score": N}']
+
+
 def test_parse_score_robust():
     assert parse_score("Clear and correct.\nScore: 8") == 8
     assert parse_score("**Rating:** 7/10") == 7
     assert parse_score('{"score": 9, "why": "good"}') == 9
-    assert parse_score("I'd give it 4 out of 5") == 8  # rescaled to the 1..10 scale
+    assert parse_score("Score: 4 out of 5") == 8  # rescaled to the 1..10 scale
+    assert parse_score("Score: 3 out of 5") == 6
+    assert parse_score("I'd give it 4 out of 5") is None  # not the designated score pattern
+    assert parse_score("It handles 1/2 of the cases. Score: 7") == 7
+    assert parse_score("It handles 1/2 of the cases well.") is None
+    assert parse_score('{"score": "7"}') == 7 and parse_score('{"Score": "4/5"}') == 8
+    assert parse_score("7/10") == 7
     assert parse_score("  6 ") == 6
     assert parse_score("Score: 7.5") == 7.5
     assert parse_score("no idea what to say") is None

@@ -45,45 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from scaletrain.inference import find_checkpoint, hf_eos_id, tokenizer_eos_id
-    from scaletrain.models.hf import load_hf_checkpoint, save_hf_checkpoint
-    from scaletrain.train.native_format import (
-        load_model_checkpoint,
-        read_meta,
-        save_model_checkpoint,
-    )
+    from scaletrain.loader import load_model
+    from scaletrain.models.hf import save_hf_checkpoint
+    from scaletrain.models.transformer import Transformer
+    from scaletrain.train.native_format import META_NAME, read_meta, save_model_checkpoint
 
     dst = Path(args.dst)
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new output directory")
     dtype = _DTYPES[args.dtype] if args.dtype else None
-    eos = None
+    # a fine-tune: base + adapter merged, or its trained weights
+    finetuned = (Path(args.src) / "finetune.json").is_file()
+    loaded = load_model(args.src, dtype=dtype or torch.float32 if finetuned else dtype)
+    if not isinstance(loaded.model, Transformer):
+        raise ValueError(f"{args.src} is a {(loaded.finetune or {}).get('task')} fine-tune; "
+                         "only language models (task sft) convert to a causal-LM checkpoint")
     step = args.step
-    if (Path(args.src) / "finetune.json").is_file():  # base + adapter merged, or trained weights
-        from scaletrain.finetune.loading import load_for_export
-
-        model, model_args, tokenizer_file, eos = load_for_export(args.src, dtype or torch.float32)
-    else:
-        kind, src = find_checkpoint(args.src)
-        if kind == "hf":
-            model, model_args = load_hf_checkpoint(src, dtype=dtype)
-            tok = src / "tokenizer.json"
-            tokenizer_file = tok if tok.is_file() else None
-            eos = hf_eos_id(src)
-        else:
-            model, model_args, tokenizer_file = load_model_checkpoint(
-                src, dtype=dtype or torch.float32
-            )
-            step = args.step or read_meta(src)["step"]
+    if not finetuned and not step and (loaded.directory / META_NAME).is_file():
+        step = read_meta(loaded.directory)["step"]
     if args.to == "hf":
-        if eos is None and tokenizer_file is not None:
-            from tokenizers import Tokenizer
-
-            eos = tokenizer_eos_id(Tokenizer.from_file(str(tokenizer_file)))
-        save_hf_checkpoint(model, dst, args.max_shard_size, eos_token_id=eos,
-                           tokenizer_file=tokenizer_file)
+        save_hf_checkpoint(loaded.model, dst, args.max_shard_size, eos_token_id=loaded.eos_id,
+                           tokenizer_file=loaded.tokenizer_path)
     else:
-        save_model_checkpoint(model, model_args, dst, tokenizer_file=tokenizer_file, step=step)
+        save_model_checkpoint(loaded.model, loaded.args, dst,
+                              tokenizer_file=loaded.tokenizer_path, step=step)
     return dst
 
 

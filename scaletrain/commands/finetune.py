@@ -3,7 +3,8 @@
 
 The short flags are aliases of `--finetune.base`, `--finetune.method`, `--finetune.task` and
 `--finetune.data`; every other field of the config tree (see `--help`) can be set too. The
-defaults come from the `finetune` preset (`--config NAME_OR_TOML` picks another).
+defaults come from the `finetune` preset (`--config NAME_OR_TOML` picks another); its
+`data.seq_len` is lowered to the base model's `max_seq_len` when that is shorter.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ def expand_aliases(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     argv = expand_aliases(argv)
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+    own_config = any(a == "--config" or a.startswith("--config=") for a in argv)
+    if not own_config:
         argv = ["--config", "finetune", *argv]
+    # the preset's data.seq_len is a default: it is fitted to the base model
+    fit_seq_len = not own_config and not any(a.split("=")[0] == "--data.seq_len" for a in argv)
     try:
         cfg = load_config(argv, prog="scaletrain finetune")
     except ConfigError as e:
@@ -45,7 +49,7 @@ def main(argv: list[str]) -> int:
     from scaletrain.train.trainer import TrainingDiverged
 
     try:
-        trainer = FinetuneTrainer(cfg)
+        trainer = FinetuneTrainer(cfg, fit_seq_len=fit_seq_len)
         result = trainer.train()
     except NonFiniteStateError as e:  # the run diverged: not an input error
         print(f"scaletrain finetune: {e}", file=sys.stderr)

@@ -34,9 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (needs a tokenizer in the checkpoint)")
     src.add_argument("--prompt-ids", type=_ids, metavar="IDS", help="prompt token ids, 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 for greedy decoding (default: the model's generation_config.json, "
+                        "else 0.8)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k likeliest (default: the model's generation config)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass (default: the model's generation config)")
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--no-eos", action="store_true", help="do not stop at end-of-sequence")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -47,16 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def sampling(args: argparse.Namespace, defaults: dict) -> tuple[float, int | None,
+                                                                float | None]:
+    """(temperature, top_k, top_p): the flags, else the model's generation settings."""
+    temperature = args.temperature
+    if temperature is None:
+        temperature = 0.0 if defaults.get("do_sample") is False else float(
+            defaults.get("temperature", 0.8))
+    top_k = args.top_k if args.top_k is not None else defaults.get("top_k")
+    top_p = args.top_p if args.top_p is not None else defaults.get("top_p")
+    return temperature, (top_k or None), top_p
+
+
 def run(args: argparse.Namespace) -> dict:
-    from scaletrain.inference import load_for_inference
+    from scaletrain.loader import load_model
     from scaletrain.models.generation import generate
+    from scaletrain.models.transformer import Transformer
 
     device = torch.device(args.device)  # a malformed name raises RuntimeError
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
-    model, _, tokenizer, eos = load_for_inference(
-        args.checkpoint, device=device, dtype=_DTYPES[args.dtype] if args.dtype else None
-    )
+    loaded = load_model(args.checkpoint, device=device,
+                        dtype=_DTYPES[args.dtype] if args.dtype else None)
+    if not isinstance(loaded.model, Transformer):
+        raise ValueError(f"{args.checkpoint} is a classification fine-tune, not a language "
+                         "model; use `scaletrain predict --checkpoint` with it")
+    tokenizer, eos = loaded.tokenizer, loaded.eos_id
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(
@@ -66,9 +86,10 @@ def run(args: argparse.Namespace) -> dict:
         prompt_ids = tokenizer.encode(args.prompt).ids
     else:
         prompt_ids = args.prompt_ids
+    temperature, top_k, top_p = sampling(args, loaded.generation)
     new_ids = generate(
-        model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, eos_id=None if args.no_eos else eos, seed=args.seed,
+        loaded.model, prompt_ids, args.max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, eos_id=None if args.no_eos else eos, seed=args.seed,
     )
     text = tokenizer.decode(new_ids, skip_special_tokens=True) if tokenizer else None
     return {"ids": new_ids, "text": text}

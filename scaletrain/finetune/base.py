@@ -1,103 +1,44 @@
-"""The model being adapted: weights, tokenizer and chat template from any checkpoint we read."""
+"""The model being adapted: weights, tokenizer and chat template, from the one loader."""
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scaletrain.models.args import ModelArgs
+from scaletrain.loader import LoadedModel, load_model, read_chat_template
 from scaletrain.models.transformer import Transformer
 
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
 log = logging.getLogger("scaletrain.finetune")
+
+BaseModel = LoadedModel
+"""The base model of a fine-tune: a `LoadedModel` whose model is a `Transformer` with a
+tokenizer."""
 
 
 class FinetuneError(ValueError):
     """Input that fine-tuning cannot use; the message names the thing and the fix."""
 
 
-@dataclass
-class BaseModel:
-    model: Transformer
-    args: ModelArgs
-    directory: Path
-    """The checkpoint directory the weights came from."""
-    tokenizer: Tokenizer
-    tokenizer_path: Path
-    eos_id: int | None
-    chat_template: str | None = None
-    special_tokens: dict[str, str] | None = None
-    """Special-token strings for the chat template (bos_token, eos_token, ...)."""
-
-    @property
-    def pad_id(self) -> int:
-        """Id written into padding positions (never attended to nor scored)."""
-        return self.eos_id if self.eos_id is not None else 0
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer configs
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def read_chat_template(directory: Path) -> tuple[str | None, dict[str, str]]:
-    """(chat template, special-token strings) from `tokenizer_config.json` (or the separate
-    `chat_template.jinja` newer tokenizers write), when present."""
-    template, special = None, {}
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            data = json.loads(config.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise FinetuneError(f"{config} is not valid JSON: {e}") from None
-        template = data.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            text = _token_text(data.get(key))
-            if text is not None:
-                special[key] = text
-    jinja = directory / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        template = jinja.read_text()
-    return (template if isinstance(template, str) else None), special
-
-
-def load_base(path: str | Path, device: torch.device | str = "cpu") -> BaseModel:
-    """Load the base model (fp32) and its tokenizer from a HF dir, native checkpoint or run."""
-    from scaletrain.inference import load_for_inference
-
+def load_base(path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
+    """Load the base model (fp32, train mode) and its tokenizer from any model directory."""
     try:
-        model, args, tokenizer, eos = load_for_inference(path, device=device, dtype=torch.float32)
+        base = load_model(path, device=device, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise FinetuneError(f"base model {path}: {e}") from None
-    from scaletrain.inference import find_checkpoint
-
-    kind, directory = find_checkpoint(path)
-    tok_path = directory / "tokenizer.json"
-    if kind == "native" and not tok_path.is_file():
-        from scaletrain.train.native_format import read_meta
-
-        tok_path = directory / (read_meta(directory).get("tokenizer") or "tokenizer.json")
-    if tokenizer is None or not tok_path.is_file():
+    if not isinstance(base.model, Transformer):
+        raise FinetuneError(f"base model {path} is a classification fine-tune; give a language "
+                            "model as the base")
+    if base.tokenizer is None or base.tokenizer_path is None:
         raise FinetuneError(
             f"base model {path} has no tokenizer.json; fine-tuning reads text, so put the "
             "model's tokenizer.json next to its weights"
         )
-    template, special = read_chat_template(directory)
-    model.train()
-    log.info("base model %s: %s, %d layers, dim %d", directory, args.arch, args.n_layers,
-             args.dim)
-    return BaseModel(model, args, directory, tokenizer, tok_path, eos, template, special)
+    base.model.train()
+    log.info("base model %s: %s, %d layers, dim %d", base.directory, base.args.arch,
+             base.args.n_layers, base.args.dim)
+    return base
 
 
 __all__ = ["BaseModel", "FinetuneError", "load_base", "read_chat_template"]

@@ -4,6 +4,11 @@ then rows of `seq_len` tokens (several short examples packed into one row when a
 Only response tokens are scored: prompt tokens get the label IGNORE_INDEX. With a chat template
 (the tokenizer config's Jinja `chat_template`), each assistant turn's rendered text is scored and
 everything the template puts around it (system prompt, user turns, role headers) is not.
+
+One prompt format: a prompt/response record is the conversation [user: prompt, assistant:
+response], and the same formatter renders prompts for `predict`, `serve`'s chat endpoint and
+`data synth` (chat), so a model is asked exactly as it was trained. Without a template the
+documented default is `role: content` lines and `assistant: ` before the reply.
 """
 
 from __future__ import annotations
@@ -81,8 +86,6 @@ class ChatFormatter:
             response = record.get("response", record.get("completion"))
             if not isinstance(record["prompt"], str) or not isinstance(response, str):
                 raise FinetuneError(f"{where}: 'prompt' and 'response' must be strings")
-            if not self.has_template:
-                return self._plain(record["prompt"], response)
             messages = [{"role": "user", "content": record["prompt"]},
                         {"role": "assistant", "content": response}]
         else:
@@ -92,14 +95,10 @@ class ChatFormatter:
             )
         return self._templated(messages, where) if self.has_template else self._fallback(messages)
 
-    def _plain(self, prompt: str, response: str) -> tuple[list[int], list[bool]]:
-        """No template: prompt as given, then response + end-of-text, which alone is scored."""
-        p = self.tokenizer.encode(prompt).ids  # the tokenizer's own BOS, if it adds one
-        r = self._ids(response) + ([self.eos_id] if self.eos_id is not None else [])
-        return p + r, [False] * len(p) + [True] * len(r)
-
     def _fallback(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
-        """No template: `role: content` lines; assistant contents + end-of-text are scored."""
+        """No template, the documented default format: one `role: content` line per message,
+        an assistant turn being `assistant: ` + content + end-of-text + newline; assistant
+        contents + end-of-text are scored."""
         ids: list[int] = []
         mask: list[bool] = []
         for m in messages:
@@ -145,21 +144,48 @@ class ChatFormatter:
             raise FinetuneError(f"{where}: the chat template failed: {e}") from None
         return ids + tail, mask + [False] * len(tail)
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        """Ids of a new prompt, ready for the model to generate the response (for predict)."""
+    def conversation_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Ids of a conversation followed by the assistant's turn opening (serve's chat), the
+        same tokens fine-tuning puts before an assistant reply."""
         if self.has_template:
-            text = self.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return self._ids(text)
-        return self.tokenizer.encode(prompt).ids
+            return self._ids(self.render(messages, add_generation_prompt=True))
+        return self._fallback(messages)[0] + self._ids("assistant: ")
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """Ids of a new prompt as one user message, ready for the model to generate the
+        response (predict), formatted exactly as a prompt/response record is in training."""
+        return self.conversation_prompt_ids([{"role": "user", "content": prompt}])
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of OpenAI text parts
+    ({"type": "text", "text": ...}) joined. Other part types raise ValueError."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}: content part of type {kind!r} is not supported; "
+                                 "only text parts are")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"{where}: 'content' must be a string or a list of text parts")
 
 
 def _check_messages(messages: Any, where: str) -> None:
+    """Validate messages in place; list-of-parts content becomes its text."""
     if not isinstance(messages, list) or not messages:
         raise FinetuneError(f"{where}: 'messages' must be a non-empty list")
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                or not isinstance(m.get("content"), str):
-            raise FinetuneError(f"{where}: each message needs string 'role' and 'content'")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise FinetuneError(f"{where}: each message needs a string 'role' and a 'content'")
+        try:
+            m["content"] = content_text(m.get("content"), where)
+        except ValueError as e:
+            raise FinetuneError(str(e)) from None
     if not any(m["role"] == "assistant" for m in messages):
         raise FinetuneError(f"{where}: no assistant message, so nothing would be trained on")
 
@@ -212,4 +238,4 @@ def pack(examples: list[Example], seq_len: int, pad_id: int,
     return rows
 
 
-__all__ = ["ChatFormatter", "Example", "to_example", "pack"]
+__all__ = ["ChatFormatter", "Example", "to_example", "pack", "content_text"]

@@ -28,6 +28,7 @@ from scaletrain.finetune.base_pin import base_record, check_base
 from scaletrain.finetune.freeze import freeze_layers, memory_report, param_report
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
 from scaletrain.finetune.lora import LoRASettings, apply_lora, parse_targets
+from scaletrain.loader import ADAPTER_DIR, FINETUNE_META
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
@@ -39,8 +40,7 @@ from scaletrain.train.trainer import Trainer
 
 log = logging.getLogger("scaletrain.finetune")
 
-META_NAME = "finetune.json"
-ADAPTER_DIR = "adapter"
+META_NAME = FINETUNE_META
 
 
 class AdapterCheckpointer(Checkpointer):
@@ -86,7 +86,10 @@ def read_meta(output: str | Path) -> dict[str, Any]:
 class FinetuneTrainer(Trainer):
     """`Trainer` with the base model, method and task of `cfg.finetune`."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, fit_seq_len: bool = False) -> None:
+        """`fit_seq_len`: data.seq_len is a default, not the user's choice, so it is lowered to
+        the base model's max_seq_len where it is longer (instead of an error)."""
+        self.fit_seq_len = fit_seq_len
         ft = cfg.finetune
         if not ft.base:
             raise ConfigError("finetune.base is required: a HF model directory, a native "
@@ -111,6 +114,10 @@ class FinetuneTrainer(Trainer):
             self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device)
         self._check_base_on_resume()
         seq_len = cfg.data.seq_len
+        if seq_len > self.base.args.max_seq_len and self.fit_seq_len:
+            log.info("data.seq_len %d -> %d: the base model's max_seq_len", seq_len,
+                     self.base.args.max_seq_len)
+            seq_len = cfg.data.seq_len = self.base.args.max_seq_len
         if seq_len > self.base.args.max_seq_len:
             raise ConfigError(f"data.seq_len ({seq_len}) exceeds the base model's max_seq_len "
                               f"({self.base.args.max_seq_len}); lower --data.seq_len")

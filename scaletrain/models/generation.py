@@ -122,18 +122,10 @@ def generate(
         model.clear_cache()
 
 
-def _equal_length_groups(prompts: list[list[int]]) -> list[list[int]]:
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
-    return list(groups.values())
-
-
-@torch.inference_mode()
 def generate_batch(
     model: Transformer,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | list[int],
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -141,71 +133,28 @@ def generate_batch(
     seeds: list[int | None] | None = None,
     pad_id: int = 0,
 ) -> list[list[int]]:
-    """`generate` for several prompts at once: one left-padded batch through one KV cache.
+    """`generate` for several prompts at once: left-padded batches through one KV cache.
 
     Shorter prompts are padded on the left and the padding is masked out of attention, so each
-    row continues its own prompt (with RoPE, attention depends only on relative positions, so
-    the shift by the padding changes nothing but rounding). Models with absolute position
-    embeddings (GPT-2) run prompts of equal length together instead. Row i samples from its own
-    generator seeded with `seeds[i]`, so a row's output does not depend on its batch-mates.
-    Rows that end (eos or their budget) stop growing; the batch runs until every row ended.
+    row continues its own prompt. Every row keeps its own budget (`max_new_tokens`, one for all
+    or one per prompt, cut to what fits `max_seq_len` after that row's prompt) and stops at its
+    own end-of-sequence; row i samples from its own generator seeded with `seeds[i]`, so a row's
+    output does not depend on its batch-mates. See `batch_decode.decode_rows` for stop strings,
+    logit controls and log-probabilities.
     """
+    from scaletrain.models.batch_decode import Row, decode_rows
+
     if not prompts:
         return []
     seeds = list(seeds) if seeds is not None else [None] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    if model.pos_embeddings is not None and len({len(p) for p in prompts}) > 1:
-        out: list[list[int]] = [[] for _ in prompts]
-        for idx in _equal_length_groups(prompts):
-            res = generate_batch(model, [prompts[i] for i in idx], max_new_tokens, temperature,
-                                 top_k, top_p, eos_id, [seeds[i] for i in idx], pad_id)
-            for i, r in zip(idx, res):
-                out[i] = r
-        return out
-    n_new = min(_check(model, p, max_new_tokens, temperature, top_k, top_p) for p in prompts)
-    if n_new == 0:
-        return [[] for _ in prompts]
-    stop = set() if eos_id is None else ({eos_id} if isinstance(eos_id, int) else set(eos_id))
-    device = model.tok_embeddings.weight.device
-    batch, longest = len(prompts), max(len(p) for p in prompts)
-    tokens = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
-    key_mask = torch.ones((batch, longest + n_new), dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-        key_mask[i, : longest - len(p)] = False
-    mask = None if bool(key_mask.all()) else key_mask
-    generators: list[torch.Generator] = []
-    if temperature > 0:
-        for seed in seeds:
-            g = torch.Generator(device=device)
-            g.manual_seed(seed) if seed is not None else g.seed()
-            generators.append(g)
-
-    def pick(logits: torch.Tensor) -> list[int]:
-        if temperature == 0:
-            return logits.argmax(dim=-1).tolist()
-        probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
-        return [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in enumerate(generators)]
-
-    model.setup_cache(batch, longest + n_new - 1)
-    try:
-        logits = model(tokens, 0, key_mask=mask)[:, -1]
-        out = [[] for _ in prompts]
-        done = [False] * batch
-        pos = longest
-        while True:
-            for i, token in enumerate(pick(logits)):
-                if not done[i]:
-                    out[i].append(token)
-                    done[i] = token in stop or len(out[i]) == n_new
-            if all(done):
-                return out
-            step = torch.tensor([[r[-1]] for r in out], dtype=torch.long, device=device)
-            logits = model(step, pos, key_mask=mask)[:, -1]
-            pos += 1
-    finally:
-        model.clear_cache()
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(
+        prompts)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
+    rows = [Row(p, b, s) for p, b, s in zip(prompts, budgets, seeds)]
+    return [d.ids for d in decode_rows(model, rows, temperature, top_k, top_p, eos_id, pad_id)]
 
 
 __all__ = ["generate", "generate_batch", "filter_logits"]

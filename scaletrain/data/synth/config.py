@@ -22,7 +22,7 @@ class GeneratorConfig:
     checkpoint: str = ""  # in-process: a checkpoint directory (HF, native or run dir)
     url: str = ""  # or an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
     model: str = "default"  # model name sent to the server
-    chat: bool = False  # use /v1/chat/completions (prompt = one user message)
+    chat: bool = False  # prompt = one user message, in the chat format (HTTP: /v1/chat/completions)
     device: str = "cpu"
     batch_size: int = 16  # in-process batch (prompts decoded together)
     concurrency: int = 4  # HTTP requests in flight

@@ -24,43 +24,76 @@ DEFAULT_RUBRIC = (
 )
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
-_PATTERNS = [
-    re.compile(r"\b(?:score|rating|grade)\b\s*(?:is|of)?\s*[:=]?\s*\**\s*" + _NUM
-               + r"(?:\s*/\s*(\d+(?:\.\d+)?))?", re.I),
-    re.compile(_NUM + r"\s*/\s*(\d+(?:\.\d+)?)"),
-    re.compile(r"\b" + _NUM + r"\s+out\s+of\s+(\d+(?:\.\d+)?)", re.I),
-]
+_OF = r"(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?"
+# The designated score: 'Score: N', 'Rating - N/10', '**Grade:** N out of 5' (the label decides;
+# numbers elsewhere in the justification, such as "handles 1/2 of the cases", never count).
+_LABELLED = re.compile(r"\b(?:score|rating|grade)\b\**\s*(?:is|of)?\s*[:=\-]?\s*\**\s*" + _NUM
+                       + _OF, re.I)
+_BARE = re.compile(r"\**\s*" + _NUM + _OF + r"\s*\**\.?")
+_SCORE_KEYS = ("score", "rating", "grade")
+
+
+def _scaled(num: str | float, den: str | None, lo: float, hi: float) -> float | None:
+    """`num` on the judge's scale: 'N/M' and 'N out of M' with M != hi are rescaled to hi."""
+    val = float(num)
+    if den and float(den) > 0 and float(den) != hi:
+        val = val / float(den) * hi
+    return val if lo <= val <= hi else None
+
+
+def _json_score(text: str, lo: float, hi: float) -> tuple[bool, float | None]:
+    """(a JSON object with a score key was found, its score on the scale or None)."""
+    for m in re.finditer(r"\{[^{}]*\}", text):
+        try:
+            obj = json.loads(m.group(0))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        key = next((k for k in obj if str(k).lower() in _SCORE_KEYS), None)
+        if key is None:
+            continue
+        val = obj[key]
+        if isinstance(val, str):  # {"score": "7"} or {"score": "7/10"}
+            hit = _BARE.fullmatch(val.strip())
+            return True, _scaled(hit.group(1), hit.group(2), lo, hi) if hit else None
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return True, _scaled(val, None, lo, hi)
+        return True, None
+    return False, None
 
 
 def parse_score(reply: str, lo: float = 1, hi: float = 10) -> float | None:
     """The score in a judge's reply, or None when there is none in [lo, hi].
 
-    Tried in order: a JSON object with "score"; the last 'Score: N' / 'Rating: N/10'; the last
-    'N/M' or 'N out of M' (rescaled to `hi` when M differs); a reply that is just a number.
+    Only the designated score counts, tried in order: a JSON object's "score" (or "rating")
+    field, a number or a numeric string; the last labelled score ('Score: N', 'Rating: N/10',
+    'Score: 3 out of 5'); a reply that is nothing but a number ('7', '7/10'). 'N/M' and
+    'N out of M' with M other than the scale's top are rescaled to it (3 out of 5 -> 6 on 1..10).
     """
     text = reply.strip()
-    m = re.search(r"\{[^{}]*\}", text)
-    if m:
-        try:
-            obj = json.loads(m.group(0))
-            val = obj.get("score", obj.get("rating")) if isinstance(obj, dict) else None
-            if isinstance(val, (int, float)) and not isinstance(val, bool) and lo <= val <= hi:
-                return float(val)
-        except json.JSONDecodeError:
-            pass
-    for pat in _PATTERNS:
-        hits = pat.findall(text)
-        if hits:
-            num, den = hits[-1]
-            val = float(num)
-            if den and float(den) > 0 and float(den) != hi:
-                val = val / float(den) * hi
-            return val if lo <= val <= hi else None
-    m = re.fullmatch(r"\**\s*" + _NUM + r"\s*\**\.?", text)
-    if m:
-        val = float(m.group(1))
-        return val if lo <= val <= hi else None
-    return None
+    found, val = _json_score(text, lo, hi)
+    if found:
+        return val
+    hits = _LABELLED.findall(text)
+    if hits:
+        return _scaled(hits[-1][0], hits[-1][1], lo, hi)
+    m = _BARE.fullmatch(text)
+    return _scaled(m.group(1), m.group(2), lo, hi) if m else None
+
+
+def check_rubric(rubric: str) -> None:
+    """Fail before any generation if the rubric cannot be filled: it needs {prompt} and
+    {candidate}; other braces must be doubled ({{ and }}) to be literal."""
+    for slot in ("{prompt}", "{candidate}"):
+        if slot not in rubric:
+            raise ValueError(f"the judge rubric must contain {slot}")
+    try:
+        rubric.format(prompt="p", candidate="c", lo=1, hi=10)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"the judge rubric cannot be filled ({type(e).__name__}: {e}): it may "
+                         "use {prompt}, {candidate}, {lo} and {hi}; write literal braces as "
+                         "{{ and }} (e.g. {{\"score\": N}})") from None
 
 
 @dataclass
@@ -83,9 +116,7 @@ class JudgeCritic:
 
     def __init__(self, generator: Generator, rubric: str = DEFAULT_RUBRIC, lo: float = 1,
                  hi: float = 10, max_new_tokens: int = 64, max_chars: int = 4000):
-        for slot in ("{prompt}", "{candidate}"):
-            if slot not in rubric:
-                raise ValueError(f"the judge rubric must contain {slot}")
+        check_rubric(rubric)
         if lo >= hi:
             raise ValueError(f"judge scale: scale_min {lo} must be below scale_max {hi}")
         self.generator, self.rubric, self.lo, self.hi = generator, rubric, lo, hi

@@ -75,10 +75,15 @@ class LocalGenerator:
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, eos_id: int | None,
-                 batch_size: int = 16, token_budget: int = 0, name: str = "local"):
+                 batch_size: int = 16, token_budget: int = 0, name: str = "local",
+                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+                 chat: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
         self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
+        self.chat_template, self.special_tokens = chat_template, special_tokens
+        self._formatter: Any = None
+        self.chat = chat  # prompts are user messages, formatted as `chat_ids` does
         self.batch_size, self.token_budget, self.name = batch_size, token_budget, name
         self.tokens_generated = 0
         self.lock = threading.Lock()  # the model's KV cache is per model: one batch at a time
@@ -86,13 +91,32 @@ class LocalGenerator:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", dtype: Any = None,
                         **kwargs: Any) -> LocalGenerator:
-        from scaletrain.inference import load_for_inference
+        from scaletrain.loader import load_model
+        from scaletrain.models.transformer import Transformer
 
-        model, _, tokenizer, eos = load_for_inference(path, device=device, dtype=dtype)
-        if tokenizer is None:
+        loaded = load_model(path, device=device, dtype=dtype)
+        if not isinstance(loaded.model, Transformer):
+            raise ValueError(f"{path} is a classification fine-tune, not a language model")
+        if loaded.tokenizer is None:
             raise ValueError(f"{path} has no tokenizer.json: text generation needs one (copy "
                              "the tokenizer file into the checkpoint directory)")
-        return cls(model, tokenizer, eos, name=str(path), **kwargs)
+        return cls(loaded.model, loaded.tokenizer, loaded.eos_id, name=str(path),
+                   chat_template=loaded.chat_template, special_tokens=loaded.special_tokens,
+                   **kwargs)
+
+    @property
+    def pad_id(self) -> int:
+        return self.eos_id if self.eos_id is not None else 0
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids of a conversation, ready for the assistant's reply: the model's chat
+        template, else the documented default, exactly as fine-tuning formats it."""
+        from scaletrain.finetune.sft import ChatFormatter
+
+        if self._formatter is None:
+            self._formatter = ChatFormatter(self.tokenizer, self.eos_id, self.chat_template,
+                                            self.special_tokens)
+        return self._formatter.conversation_prompt_ids(messages)
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text).ids
@@ -126,12 +150,34 @@ class LocalGenerator:
                 self.tokens_generated += len(r)
         return out
 
+    def stop_check(self, stop: list[str]) -> Any:
+        """A row stop callback: True once the decoded new text holds a stop string."""
+        if not stop:
+            return None
+        return lambda ids: cut_at_stop(self.decode(ids), stop)[1]
+
     def complete(self, prompts: list[str], params: SamplingParams,
                  seeds: list[int | None] | None = None) -> list[Completion]:
-        ids = self.complete_ids([self.encode(p) for p in prompts], params, seeds)
-        out = []
-        for new in ids:
-            eos = bool(new) and new[-1] == self.eos_id
-            text, stopped = cut_at_stop(self.decode(new), params.stop)
-            out.append(Completion(text, len(new), "stop" if eos or stopped else "length"))
-        return out
+        """Text completions; a stop string ends decoding of its row (not just the text)."""
+        from scaletrain.models.batch_decode import Row, decode_rows
+
+        params.validate()
+        if self.token_budget and self.tokens_generated >= self.token_budget:
+            raise BudgetExhausted(f"token budget of {self.token_budget} generated tokens spent")
+        seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+        stop = self.stop_check(params.stop)
+        rows = [Row(self.chat_ids([{"role": "user", "content": p}]) if self.chat
+                    else self.encode(p), params.max_new_tokens, s, stop=stop)
+                for p, s in zip(prompts, seeds)]
+        out: list[Completion | None] = [None] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].prompt))
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b : b + self.batch_size]
+            with self.lock:
+                res = decode_rows(self.model, [rows[i] for i in idx], params.temperature,
+                                  params.top_k, params.top_p, self.eos_id, self.pad_id)
+            for i, r in zip(idx, res):
+                self.tokens_generated += len(r.ids)
+                text = cut_at_stop(self.decode(r.ids), params.stop)[0]
+                out[i] = Completion(text, len(r.ids), r.finish_reason)
+        return out  # type: ignore[return-value]

@@ -65,7 +65,8 @@ def make_generator(checkpoint: str, url: str, g: Any) -> Generator:
                              max_requests=getattr(g, "max_requests", 0))
     return LocalGenerator.from_checkpoint(checkpoint, device=getattr(g, "device", "cpu"),
                                           batch_size=getattr(g, "batch_size", 16),
-                                          token_budget=getattr(g, "token_budget", 0))
+                                          token_budget=getattr(g, "token_budget", 0),
+                                          chat=bool(getattr(g, "chat", False)))
 
 
 def make_critic(cfg: SynthConfig, generator: Generator) -> Critic | None:

@@ -1,0 +1,1 @@
+"""`scaletrain eval`: lm-evaluation-harness tasks on our models, in-process."""

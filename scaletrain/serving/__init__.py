@@ -1,0 +1,1 @@
+"""`scaletrain serve`: the OpenAI-compatible HTTP endpoint (protocol, batching engine, HTTP)."""

@@ -1,0 +1,148 @@
+"""`scaletrain eval` runs lm-evaluation-harness in-process, and lm_eval's own `local-completions`
+model against a `scaletrain serve` started here gets the same results, on tiny local tasks of
+each request kind (loglikelihood, multiple choice, generate_until, loglikelihood_rolling)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from scaletrain.commands import eval as eval_cmd  # noqa: E402
+from scaletrain.commands.serve import make_server  # noqa: E402
+from scaletrain.data.synth.generators import LocalGenerator  # noqa: E402
+from tests.synth_helpers import tiny_checkpoint  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "lm_eval_tasks"
+TASKS = {
+    "tiny_ll": """output_type: loglikelihood
+doc_to_text: "{{context}}"
+doc_to_target: "{{target}}"
+metric_list:
+  - {metric: perplexity, aggregation: perplexity, higher_is_better: false}
+  - {metric: acc, aggregation: mean, higher_is_better: true}""",
+    "tiny_mc": """output_type: multiple_choice
+doc_to_text: "{{q}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: label
+metric_list:
+  - {metric: acc, aggregation: mean, higher_is_better: true}
+  - {metric: acc_norm, aggregation: mean, higher_is_better: true}""",
+    "tiny_gen": """output_type: generate_until
+doc_to_text: "{{q}}"
+doc_to_target: " {{a}}"
+generation_kwargs: {until: ["."], max_gen_toks: 6, do_sample: false, temperature: 0}
+metric_list:
+  - {metric: exact_match, aggregation: mean, higher_is_better: true}""",
+    "tiny_rolling": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+  - {metric: word_perplexity}
+  - {metric: byte_perplexity}
+  - {metric: bits_per_byte}""",
+}
+
+
+def write_tasks(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, body in TASKS.items():
+        data = directory / f"{name}.jsonl"
+        shutil.copy(DATA / f"{name}.jsonl", data)
+        (directory / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\n"
+            f"dataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n{body}\n")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    ckpt = tiny_checkpoint(root / "ckpt")
+    tok = root / "hf-tokenizer"  # lm_eval's client reads the tokenizer with transformers
+    tok.mkdir()
+    shutil.copy(next(ckpt.glob("*tokenizer.json")), tok / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    return ckpt, tok, write_tasks(root / "tasks")
+
+
+def _metrics(results: dict) -> dict[str, dict[str, float]]:
+    return {task: {k: v for k, v in m.items() if isinstance(v, (int, float)) and "stderr" not in k}
+            for task, m in results["results"].items()}
+
+
+def _flat(x) -> list:
+    """Numbers and strings of a sample's responses, in order."""
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _flat(item)]
+    return [x]
+
+
+def _responses(results: dict) -> dict[str, list]:
+    return {task: [_flat(s["filtered_resps"]) for s in sorted(samples, key=lambda s: s["doc_id"])]
+            for task, samples in results["samples"].items()}
+
+
+def test_in_process_equals_lm_eval_through_serve(setup, tmp_path):
+    ckpt, tok, tasks = setup
+    out = tmp_path / "results.json"
+    args = eval_cmd.build_parser().parse_args(
+        ["--checkpoint", str(ckpt), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
+         "--batch-size", "3", "--bootstrap-iters", "0", "--output", str(out)])
+    local_run = eval_cmd.run(args, log_samples=True)
+    local = _metrics(local_run)
+    assert set(local) == set(TASKS)
+    assert local["tiny_rolling"]["word_perplexity,none"] > 1
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    gen = LocalGenerator.from_checkpoint(ckpt, batch_size=4)
+    server = make_server(gen, "127.0.0.1", 0, "tiny", batch_size=4)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        remote = simple_evaluate(
+            model="local-completions", tasks=list(TASKS), task_manager=TaskManager(
+                include_path=str(tasks), include_defaults=False), bootstrap_iters=0,
+            model_args={"base_url": f"http://127.0.0.1:{port}/v1/completions", "model": "tiny",
+                        "tokenizer": str(tok), "max_length": 128})
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.engine.close()
+    served = _metrics(remote)
+    assert set(served) == set(local)
+    for task, metrics in local.items():
+        for name, value in metrics.items():
+            assert served[task][name] == pytest.approx(value, rel=1e-4, abs=1e-6), (task, name)
+    mine, theirs = _responses(local_run), _responses(remote)
+    for task in TASKS:
+        for a, b in zip(mine[task], theirs[task], strict=True):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert y == (pytest.approx(x, rel=1e-4, abs=1e-5) if isinstance(x, float) else x)
+    assert any(r[0].strip() for r in mine["tiny_gen"])  # the model did generate text
+
+
+def test_bad_checkpoint_is_a_clear_error(setup, capsys):
+    ckpt, _, tasks = setup
+    assert eval_cmd.main(["--checkpoint", str(ckpt / "nope"), "--tasks", "tiny_ll",
+                          "--include-path", str(tasks)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_prints_the_table_and_writes_results(setup, tmp_path, capsys):
+    ckpt, _, tasks = setup
+    out = tmp_path / "r.json"
+    assert eval_cmd.main(["--checkpoint", str(ckpt), "--tasks", "tiny_mc", "--include-path",
+                          str(tasks), "--bootstrap-iters", "0", "--output", str(out)]) == 0
+    assert "acc_norm" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert "acc,none" in data["results"]["tiny_mc"] and data["scaletrain"]["eval_s"] > 0

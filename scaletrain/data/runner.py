@@ -27,6 +27,7 @@ from typing import Any
 
 from scaletrain.data.documents import Document
 from scaletrain.data.executors import Executor, LocalExecutor
+from scaletrain.data.io.manifest import forget_manifest, write_manifest
 from scaletrain.data.io.readers import ReadReport, Shard, plan_shards, read_shard
 from scaletrain.data.io.writers import make_writer
 from scaletrain.data.pipeline import Pipeline, Step, StepStats, merge_stats
@@ -138,6 +139,7 @@ def process_task(
         "docs_in": n_in,
         "docs_out": writer.count,
         "files": [os.path.basename(f) for f in files],
+        "file_documents": writer.file_counts,
         "malformed": report.malformed,
         "malformed_examples": report.examples,
     }
@@ -241,6 +243,7 @@ def run_pipeline(
     if overwrite and os.path.isdir(output_dir):
         shutil.rmtree(output_dir)
     os.makedirs(output_dir, exist_ok=True)
+    forget_manifest(output_dir)
     t0 = time.perf_counter()
     shards = plan_shards(inputs, target_bytes=opts.task_bytes, root=root)
     input_bytes = sum(_shard_bytes(s) for s in shards)
@@ -279,6 +282,12 @@ def run_pipeline(
     if not opts.keep_work:
         for k in range(len(stages) - 1):
             shutil.rmtree(os.path.join(work, f"stage-{k}"), ignore_errors=True)
+    kept = [
+        (os.path.join(output_dir, f), n)
+        for r in all_results[-1]
+        for f, n in zip(r["files"], r.get("file_documents", [None] * len(r["files"])))
+    ]
+    write_manifest(output_dir, kept, {"output_format": opts.output_format})  # last: run done
     return summary
 
 

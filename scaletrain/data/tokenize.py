@@ -15,8 +15,6 @@ metaspace pre-tokenizers split anyway), so its memory stays bounded by the piece
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
 import shutil

@@ -27,6 +27,7 @@ from typing import Any
 
 from scaletrain.data.documents import Document
 from scaletrain.data.executors import Executor, LocalExecutor
+from scaletrain.data.executors.lifeline import LOCK_NAME, RunLock
 from scaletrain.data.io.manifest import forget_manifest, write_manifest
 from scaletrain.data.io.readers import ReadReport, Shard, plan_shards, read_shard
 from scaletrain.data.io.writers import make_writer
@@ -238,11 +239,27 @@ def run_pipeline(
 
     `root`: the directory text-file ids are relative to (default: each input's directory).
     """
+    os.makedirs(output_dir, exist_ok=True)
+    with RunLock(output_dir):  # one run per folder; waits for a killed run's processes
+        return _run_pipeline(steps, inputs, output_dir, executor, opts, overwrite, root)
+
+
+def _run_pipeline(
+    steps: list[Step],
+    inputs: str | list[str],
+    output_dir: str,
+    executor: Executor | None,
+    opts: RunOptions | None,
+    overwrite: bool,
+    root: str | None,
+) -> dict[str, Any]:
     executor = executor or LocalExecutor()
     opts = opts or RunOptions()
-    if overwrite and os.path.isdir(output_dir):
-        shutil.rmtree(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
+    if overwrite:
+        for name in os.listdir(output_dir):
+            if name != LOCK_NAME:
+                p = os.path.join(output_dir, name)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
     forget_manifest(output_dir)
     t0 = time.perf_counter()
     shards = plan_shards(inputs, target_bytes=opts.task_bytes, root=root)

@@ -216,7 +216,9 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[s
     import multiprocessing as mp
 
     # spawn: tokenizers' thread pool does not survive fork.
-    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+    from scaletrain.data.executors.lifeline import bind_to_parent
+
+    with mp.get_context("spawn").Pool(min(workers, len(jobs)), bind_to_parent) as pool:
         yield from pool.imap(_tokenize_shard, jobs)
 
 

@@ -80,3 +80,14 @@ def test_a_real_press_release_repeating_a_name_is_kept() -> None:
     assert f.reason(page) is None
     spam = page.text + " " + " ".join(["buy cheap shoes online today at our store"] * 12)
     assert f.reason(Document("y", spam)) is not None
+
+
+def test_gopher_symbol_ratio_is_per_symbol() -> None:
+    """The paper: a symbol-to-word ratio over 0.1 "for either the hash symbol or the
+    ellipsis", so 8 % hashes and 8 % ellipses together pass."""
+    from scaletrain.data.filters.gopher import GopherQualityFilter
+
+    base = " ".join(SENTENCES * 2).split()  # 104 words with stop words
+    text = " ".join(base[:100]) + " #a" * 8 + " wait... then" * 8 + " the end."
+    assert GopherQualityFilter().reason(Document("x", text)) is None
+    assert GopherQualityFilter().reason(Document("x", text + " #b" * 8)) == "symbol_word_ratio"

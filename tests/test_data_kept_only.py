@@ -47,6 +47,16 @@ def test_only_kept_documents_are_tokenized_and_trained(tmp_path: Path, capsys) -
     kept = [json.loads(line)["text"] for e in manifest["files"]
             for line in (out / e["path"]).read_text().splitlines()]
     assert len(kept) == stats["docs_out"]
+    # the report: tasks per stage, a few kept and dropped documents per reason
+    ran = [len(list((out / "_work" / f"job-{k}" / "done").iterdir())) for k in range(2)]
+    assert [st["tasks"] for st in stats["stages"]] == ran and stats["tasks"] == sum(ran)
+    assert f"({sum(ran)} tasks: stage 1 {ran[0]}, stage 2 {ran[1]})" in capsys.readouterr().out
+    samples = stats["samples"]
+    assert [d["text"][:50] for d in samples["kept"]] == [t[:50] for t in kept[:3]]
+    assert "exact_dedup: exact_duplicate" in samples["dropped"]
+    assert any(k.startswith("gopher_quality: ") for k in samples["dropped"])
+    assert all(1 <= len(v) <= 3 for v in samples["dropped"].values())
+    assert "Dropped documents (samples per reason)" in (out / "report.html").read_text()
 
     prefix = tmp_path / "tok" / "cur"
     assert data_cmd.main(["tokenize", "--input", str(out), "--output", str(prefix),

@@ -117,7 +117,13 @@ def process_task(
         else None
     )
 
+    dropped_samples: dict[str, list[dict[str, str]]] = {}
+    kept_samples: list[dict[str, str]] = []
+
     def on_drop(step: str, doc: Document, reason: str) -> None:
+        some = dropped_samples.setdefault(f"{step}: {reason}", [])
+        if len(some) < SAMPLES:
+            some.append(_sample(doc))
         if drop_writer is not None:
             meta = {**doc.metadata, "dropped_by": step, "drop_reason": reason}
             drop_writer.write(Document(doc.id, doc.text, meta))
@@ -125,6 +131,8 @@ def process_task(
     try:
         n_in = 0
         for doc in pipeline.run(docs, stats, on_drop):
+            if len(kept_samples) < SAMPLES:
+                kept_samples.append(_sample(doc))
             writer.write(doc)
         n_in = stats[0].seen if stats else writer.count
         files = writer.close()
@@ -143,7 +151,17 @@ def process_task(
         "file_documents": writer.file_counts,
         "malformed": report.malformed,
         "malformed_examples": report.examples,
+        "samples": {"kept": kept_samples, "dropped": dropped_samples},
     }
+
+
+SAMPLES = 3  # kept documents, and dropped documents per reason, shown in the report
+_SAMPLE_CHARS = 300
+
+
+def _sample(doc: Document) -> dict[str, str]:
+    text = doc.text if len(doc.text) <= _SAMPLE_CHARS else doc.text[:_SAMPLE_CHARS] + "..."
+    return {"id": doc.id, "text": text}
 
 
 def _positioned(shards: list[Shard], first: int, report: ReadReport) -> Iterator[Document]:
@@ -327,17 +345,37 @@ def summarize(
     descr = {s.name: s.describe() for s in steps}
     fits = {s.name: s for s in steps if isinstance(s, GlobalStep)}
     first, last = stage_results[0], stage_results[-1]
+    stages = [
+        {"stage": k + 1, "tasks": len(results), "steps": [s.name for s in stage]}
+        for k, (stage, results) in enumerate(zip(split_stages(steps), stage_results))
+    ]
     return {
         "executor": executor.name,
         "seconds": round(seconds, 3),
         "input_bytes": input_bytes,
         "docs_in": sum(r["docs_in"] for r in first),
         "docs_out": sum(r["docs_out"] for r in last),
-        "tasks": len(last),
+        "tasks": sum(st["tasks"] for st in stages),
+        "stages": stages,
+        "samples": _merge_samples(stage_results),
         "malformed_records": malformed,
         "malformed_examples": examples[:20],
         "steps": [_step_entry(s, descr.get(s.name, s.name), fits.get(s.name)) for s in step_stats],
     }
+
+
+def _merge_samples(stage_results: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """A few kept documents (of the output) and a few dropped ones per step and reason."""
+    kept: list[dict[str, str]] = []
+    dropped: dict[str, list[dict[str, str]]] = {}
+    for results in stage_results:
+        for r in results:
+            samples = r.get("samples", {})
+            for key, docs in samples.get("dropped", {}).items():
+                dropped.setdefault(key, []).extend(docs)
+    for r in stage_results[-1]:
+        kept += r.get("samples", {}).get("kept", [])
+    return {"kept": kept[:SAMPLES], "dropped": {k: v[:SAMPLES] for k, v in sorted(dropped.items())}}
 
 
 def _step_entry(s: StepStats, settings: str, fitted: GlobalStep | None) -> dict[str, Any]:

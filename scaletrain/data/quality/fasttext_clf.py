@@ -6,9 +6,11 @@ cannot predict under numpy 2.
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -101,22 +103,24 @@ def train_classifier(
                     "bucket": bucket if bucket is not None else size_buckets(len(ngrams))}
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         tmp = output + ".tmp"
-        # a fresh process per model: fastText keeps state between trainings in one process
-        # and a second small model there can diverge ("Encountered NaN")
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(1) as pool:
-            pool.apply(_train_and_save, (settings, tmp))
+        _train_in_fresh_process(settings, tmp)
     finally:
         os.remove(train_file)
     os.replace(tmp, output)
     return output
 
 
-def _train_and_save(settings: dict[str, Any], path: str) -> None:
-    try:
-        _fasttext().train_supervised(**settings).save_model(path)
-    except RuntimeError as e:  # fastText's errors, e.g. "Encountered NaN"
-        raise ValueError(f"fastText training failed: {e}") from None
+def _train_in_fresh_process(settings: dict[str, Any], path: str) -> None:
+    """fastText keeps state between trainings in one process, and a second small model
+    there can diverge ("Encountered NaN"): each model is trained by a new interpreter."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import fasttext; "
+            "fasttext.train_supervised(**json.loads(sys.argv[2])).save_model(sys.argv[3])")
+    proc = subprocess.run([sys.executable, "-c", code, root, json.dumps(settings), path],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ValueError(f"fastText training failed: {last}")
 
 
 class FastTextScorer(Step):

@@ -9,6 +9,9 @@ tasks, then one reduce), and then acts as a per-document filter at the head of t
 stage. Every task has a completion marker under `OUTPUT/_work/`, so running the same command
 again after a crash redoes only unfinished tasks and gives the same output. Statistics go to
 `OUTPUT/stats.json`; dropped documents, with their reason, to `OUTPUT/_dropped/` if asked.
+`OUTPUT/manifest.json`, written last, lists the kept shards: readers of the folder read those
+only. A run holds `OUTPUT/.lock` (its workers inherit it and die with the driver), so a second
+run in the same folder waits for every process of the first.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ log = logging.getLogger("scaletrain")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scaletrain data tokenize", description=__doc__)
     p.add_argument("--input", required=True,
-                   help="a .jsonl(.gz)/.parquet file or a directory of them (one shard each)")
+                   help="a .jsonl(.gz)/.parquet file, a glob or a directory of them (one shard "
+                        "each); a curated folder gives the kept shards of its manifest.json")
     p.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin/.idx)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer directory")

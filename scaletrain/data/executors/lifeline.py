@@ -66,25 +66,32 @@ class RunLock:
         self._f = open(self.path, "a+")  # noqa: SIM115 - held for the run
         t0 = time.monotonic()
         warned = False
-        while True:
-            try:
-                fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - t0 > self.timeout:
-                    self._f.close()
-                    self._f = None
-                    raise RuntimeError(
-                        f"'{os.path.dirname(self.path)}' is in use by another run (or by "
-                        f"processes left from one) for over {self.timeout:.0f}s; stop it, or "
-                        "choose another --output"
-                    ) from None
-                if not warned:
-                    log.warning("waiting for the processes of an earlier run in '%s' to end",
-                                os.path.dirname(self.path))
-                    warned = True
-                time.sleep(0.2)
+        while not self._try_lock(fcntl):
+            if time.monotonic() - t0 > self.timeout:
+                self._f.close()
+                self._f = None
+                raise RuntimeError(
+                    f"'{os.path.dirname(self.path)}' is in use by another run (or by processes "
+                    f"left from one) for over {self.timeout:.0f}s; stop it, or choose another "
+                    "--output"
+                )
+            if not warned:
+                log.warning("waiting for the processes of an earlier run in '%s' to end",
+                            os.path.dirname(self.path))
+                warned = True
+            time.sleep(0.2)
         return self
+
+    def _try_lock(self, fcntl: Any) -> bool:
+        """True when locked (or when the filesystem has no locks), False when held."""
+        assert self._f is not None
+        try:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as e:  # a filesystem without locks (some network mounts)
+            log.warning("cannot lock '%s' (%s); running without the lock", self.path, e)
+        return True
 
     def __exit__(self, *_: Any) -> None:
         if self._f is not None:

@@ -103,7 +103,7 @@ def test_c4_removes_boilerplate_lines_and_applies_document_rules() -> None:
     ]
     assert c4.counters["line_javascript"] == 1 and c4.counters["line_policy"] == 1
     assert _verdict(C4Filter(), text + "\nLorem ipsum dolor sit amet.") == "lorem_ipsum"
-    assert _verdict(C4Filter(), "function f() { return 1; }\n" + text) == "curly_bracket"
+    assert _verdict(C4Filter(), "Call it with the options {a: 1} set.\n" + text) == "curly_bracket"
     assert _verdict(C4Filter(), "One sentence only here.\nAnd a second one.") == "too_few_sentences"
 
 

@@ -107,3 +107,34 @@ def test_hf_classifier_scores_in_batches(tmp_path: Path) -> None:
     sb = [d.metadata["hf_score"] for d in b]
     assert all(0.0 <= x <= 1.0 for x in sb)
     assert sb == pytest.approx([d.metadata["hf_score"] for d in s], abs=1e-4)  # padding-safe
+
+
+def test_fasttext_model_is_sized_to_its_data_and_takes_several_inputs(tmp_path: Path,
+                                                                      capsys) -> None:
+    """Two positive and two negative inputs; the model's n-gram buckets follow the data, so
+    a model of a few dozen documents is megabytes (fastText's default bucket count alone
+    makes 512 MB at dim 64)."""
+    pytest.importorskip("fasttext")
+    import json as json_mod
+    import sysconfig
+
+    from scaletrain.commands import data as data_cmd
+    from scaletrain.data.quality.fasttext_clf import MAX_BUCKETS, FastTextScorer
+    from tests.curate_helpers import fixture_dir
+
+    fx = fixture_dir()
+    std = Path(sysconfig.get_paths()["stdlib"])
+    model = tmp_path / "m.bin"
+    argv = ["quality", "--train-positive", str(fx / "ccnet_en_head-0091.jsonl.gz"),
+            str(fx / "ccnet_en_head-0174.jsonl.gz"), "--train-negative",
+            str(Path(json_mod.__file__).parent), str(std / "email" / "*.py"),
+            "--fasttext", str(model)]
+    assert data_cmd.main(argv) == 0
+    size = model.stat().st_size
+    assert size < 64 * 4 * MAX_BUCKETS / 20  # far below the default's 512 MB
+    scorer = FastTextScorer(str(model))
+    prose = scorer.score(" ".join(["The town council met on Monday to discuss the new park."
+                                   " Residents said they would like more trees and benches."]))
+    code = scorer.score((std / "csv.py").read_text())
+    assert prose > 0.5 > code
+    capsys.readouterr()

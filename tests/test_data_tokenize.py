@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from scaletrain.commands import data as data_cmd
 from scaletrain.data.indexed import IndexedDataset
+from scaletrain.data.io.readers import MalformedRecord
 from scaletrain.data.tokenize import TokenizeError, input_shards, tokenize_to_indexed
 
 FIXTURES = Path(__file__).resolve().parents[1] / "../shared/fixtures/data"
@@ -86,8 +87,11 @@ def test_zstd_jsonl_gives_the_same_dataset(shards: Path, tmp_path: Path) -> None
 
 def test_bad_inputs_are_named(tmp_path: Path) -> None:
     (tmp_path / "x.jsonl").write_text('{"content": "no text field"}\n')
-    with pytest.raises(TokenizeError, match=r"x.jsonl:1: no string field 'text'"):
-        tokenize_to_indexed([tmp_path / "x.jsonl"], tmp_path / "o", NEOX)
+    with pytest.raises(MalformedRecord, match=r"x.jsonl:1: no string field 'text'"):
+        tokenize_to_indexed([tmp_path / "x.jsonl"], tmp_path / "o", NEOX, strict=True)
+    stats = tokenize_to_indexed([tmp_path / "x.jsonl"], tmp_path / "o", NEOX)
+    assert stats.documents == 0 and stats.malformed == 1
+    assert "x.jsonl:1: no string field 'text'" in stats.malformed_examples[0]
     (tmp_path / "empty").mkdir()
     with pytest.raises(TokenizeError, match="no .jsonl"):
         input_shards(tmp_path / "empty")

@@ -50,3 +50,23 @@ def test_train_on_blended_indexed_datasets(tmp_path: Path, capsys) -> None:
     with pytest.raises(ConfigError, match="data.paths"):
         Trainer(tiny_config(tmp_path / "y", tmp_path / "cache", "--data.paths",
                             str(tmp_path / "missing"), "--data.tokenizer", str(tok)))
+
+
+def test_missing_and_empty_datasets_are_named(tmp_path: Path, capsys) -> None:
+    from scaletrain.commands import train as train_cmd
+    from tests.trainer_helpers import tiny_argv
+
+    missing = tmp_path / "nonexistent"
+    argv = tiny_argv(tmp_path / "run", tmp_path / "cache", "--data.paths", str(missing))
+    assert train_cmd.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"'{missing}' is not an indexed dataset" in err and "tokenizer" not in err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e.jsonl").write_text('{"text": ""}\n')
+    assert data_cmd.main(["tokenize", "--input", str(tmp_path / "empty"), "--output",
+                          str(tmp_path / "tok"), "--tokenizer",
+                          str(FIXTURES / "gpt-neox-tokenizer.json")]) == 0
+    argv = tiny_argv(tmp_path / "run", tmp_path / "cache", "--data.paths", str(tmp_path / "tok"))
+    assert train_cmd.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds 0 documents" in err and "Traceback" not in err

@@ -22,8 +22,10 @@ def _main(argv: list[str]) -> int:
         "Train a fastText classifier first with --train-positive/--train-negative.",
         input_required=False,
     )
-    p.add_argument("--train-positive", metavar="PATH", help="documents of the quality you want")
-    p.add_argument("--train-negative", metavar="PATH", help="documents you do not want")
+    p.add_argument("--train-positive", metavar="PATH", nargs="+",
+                   help="documents of the quality you want (files, folders or globs)")
+    p.add_argument("--train-negative", metavar="PATH", nargs="+",
+                   help="documents you do not want (files, folders or globs)")
     p.add_argument(
         "--fasttext",
         metavar="MODEL.bin",
@@ -46,7 +48,10 @@ def _main(argv: list[str]) -> int:
                 "training needs --train-positive, --train-negative and "
                 "--fasttext MODEL.bin (where to save it)"
             )
-        train_classifier(args.train_positive, args.train_negative, args.fasttext)
+        from scaletrain.data.quality.fasttext_clf import DocumentTexts
+
+        train_classifier(DocumentTexts(args.train_positive), DocumentTexts(args.train_negative),
+                         args.fasttext)
         print(f"trained fastText classifier: {args.fasttext}")
         if not args.input:
             return 0

@@ -17,7 +17,8 @@ log = logging.getLogger("scaletrain")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scaletrain data tokenize", description=__doc__)
     p.add_argument("--input", required=True,
-                   help="a .jsonl(.gz)/.parquet file or a directory of them (one shard each)")
+                   help="a .jsonl(.gz)/.parquet file, a glob or a directory of them (one shard "
+                        "each); a curated folder gives the kept shards of its manifest.json")
     p.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin/.idx)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer directory")
@@ -28,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--text-key", default="text", help="field holding each document's text")
     p.add_argument("--add-bos", action="store_true", help="start each document with BOS")
+    p.add_argument("--strict", action="store_true",
+                   help="stop (exit 2) at the first malformed record instead of skipping it")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     return p
 
@@ -35,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from scaletrain.data.indexed import strip_prefix
+    from scaletrain.data.io.paths import InputError
+    from scaletrain.data.io.readers import ReadReport
     from scaletrain.data.tokenize import (
         TokenizeError,
         input_shards,
@@ -49,7 +54,8 @@ def main(argv: list[str]) -> int:
         tokenizer = args.tokenizer
         if args.train_tokenizer is not None:
             t0 = time.perf_counter()
-            texts = (t for s in shards for t in read_documents(s, args.text_key))
+            report = ReadReport(strict=args.strict)
+            texts = (t for s in shards for t in read_documents(s, args.text_key, report))
             tok = train_bpe(texts, args.train_tokenizer, progress=sys.stderr.isatty())
             tokenizer = f"{prefix}.tokenizer.json"
             prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -58,11 +64,14 @@ def main(argv: list[str]) -> int:
                      tok.get_vocab_size(), time.perf_counter() - t0, tokenizer)
         stats = tokenize_to_indexed(shards, prefix, tokenizer, workers=args.workers,
                                     executor=args.executor, add_bos=args.add_bos,
-                                    text_key=args.text_key)
-    except (TokenizeError, TokenizerError, OSError) as e:
+                                    text_key=args.text_key, strict=args.strict)
+    except (TokenizeError, TokenizerError, InputError, OSError) as e:
         print(f"scaletrain data tokenize: {e}", file=sys.stderr)
         return 2
     out = {"output": str(prefix), "shards": len(shards), **stats.to_dict()}
+    if stats.malformed:
+        log.warning("skipped %d malformed record(s) (--strict stops at the first); e.g. %s",
+                    stats.malformed, "; ".join(stats.malformed_examples[:3]))
     if args.json:
         print(json.dumps(out, indent=1))
     else:

@@ -10,6 +10,32 @@ def _rate(n: int, seconds: float) -> str:
     return f"{n / seconds:,.0f}" if seconds > 0 else "-"
 
 
+def _tasks(summary: dict[str, Any]) -> str:
+    """'3 tasks', or per stage: '7 tasks: stage 1 3, stage 2 4'."""
+    stages = summary.get("stages") or []
+    total = summary["tasks"]
+    if len(stages) <= 1:
+        return f"{total} task{'s' if total != 1 else ''}"
+    return f"{total} tasks: " + ", ".join(f"stage {st['stage']} {st['tasks']}" for st in stages)
+
+
+def _samples_html(samples: dict[str, Any]) -> str:
+    e = html.escape
+
+    def items(docs: list[dict[str, str]]) -> str:
+        return "".join(f"<li><b>{e(d['id'])}</b>: <small>{e(d['text'])}</small></li>"
+                       for d in docs)
+
+    out = []
+    if samples.get("kept"):
+        out.append(f"<h2>Kept documents (samples)</h2><ul>{items(samples['kept'])}</ul>")
+    dropped = samples.get("dropped") or {}
+    if dropped:
+        out.append("<h2>Dropped documents (samples per reason)</h2>")
+        out += [f"<h3>{e(k)}</h3><ul>{items(v)}</ul>" for k, v in dropped.items()]
+    return "".join(out)
+
+
 def terminal_table(summary: dict[str, Any]) -> str:
     """What each step removed and why, with throughput, as fixed-width text."""
     rows = [("step", "seen", "kept", "dropped", "docs/s", "MB/s", "why dropped / counters")]
@@ -38,7 +64,7 @@ def terminal_table(summary: dict[str, Any]) -> str:
             lines.append("-" * (sum(widths) + 12 + len(r[6])))
     head = (
         f"{summary['docs_in']:,} documents in, {summary['docs_out']:,} out, "
-        f"{summary['seconds']:.1f} s on {summary['executor']} ({summary['tasks']} tasks)"
+        f"{summary['seconds']:.1f} s on {summary['executor']} ({_tasks(summary)})"
     )
     if summary.get("malformed_records"):
         head += f"; {summary['malformed_records']} malformed records skipped"
@@ -70,10 +96,11 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
 .bar{{width:120px;height:10px;background:#eee}}.bar div{{height:10px;background:#4a8}}</style>
 </head><body><h1>{e(title)}</h1>
 <p>{summary["docs_in"]:,} documents in, {summary["docs_out"]:,} out;
-{summary["seconds"]:.1f} s on {e(summary["executor"])} ({summary["tasks"]} tasks);
+{summary["seconds"]:.1f} s on {e(summary["executor"])} ({e(_tasks(summary))});
 {summary.get("malformed_records", 0)} malformed records.</p>
 <table><tr><th>step</th><th>seen</th><th>kept</th><th>kept %</th><th>dropped (why)</th>
 <th>counters</th><th>seconds</th></tr>{"".join(body)}</table>
 {"<h2>Malformed records</h2><ul>" + examples + "</ul>" if examples else ""}
+{_samples_html(summary.get("samples") or {})}
 </body></html>
 """

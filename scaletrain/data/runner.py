@@ -9,6 +9,9 @@ tasks, then one reduce), and then acts as a per-document filter at the head of t
 stage. Every task has a completion marker under `OUTPUT/_work/`, so running the same command
 again after a crash redoes only unfinished tasks and gives the same output. Statistics go to
 `OUTPUT/stats.json`; dropped documents, with their reason, to `OUTPUT/_dropped/` if asked.
+`OUTPUT/manifest.json`, written last, lists the kept shards: readers of the folder read those
+only. A run holds `OUTPUT/.lock` (its workers inherit it and die with the driver), so a second
+run in the same folder waits for every process of the first.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 
 from scaletrain.data.documents import Document
 from scaletrain.data.executors import Executor, LocalExecutor
+from scaletrain.data.executors.lifeline import LOCK_NAME, RunLock
+from scaletrain.data.io.manifest import forget_manifest, write_manifest
 from scaletrain.data.io.readers import ReadReport, Shard, plan_shards, read_shard
 from scaletrain.data.io.writers import make_writer
 from scaletrain.data.pipeline import Pipeline, Step, StepStats, merge_stats
@@ -115,7 +120,13 @@ def process_task(
         else None
     )
 
+    dropped_samples: dict[str, list[dict[str, str]]] = {}
+    kept_samples: list[dict[str, str]] = []
+
     def on_drop(step: str, doc: Document, reason: str) -> None:
+        some = dropped_samples.setdefault(f"{step}: {reason}", [])
+        if len(some) < SAMPLES:
+            some.append(_sample(doc))
         if drop_writer is not None:
             meta = {**doc.metadata, "dropped_by": step, "drop_reason": reason}
             drop_writer.write(Document(doc.id, doc.text, meta))
@@ -123,6 +134,8 @@ def process_task(
     try:
         n_in = 0
         for doc in pipeline.run(docs, stats, on_drop):
+            if len(kept_samples) < SAMPLES:
+                kept_samples.append(_sample(doc))
             writer.write(doc)
         n_in = stats[0].seen if stats else writer.count
         files = writer.close()
@@ -138,9 +151,20 @@ def process_task(
         "docs_in": n_in,
         "docs_out": writer.count,
         "files": [os.path.basename(f) for f in files],
+        "file_documents": writer.file_counts,
         "malformed": report.malformed,
         "malformed_examples": report.examples,
+        "samples": {"kept": kept_samples, "dropped": dropped_samples},
     }
+
+
+SAMPLES = 3  # kept documents, and dropped documents per reason, shown in the report
+_SAMPLE_CHARS = 300
+
+
+def _sample(doc: Document) -> dict[str, str]:
+    text = doc.text if len(doc.text) <= _SAMPLE_CHARS else doc.text[:_SAMPLE_CHARS] + "..."
+    return {"id": doc.id, "text": text}
 
 
 def _positioned(shards: list[Shard], first: int, report: ReadReport) -> Iterator[Document]:
@@ -236,11 +260,28 @@ def run_pipeline(
 
     `root`: the directory text-file ids are relative to (default: each input's directory).
     """
+    os.makedirs(output_dir, exist_ok=True)
+    with RunLock(output_dir):  # one run per folder; waits for a killed run's processes
+        return _run_pipeline(steps, inputs, output_dir, executor, opts, overwrite, root)
+
+
+def _run_pipeline(
+    steps: list[Step],
+    inputs: str | list[str],
+    output_dir: str,
+    executor: Executor | None,
+    opts: RunOptions | None,
+    overwrite: bool,
+    root: str | None,
+) -> dict[str, Any]:
     executor = executor or LocalExecutor()
     opts = opts or RunOptions()
-    if overwrite and os.path.isdir(output_dir):
-        shutil.rmtree(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
+    if overwrite:
+        for name in os.listdir(output_dir):
+            if name != LOCK_NAME:
+                p = os.path.join(output_dir, name)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    forget_manifest(output_dir)
     t0 = time.perf_counter()
     shards = plan_shards(inputs, target_bytes=opts.task_bytes, root=root)
     input_bytes = sum(_shard_bytes(s) for s in shards)
@@ -279,6 +320,12 @@ def run_pipeline(
     if not opts.keep_work:
         for k in range(len(stages) - 1):
             shutil.rmtree(os.path.join(work, f"stage-{k}"), ignore_errors=True)
+    kept = [
+        (os.path.join(output_dir, f), n)
+        for r in all_results[-1]
+        for f, n in zip(r["files"], r.get("file_documents", [None] * len(r["files"])))
+    ]
+    write_manifest(output_dir, kept, {"output_format": opts.output_format})  # last: run done
     return summary
 
 
@@ -301,17 +348,37 @@ def summarize(
     descr = {s.name: s.describe() for s in steps}
     fits = {s.name: s for s in steps if isinstance(s, GlobalStep)}
     first, last = stage_results[0], stage_results[-1]
+    stages = [
+        {"stage": k + 1, "tasks": len(results), "steps": [s.name for s in stage]}
+        for k, (stage, results) in enumerate(zip(split_stages(steps), stage_results))
+    ]
     return {
         "executor": executor.name,
         "seconds": round(seconds, 3),
         "input_bytes": input_bytes,
         "docs_in": sum(r["docs_in"] for r in first),
         "docs_out": sum(r["docs_out"] for r in last),
-        "tasks": len(last),
+        "tasks": sum(st["tasks"] for st in stages),
+        "stages": stages,
+        "samples": _merge_samples(stage_results),
         "malformed_records": malformed,
         "malformed_examples": examples[:20],
         "steps": [_step_entry(s, descr.get(s.name, s.name), fits.get(s.name)) for s in step_stats],
     }
+
+
+def _merge_samples(stage_results: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """A few kept documents (of the output) and a few dropped ones per step and reason."""
+    kept: list[dict[str, str]] = []
+    dropped: dict[str, list[dict[str, str]]] = {}
+    for results in stage_results:
+        for r in results:
+            samples = r.get("samples", {})
+            for key, docs in samples.get("dropped", {}).items():
+                dropped.setdefault(key, []).extend(docs)
+    for r in stage_results[-1]:
+        kept += r.get("samples", {}).get("kept", [])
+    return {"kept": kept[:SAMPLES], "dropped": {k: v[:SAMPLES] for k, v in sorted(dropped.items())}}
 
 
 def _step_entry(s: StepStats, settings: str, fitted: GlobalStep | None) -> dict[str, Any]:

@@ -66,6 +66,25 @@ def _tokenizer(cfg: Any, prefixes: list[Path]) -> TextTokenizer:
         raise DataSourceError(str(e)) from None
 
 
+def _open_dataset(prefix: Path) -> IndexedDataset:
+    """An indexed dataset of `data.paths`, or an error naming the path and the fix."""
+    if not Path(f"{prefix}.bin").is_file() or not Path(f"{prefix}.idx").is_file():
+        raise DataSourceError(
+            f"data.paths: '{prefix}' is not an indexed dataset ({prefix}.bin/.idx not found); "
+            "give the PREFIX written by `scaletrain data tokenize --output PREFIX`"
+        )
+    try:
+        ds = IndexedDataset(prefix)
+    except IndexedDatasetError as e:
+        raise DataSourceError(f"data.paths: {e}") from None
+    if ds.num_documents == 0:
+        raise DataSourceError(
+            f"data.paths: '{prefix}' holds 0 documents; tokenize input that has some (if it "
+            "came from `scaletrain data curate`, its stats.json says what was dropped)"
+        )
+    return ds
+
+
 def _blend(parts: list[GPTDataset], weights: list[float], by: str, n: int | None,
            cache: Path) -> BlendedDataset:
     if n is None:
@@ -81,20 +100,21 @@ def build_sources(cfg: Any, seed: int, num_samples: int | None = None
         prefixes = [strip_prefix(p) for p in cfg.paths]
         weights = list(cfg.weights) if cfg.weights else [1.0] * len(prefixes)
         split = parse_split(cfg.split)
+        datasets = [_open_dataset(p) for p in prefixes]  # the paths first, then the tokenizer
         tok = _tokenizer(cfg, prefixes)
         train_parts, val_parts, val_w = [], [], []
-        for prefix, w in zip(prefixes, weights):
-            try:
-                ds = IndexedDataset(prefix)
-            except IndexedDatasetError as e:
-                raise DataSourceError(f"data.paths: {e}") from None
+        for prefix, w, ds in zip(prefixes, weights, datasets):
             ranges = split_ranges(ds.num_documents, split)
-            train_parts.append(GPTDataset(ds, cfg.seq_len, seed, None, ranges[0],
-                                          cache_dir=cache, name=str(prefix)))
-            if ranges[1][1] > ranges[1][0]:
-                val_parts.append(GPTDataset(ds, cfg.seq_len, seed, None, ranges[1],
-                                            shuffle=False, cache_dir=cache, name=str(prefix)))
-                val_w.append(w)
+            try:
+                train_parts.append(GPTDataset(ds, cfg.seq_len, seed, None, ranges[0],
+                                              cache_dir=cache, name=str(prefix)))
+                if ranges[1][1] > ranges[1][0]:
+                    val_parts.append(GPTDataset(ds, cfg.seq_len, seed, None, ranges[1],
+                                                shuffle=False, cache_dir=cache,
+                                                name=str(prefix)))
+                    val_w.append(w)
+            except ValueError as e:  # too few tokens for one sample in a split
+                raise DataSourceError(f"data.paths: {e} (data.split '{cfg.split}')") from None
         if not val_parts:
             raise DataSourceError(f"data.split '{cfg.split}' leaves no validation documents; "
                                   "give the second share a positive value")

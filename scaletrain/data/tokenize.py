@@ -5,32 +5,37 @@ Input shards (the files of `--input`, in sorted order) are tokenized by a pool o
 order, so the output is byte-identical whatever the number of workers. Each document becomes
 one sequence (= one document in the index): [BOS] tokens EOS.
 
-Unlike the curation readers, which skip and count a malformed record, tokenization stops at
-one with its file and line: a training set should not lose documents silently. Curated output
-(`scaletrain data curate`) is valid input.
+Malformed input is treated as curation treats it: a bad record (invalid UTF-8 or JSON, no
+text field, a compressed file that ends early) is counted, skipped and named with its file
+and line in the statistics; with `strict` the first one stops the run with that message.
+A curated folder (`scaletrain data curate`) is read through its manifest: the kept shards only.
+A very long document is encoded in pieces cut at spaces between words (where byte-level and
+metaspace pre-tokenizers split anyway), so its memory stays bounded by the piece size.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
-from scaletrain.data.io.paths import open_decompressed
+from scaletrain.data.io.paths import InputError, expand_inputs
+from scaletrain.data.io.readers import MAX_EXAMPLES, ReadReport, json_records
 from scaletrain.data.tokenizer import TextTokenizer
 
 log = logging.getLogger("scaletrain.data")
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson", ".parquet")
 _BATCH_CHARS = 4 << 20  # text per encode_batch call
+_PIECE_CHARS = 1 << 20  # a longer document is encoded in pieces of about this size
 
 
 class TokenizeError(ValueError):
@@ -43,6 +48,8 @@ class TokenizeStats:
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    malformed: int = 0
+    malformed_examples: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,6 +63,9 @@ class TokenizeStats:
         self.documents += other.documents
         self.tokens += other.tokens
         self.bytes += other.bytes
+        self.malformed += other.malformed
+        self.malformed_examples = (self.malformed_examples + other.malformed_examples)[
+            :MAX_EXAMPLES]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1),
@@ -64,20 +74,31 @@ class TokenizeStats:
 
 # --- reading ----------------------------------------------------------------------------------
 def input_shards(path: str | Path) -> list[Path]:
-    """The document files under `path` (a file, or a directory searched recursively)."""
+    """The document files of `path`: a file, a glob, a curated folder (the kept shards its
+    manifest lists) or any other directory (searched recursively, `_work/` and `_dropped/`
+    of a curation run skipped)."""
     p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
+    if not p.exists() and not any(c in str(path) for c in "*?["):
         raise TokenizeError(f"--input: '{p}' does not exist")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SUFFIXES))
+    try:
+        files = [Path(f) for f in expand_inputs(str(p))]
+    except InputError as e:
+        if not (p.is_dir() and "matches no file" in str(e)):
+            raise TokenizeError(f"--input: {e}") from None
+        files = []
+    if p.is_file():
+        return files
+    files = [f for f in files if f.name.endswith(SUFFIXES)]
     if not files:
         raise TokenizeError(f"--input: no {', '.join(SUFFIXES)} files under '{p}'")
     return files
 
 
-def read_documents(path: Path, text_key: str = "text") -> Iterator[str]:
-    """The `text_key` field of each record of a JSONL(.gz) or Parquet file."""
+def read_documents(path: Path, text_key: str = "text", report: ReadReport | None = None
+                   ) -> Iterator[str]:
+    """The `text_key` field of each record of a JSONL(.gz/.zst) or Parquet file; malformed
+    records go to `report` (skipped, or raised by a strict report)."""
+    report = report if report is not None else ReadReport()
     name = path.name
     if name.endswith(".parquet"):
         try:
@@ -93,55 +114,83 @@ def read_documents(path: Path, text_key: str = "text") -> Iterator[str]:
         return
     if not name.endswith(SUFFIXES):
         raise TokenizeError(f"{path}: unknown document format (use {', '.join(SUFFIXES)})")
-    with open_decompressed(str(path)) as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TokenizeError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            text = rec.get(text_key) if isinstance(rec, dict) else None
+    try:
+        for where, _, rec in json_records(str(path), report):
+            text = rec.get(text_key)
             if not isinstance(text, str):
-                raise TokenizeError(f"{path}:{lineno}: no string field '{text_key}' "
-                                    "(set --text-key)")
-            if text:
+                report.add(where, f"no string field '{text_key}' (set --text-key)")
+            elif text:
                 yield text
+    except (OSError, EOFError) as e:  # not readable from its first byte
+        raise TokenizeError(f"cannot read '{path}' ({type(e).__name__}: {e}); check that the "
+                            "file is complete and its suffix matches its compression") from None
 
 
 # --- writing ----------------------------------------------------------------------------------
-def _batches(texts: Iterable[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for t in texts:
-        batch.append(t)
-        size += len(t)
-        if size >= _BATCH_CHARS:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """`text` cut before a space that follows a non-space and precedes one, about every
+    `size` characters: byte-level BPE ('Ġword') and metaspace pre-tokenizers split there
+    anyway, so encoding the pieces gives the tokens of the whole. Text without such a
+    space for a long stretch is cut at the next one found."""
+    start = 0
+    n = len(text)
+    while n - start > size:
+        cut = text.find(" ", start + size)
+        while cut != -1 and (text[cut - 1].isspace() or cut + 1 >= n or text[cut + 1].isspace()):
+            cut = text.find(" ", cut + 1)
+        if cut == -1:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _encode_long(tok: TextTokenizer, text: str) -> np.ndarray:
+    """One long document's ids (with separators), encoded piece by piece."""
+    parts = [tok.encode_documents([p])[0][:-1] for p in _pieces(text, _PIECE_CHARS)]
+    if tok.add_bos:  # every piece got BOS first; keep the first one only
+        parts = [parts[0]] + [p[1:] for p in parts[1:]]
+    return np.concatenate([*parts, np.asarray([tok.eos_id], dtype=tok.dtype)])
 
 
 def write_texts(tok: TextTokenizer, texts: Iterable[str], writer: IndexedDatasetWriter
                 ) -> TokenizeStats:
     """Tokenize `texts` (one document each) into `writer`; returns the counts."""
     stats = TokenizeStats()
-    for batch in _batches(texts):
-        docs = tok.encode_documents(batch)
+
+    def add(batch: list[str], docs: list[np.ndarray]) -> None:
         writer.add_documents(docs)
         stats.documents += len(docs)
         stats.tokens += sum(len(d) for d in docs)
         stats.bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in batch)
+
+    batch: list[str] = []
+    size = 0
+    for t in texts:
+        if len(t) > _PIECE_CHARS:  # flush the short ones first: document order is kept
+            if batch:
+                add(batch, tok.encode_documents(batch))
+                batch, size = [], 0
+            add([t], [_encode_long(tok, t)])
+            continue
+        batch.append(t)
+        size += len(t)
+        if size >= _BATCH_CHARS:
+            add(batch, tok.encode_documents(batch))
+            batch, size = [], 0
+    if batch:
+        add(batch, tok.encode_documents(batch))
     return stats
 
 
-def _tokenize_shard(job: tuple[str, str, bool, str, str]) -> dict[str, Any]:
+def _tokenize_shard(job: tuple[str, str, bool, str, str, bool]) -> dict[str, Any]:
     """One shard into one partial dataset (runs in a worker process or Ray task)."""
-    shard, tok_path, add_bos, out_prefix, text_key = job
+    shard, tok_path, add_bos, out_prefix, text_key, strict = job
     tok = TextTokenizer.load(tok_path, add_bos=add_bos)
+    report = ReadReport(strict=strict)
     with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
-        stats = write_texts(tok, read_documents(Path(shard), text_key), w)
+        stats = write_texts(tok, read_documents(Path(shard), text_key, report), w)
+    stats.malformed, stats.malformed_examples = report.malformed, report.examples
     return asdict(stats)
 
 
@@ -167,7 +216,9 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[s
     import multiprocessing as mp
 
     # spawn: tokenizers' thread pool does not survive fork.
-    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+    from scaletrain.data.executors.lifeline import bind_to_parent
+
+    with mp.get_context("spawn").Pool(min(workers, len(jobs)), bind_to_parent) as pool:
         yield from pool.imap(_tokenize_shard, jobs)
 
 
@@ -179,14 +230,18 @@ def tokenize_to_indexed(
     executor: str = "local",
     add_bos: bool = False,
     text_key: str = "text",
+    strict: bool = False,
 ) -> TokenizeStats:
-    """Tokenize every input shard into the indexed dataset `output` (PREFIX.bin/.idx)."""
+    """Tokenize every input shard into the indexed dataset `output` (PREFIX.bin/.idx).
+
+    Malformed records are skipped and counted (`stats.malformed`, examples with file and
+    line); with `strict` the first one raises `MalformedRecord` and nothing is written."""
     tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad tokenizer
     prefix = strip_prefix(output)
     parts = Path(f"{prefix}.parts-tmp")
     shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir(parents=True)
-    jobs = [(str(s), str(tok.path), add_bos, str(parts / f"part-{i:05d}"), text_key)
+    jobs = [(str(s), str(tok.path), add_bos, str(parts / f"part-{i:05d}"), text_key, strict)
             for i, s in enumerate(inputs)]
     stats = TokenizeStats()
     t0 = time.perf_counter()
@@ -197,7 +252,7 @@ def tokenize_to_indexed(
             log.info("tokenized shard %d/%d: %d documents, %d tokens so far (%.0f tokens/s)",
                      i + 1, len(jobs), stats.documents, stats.tokens, stats.tokens / max(dt, 1e-9))
         with IndexedDatasetWriter(prefix, tok.dtype) as w:
-            for _, _, _, part, _ in jobs:
+            for _, _, _, part, _, _ in jobs:
                 w.append_dataset(part)
     finally:
         shutil.rmtree(parts, ignore_errors=True)

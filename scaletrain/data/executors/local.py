@@ -8,6 +8,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
 from scaletrain.data.executors.base import Executor, TaskFn, log_progress, run_and_mark
+from scaletrain.data.executors.lifeline import bind_to_parent
 
 
 class LocalExecutor(Executor):
@@ -15,6 +16,7 @@ class LocalExecutor(Executor):
 
     A worker that dies (killed, out of memory) fails the run with `RuntimeError`; the tasks
     that completed keep their markers, so running the same job again only does the rest.
+    Workers end with the driver (`bind_to_parent`): killing it leaves no orphan behind.
     """
 
     name = "local"
@@ -36,7 +38,8 @@ class LocalExecutor(Executor):
         method = self.start_method or ("fork" if "fork" in mp.get_all_start_methods() else None)
         ctx = mp.get_context(method)
         with ProcessPoolExecutor(
-            max_workers=min(self.workers, len(pending)), mp_context=ctx
+            max_workers=min(self.workers, len(pending)), mp_context=ctx,
+            initializer=bind_to_parent,  # workers die with the driver
         ) as pool:
             futures: dict[Future, int] = {
                 pool.submit(run_and_mark, fn, i, job_dir): i for i in pending

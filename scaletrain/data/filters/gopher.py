@@ -67,9 +67,9 @@ class GopherQualityFilter(Filter):
             return "avg_word_too_short"
         if self.max_avg_word_length is not None and avg > self.max_avg_word_length:
             return "avg_word_too_long"
-        if self.max_symbol_word_ratio is not None:
-            symbols = text.count("#") + text.count("...") + text.count("\u2026")
-            if symbols / n > self.max_symbol_word_ratio:
+        if self.max_symbol_word_ratio is not None:  # "for either the hash or the ellipsis"
+            hashes, ellipses = text.count("#"), text.count("...") + text.count("\u2026")
+            if max(hashes, ellipses) / n > self.max_symbol_word_ratio:
                 return "symbol_word_ratio"
         ls = lines(text)
         n_lines = max(len(ls), 1)

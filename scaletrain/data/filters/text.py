@@ -63,18 +63,21 @@ def top_ngram_char_fraction(ws: list[str], n: int) -> float:
 
 
 def duplicate_ngram_char_fraction(ws: list[str], n: int) -> float:
-    """Characters in words covered by any n-gram that occurs more than once (each word
-    counted once) over all word characters."""
+    """Characters of words covered by a repeat of an earlier word n-gram (each word counted
+    once, the first occurrence not counted) over all word characters.
+
+    The Gopher reading as datatrove implements it: the repeated text is what is duplicated;
+    the first occurrence is the page's own content."""
     if len(ws) < n:
         return 0.0
-    first: dict[tuple[str, ...], int] = {}
+    seen: set[tuple[str, ...]] = set()
     covered = bytearray(len(ws))
     for i in range(len(ws) - n + 1):
         g = tuple(ws[i : i + n])
-        j = first.setdefault(g, i)
-        if j != i:
+        if g in seen:
             covered[i : i + n] = b"\x01" * n
-            covered[j : j + n] = b"\x01" * n
+        else:
+            seen.add(g)
     total = sum(len(w) for w in ws)
     dup = sum(len(w) for w, c in zip(ws, covered) if c)
     return dup / max(total, 1)
@@ -119,8 +122,8 @@ class WordNgrams:
         np = self._np
         if self.n_words < n:
             return 0.0
-        _, inv, counts = np.unique(self._grams(n), return_inverse=True, return_counts=True)
-        starts = np.flatnonzero(counts[inv] > 1)
+        _, first, inv = np.unique(self._grams(n), return_index=True, return_inverse=True)
+        starts = np.flatnonzero(first[inv] != np.arange(len(inv)))  # repeats of earlier ones
         if len(starts) == 0:
             return 0.0
         diff = np.zeros(self.n_words + 1, np.int64)

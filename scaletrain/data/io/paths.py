@@ -72,6 +72,8 @@ def _walk_local(root: Path) -> Iterator[str]:
 def expand_inputs(spec: str | list[str]) -> list[str]:
     """A file, a directory (walked recursively, hidden entries skipped) or a glob -> files.
 
+    A curated folder (one with a `manifest.json`) gives the kept shards its manifest lists.
+
     Several specs may be given as a list. The result is sorted per spec and never empty.
     """
     specs = [spec] if isinstance(spec, str) else list(spec)
@@ -91,7 +93,10 @@ def expand_inputs(spec: str | list[str]) -> list[str]:
         else:
             p = Path(s).expanduser()
             if p.is_dir():
-                found = list(_walk_local(p))
+                from scaletrain.data.io.manifest import curated_files
+
+                kept = curated_files(str(p))  # a curated folder: its kept shards only
+                found = kept if kept is not None else list(_walk_local(p))
             elif p.is_file():
                 found = [str(p)]
             else:

@@ -55,14 +55,22 @@ class Shard:
         return format_of(self.path)
 
 
+class MalformedRecord(InputError):
+    """A malformed record met in strict mode; the message is `FILE:LINE: what is wrong`."""
+
+
 @dataclass
 class ReadReport:
-    """Malformed records seen while reading (the pipeline reports them, never crashes)."""
+    """Malformed records seen while reading: counted, skipped and named (file and line or
+    byte offset). With `strict`, the first one raises `MalformedRecord` with the same text."""
 
     malformed: int = 0
     examples: list[str] = field(default_factory=list)
+    strict: bool = False
 
     def add(self, where: str, message: str) -> None:
+        if self.strict:
+            raise MalformedRecord(f"{where}: {message}")
         self.malformed += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {message}")
@@ -82,29 +90,59 @@ def _rel_id(shard: Shard) -> str:
     return shard.path  # no input directory: the path keeps ids unique
 
 
-def _read_jsonl(shard: Shard, report: ReadReport) -> Iterator[Document]:
-    name = _rel_id(shard)
-    with open_decompressed(shard.path) as f:
+def json_records(
+    path: str, report: ReadReport, start: int = 0, end: int | None = None
+) -> Iterator[tuple[str, int, dict]]:
+    """(where, byte offset, record) for each JSON object line of a JSONL(.gz/.zst) file.
+
+    Bad lines (invalid UTF-8 or JSON, not an object) are reported with `FILE:LINE` and
+    skipped. A compressed stream that ends early (a truncated file) is reported at the line
+    where it ends and the rest of the file is skipped; a file that is not readable from its
+    first byte raises. `start`/`end` select the records beginning in [start, end).
+    """
+    with open_decompressed(path) as f:
         offset, line_no = 0, 0
-        if shard.start > 0:  # start at the first record beginning at or after `start`
-            f.seek(shard.start - 1)
-            offset = shard.start - 1 + len(f.readline())
+        if start > 0:  # start at the first record beginning at or after `start`
+            f.seek(start - 1)
+            offset = start - 1 + len(f.readline())
             line_no = -1  # line numbers unknown in a split file: report byte offsets
-        for raw in f:
-            if shard.end is not None and offset >= shard.end:
-                break
+        while True:
+            try:
+                raw = f.readline()
+            except (OSError, EOFError, _ZstdError) as e:
+                if offset == 0:
+                    raise
+                where = f"{path}:{line_no + 1}" if line_no >= 0 else f"{path}@byte{offset}"
+                report.add(where, f"the file ends early ({type(e).__name__}: {e}); "
+                                  "the rest of it is skipped")
+                return
+            if not raw or (end is not None and offset >= end):
+                return
             here, offset = offset, offset + len(raw)
             line_no = line_no + 1 if line_no >= 0 else -1
-            where = f"{shard.path}:{line_no}" if line_no > 0 else f"{shard.path}@byte{here}"
+            where = f"{path}:{line_no}" if line_no > 0 else f"{path}@byte{here}"
             if not raw.strip():
                 continue
             try:
                 record = json.loads(raw)
-                if not isinstance(record, dict):
-                    raise ValueError("not a JSON object")
-                yield Document.from_dict(record, default_id=f"{name}/{here}")
             except (ValueError, UnicodeDecodeError) as e:
                 report.add(where, str(e)[:200])
+                continue
+            if not isinstance(record, dict):
+                report.add(where, "not a JSON object")
+                continue
+            yield where, here, record
+
+
+def _read_jsonl(shard: Shard, report: ReadReport) -> Iterator[Document]:
+    name = _rel_id(shard)
+    for where, here, record in json_records(shard.path, report, shard.start, shard.end):
+        try:
+            doc = Document.from_dict(record, default_id=f"{name}/{here}")
+        except ValueError as e:
+            report.add(where, str(e)[:200])
+            continue
+        yield doc
 
 
 def _read_parquet(shard: Shard, report: ReadReport) -> Iterator[Document]:

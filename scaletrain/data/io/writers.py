@@ -26,6 +26,8 @@ class ShardedWriter:
         self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
         self.done: list[str] = []  # temporary names of closed files
         self.count = 0
+        self.file_counts: list[int] = []  # documents per closed file, in file order
+        self._in_file = 0
         self._n = 0
         self._bytes = 0
         self._open_name: str | None = None
@@ -51,6 +53,7 @@ class ShardedWriter:
             self._open(self._open_name)
         self._bytes += self._write(doc)
         self.count += 1
+        self._in_file += 1
         if self._bytes >= self.max_bytes:
             self._rotate()
 
@@ -58,7 +61,8 @@ class ShardedWriter:
         if self._open_name is not None:
             self._close()
             self.done.append(self._open_name)
-            self._open_name, self._bytes = None, 0
+            self.file_counts.append(self._in_file)
+            self._open_name, self._bytes, self._in_file = None, 0, 0
             self._n += 1
 
     def close(self) -> list[str]:

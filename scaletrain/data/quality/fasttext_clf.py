@@ -6,10 +6,13 @@ cannot predict under numpy 2.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from scaletrain.data.documents import Document
@@ -29,6 +32,31 @@ def _line(text: str) -> str:
     return _WS.sub(" ", text).strip().lower()
 
 
+MAX_BUCKETS = 2_000_000  # fastText's default
+MIN_BUCKETS = 10_000
+
+
+class DocumentTexts:
+    """The texts of the documents in several files, folders or globs (for training)."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = list(paths)
+
+    def __iter__(self) -> Iterator[str]:
+        return (d.text for d in read_documents(self.paths))
+
+    def __repr__(self) -> str:
+        return ", ".join(repr(p) for p in self.paths)
+
+
+def size_buckets(n_ngrams: int) -> int:
+    """Hash buckets for `n_ngrams` distinct word n-grams: one per n-gram (fastText's default
+    of 2,000,000 is meant for corpora of far more n-grams, so it collides more), between
+    MIN_BUCKETS and that default. The input matrix has (words + buckets) x dim floats: the
+    default alone is 512 MB at dim 64."""
+    return max(MIN_BUCKETS, min(MAX_BUCKETS, n_ngrams))
+
+
 def train_classifier(
     positive: str | Iterable[str],
     negative: str | Iterable[str],
@@ -39,15 +67,20 @@ def train_classifier(
     dim: int = 64,
     seed_threads: int = 1,
     chunk_words: int = 100,
+    bucket: int | None = None,
 ) -> str:
     """Train a binary classifier (labels `hq` and `lq`) and save it to `output` (.bin).
 
-    `positive` / `negative`: a path/glob of documents (JSONL, Parquet, text) or texts. Each
-    document is cut into examples of `chunk_words` words: one example per long document
-    gives fastText too few updates to learn from a small set.
+    `positive` / `negative`: a path/glob of documents (JSONL, Parquet, text), several of them
+    (`DocumentTexts([...])`) or texts. Each document is cut into examples of `chunk_words`
+    words: one example per long document gives fastText too few updates to learn from a
+    small set. `bucket` (hash buckets of word n-grams) defaults to a size fitted to the
+    distinct n-grams of the training data (`size_buckets`), so a model of a few hundred
+    documents is megabytes, not the 0.5 GB of fastText's default.
     """
-    ft = _fasttext()
+    _fasttext()  # a clear error before any work when fastText is missing
     fd, train_file = tempfile.mkstemp(suffix=".txt")
+    ngrams: set[int] = set()
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for label, src in (("hq", positive), ("lq", negative)):
@@ -55,6 +88,9 @@ def train_classifier(
                 n = 0
                 for t in texts:
                     w = _line(t).split()
+                    if word_ngrams > 1 and len(ngrams) <= MAX_BUCKETS:
+                        ngrams.update(hash(tuple(w[i : i + word_ngrams]))
+                                      for i in range(len(w) - word_ngrams + 1))
                     for i in range(0, len(w), chunk_words):
                         f.write(f"__label__{label} {' '.join(w[i : i + chunk_words])}\n")
                         n += 1
@@ -62,22 +98,29 @@ def train_classifier(
                     raise ValueError(
                         f"no {label} examples in {src!r}; give documents to learn from"
                     )
-        model = ft.train_supervised(
-            input=train_file,
-            epoch=epoch,
-            lr=lr,
-            wordNgrams=word_ngrams,
-            dim=dim,
-            thread=seed_threads,
-            verbose=0,
-        )
+        settings = {"input": train_file, "epoch": epoch, "lr": lr, "wordNgrams": word_ngrams,
+                    "dim": dim, "thread": seed_threads, "verbose": 0,
+                    "bucket": bucket if bucket is not None else size_buckets(len(ngrams))}
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        tmp = output + ".tmp"
+        _train_in_fresh_process(settings, tmp)
     finally:
         os.remove(train_file)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = output + ".tmp"
-    model.save_model(tmp)
     os.replace(tmp, output)
     return output
+
+
+def _train_in_fresh_process(settings: dict[str, Any], path: str) -> None:
+    """fastText keeps state between trainings in one process, and a second small model
+    there can diverge ("Encountered NaN"): each model is trained by a new interpreter."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import fasttext; "
+            "fasttext.train_supervised(**json.loads(sys.argv[2])).save_model(sys.argv[3])")
+    proc = subprocess.run([sys.executable, "-c", code, root, json.dumps(settings), path],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ValueError(f"fastText training failed: {last}")
 
 
 class FastTextScorer(Step):

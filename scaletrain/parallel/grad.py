@@ -2,7 +2,7 @@
 any placement DTensor produces (Shard, _StridedShard, Replicate, Partial), spread over pipeline
 stages, and on different devices (FSDP's CPU offload keeps gradients in host memory).
 
-Local squared norms come from foreach kernels, one per device and dtype. They are summed into one
+Local squared norms come from foreach kernels (one per bucket, device and dtype), summed into one
 entry per (mesh, sharded dimensions) bucket, and the buckets' vector is all-reduced once per
 process group: along a group a bucket sharded there (or any bucket, for the pipeline group,
 whose stages hold disjoint parameters) is summed; a bucket replicated there is kept only on the
@@ -69,17 +69,20 @@ def _local_grads(params: Iterable[torch.Tensor]
     return locals_, sharded, groups
 
 
-def _squared_norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Squared 2-norm of each tensor (fp32, on `device`), one foreach kernel per device/dtype."""
-    out = torch.zeros(len(tensors), dtype=torch.float32, device=device)
-    by_kind: dict[tuple, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        by_kind[(t.device, t.dtype)].append(i)
-    for idx in by_kind.values():
-        norms = torch._foreach_norm([tensors[i] for i in idx], 2)
-        sq = torch.stack(norms).float().pow(2).to(device, non_blocking=True)
-        out[torch.tensor(idx, device=device)] = sq
-    return out
+def _bucket_sums(tensors: list[torch.Tensor], keys: list[tuple[str, ...]],
+                 order: list[tuple[str, ...]], device: torch.device) -> list[torch.Tensor]:
+    """Sum of squared 2-norms per bucket of `order` (fp32 scalars on `device`), one foreach
+    kernel per bucket, device and dtype. No index tensors are built, so no host-to-device
+    copy (which would synchronize on a GPU) happens."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t, key in zip(tensors, keys):
+        groups[(key, t.device, t.dtype)].append(t)
+    sums = {key: torch.zeros((), dtype=torch.float32, device=device) for key in order}
+    for (key, _, _), ts in groups.items():
+        norms = torch._foreach_norm(ts, 2)
+        sums[key] = sums[key] + torch.stack(norms).float().pow(2).sum().to(device,
+                                                                             non_blocking=True)
+    return [sums[key] for key in order]
 
 
 @torch.no_grad()
@@ -98,15 +101,12 @@ def total_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup 
     if not locals_:
         total = torch.zeros((), dtype=torch.float32, device=device)
     else:
-        per_tensor = _squared_norms(locals_, device)
-        keys = sorted(set(sharded))
-        index = torch.tensor([keys.index(k) for k in sharded], device=device)
-        buckets = torch.zeros(len(keys), dtype=torch.float32, device=device)
-        buckets.index_add_(0, index, per_tensor)
+        order = sorted(set(sharded))
+        buckets = torch.stack(_bucket_sums(locals_, sharded, order, device))
         for name, group in groups.items():  # one all-reduce per process group
-            if dist.get_rank(group) != 0:
-                keep = torch.tensor([name in k for k in keys], device=device)
-                buckets = buckets * keep
+            if dist.get_rank(group) != 0:  # replicated buckets count once: on the first rank
+                buckets = torch.stack([b if name in key else torch.zeros_like(b)
+                                       for b, key in zip(buckets.unbind(), order)])
             dist.all_reduce(buckets, group=group)
         total = buckets.sum()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

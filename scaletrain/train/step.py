@@ -67,6 +67,8 @@ class TrainStep:
         self.device, self.dtype = device, dtype
         self.loss_fn, self.max_grad_norm, self.scaler = loss_fn, max_grad_norm, scaler
         self.forward = forward or model
+        if scaler is not None:  # create its scale now: pipeline stages without the loss never
+            scaler.scale(torch.zeros((), device=device))  # call `scale` themselves
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return precision.autocast(self.device, self.dtype)

@@ -111,7 +111,9 @@ class Trainer:
                 p.data = p.data.to(torch.bfloat16)
         self.schedule = LRSchedule(self.optimizer, cfg.lr_schedule, cfg.optimizer.lr,
                                    cfg.training.steps)
-        self.scaler = precision.grad_scaler(self.device, self.dtype)
+        self.scaler = precision.grad_scaler(
+            self.device, self.dtype, sharded=self.par.enabled and self.par.mode not in
+            ("ddp", "zero1"))
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enabled and not self.par.enabled:
             self.loss_fn = torch.compile(cross_entropy_sum)
@@ -134,9 +136,6 @@ class Trainer:
     # --- construction -----------------------------------------------------------------------
     def _check_distributed(self) -> None:
         """Layout problems as one message, then the process group and the mesh."""
-        if self.dtype == "fp16":
-            raise ConfigError("fp16 loss scaling is not supported with several processes; "
-                              "use precision.dtype bf16 or fp32")
         if self.cfg.precision.param_dtype == "bf16" or self.cfg.optimizer.offload:
             raise ConfigError("precision.param_dtype bf16 and optimizer.offload are single-"
                               "process options; with several processes use "
@@ -387,21 +386,15 @@ class Trainer:
             ))
 
     def sample(self, max_new_tokens: int) -> str | None:
-        """Greedy continuation of the start of the validation data, decoded (for a quick look);
+        """A sampled continuation of a line of the validation text (see `train.sample`);
         None with several processes (the model is sharded)."""
         if self.par.enabled:
             return None
-        from tokenizers import Tokenizer
+        from scaletrain.train.sample import sample_text
 
-        from scaletrain.models.generation import generate
-
-        plain = build_model(self.model_args, self.device)  # no AC/compile wrappers
-        plain.load_state_dict(self.model.state_dict())
-        plain.eval()
-        prompt = [int(t) for t in self.corpus.val[:24]]
-        new = generate(plain, prompt, max_new_tokens, temperature=0.0, eos_id=self.corpus.eos_id)
-        tokenizer = Tokenizer.from_file(str(self.corpus.tokenizer_path))
-        return tokenizer.decode(prompt) + "\u2588" + tokenizer.decode(new)
+        return sample_text(self.model_args, self.model.state_dict(), self.device,
+                           self.corpus.val, self.corpus.tokenizer_path, self.corpus.eos_id,
+                           max_new_tokens, self.cfg.training.seed)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Loss, gradient-norm, gradient and validation parity of every layout against one process
 (gloo, spawned processes), with the defaults users run: gradient clipping at 1.0, gradient
-accumulation (2 or 4 micro-batches), fused AdamW; fp32 and bf16.
+accumulation (2 or 4 micro-batches), fused AdamW; fp32, bf16 and fp16.
 
 Each spawn runs several layouts in one process group (a launch costs seconds here). The
 single-process reference sees the same data: a global micro-batch of micro_batch_size x dp
@@ -25,8 +25,7 @@ STEPS = 3
 FIRST_LOSS_TOL = 1e-6
 LOSS_TOL = 1e-5
 GRAD_TOL = 2e-6  # max |g - g_ref| / max |g_ref| per tensor (the first step's gradients)
-BF16_TOL = 2e-2  # bf16 layouts against one bf16 process: bf16 rounding noise
-BF16 = ["--precision.dtype", "bf16"]
+LOW_TOL = 2e-2  # bf16/fp16 layouts against one bf16/fp16 process: rounding noise
 # A tied embedding/head (llama3.2-1b): FSDP keeps one shared parameter; TP shards both over the
 # vocabulary (the same Shard(0) placement), so the head shares the embedding's DTensor.
 TIED = ["--model.tie_embeddings", "true"]
@@ -38,11 +37,11 @@ def _rel(got: list[float], ref: list[float]) -> list[float]:
 
 
 def _reference(tmp: Path, cache: Path, mbs: int, ga: int, model: tuple[str, ...],
-               bf16: bool) -> dict[str, Any]:
-    name = f"ref-{mbs}-{ga}-{len(model)}-{int(bf16)}"
+               dtype: str) -> dict[str, Any]:
+    name = f"ref-{mbs}-{ga}-{len(model)}-{dtype}"
     out = run_trainer([str(tmp / name), str(cache), "--training.micro_batch_size", str(mbs),
-                       "--training.grad_accum_steps", str(ga), *model, *(BF16 if bf16 else [])],
-                      STEPS, capture=not bf16)
+                       "--training.grad_accum_steps", str(ga), *model, "--precision.dtype",
+                       dtype], STEPS, capture=dtype == "fp32")
     out.pop("trainer")
     return out
 
@@ -65,12 +64,14 @@ def _compare(result: list[dict[str, Any]], name: str,
     return rel[0], dloss, dnorm, dgrad, dval
 
 
-def _compare_bf16(result: list[dict[str, Any]], name: str, ref: dict[str, Any]) -> float:
-    """Max relative loss/grad-norm difference of a bf16 layout against one bf16 process; its
-    losses must differ from the same layout in fp32 (autocast really ran)."""
+def _compare_low(result: list[dict[str, Any]], name: str, dtype: str,
+                 ref: dict[str, Any]) -> float:
+    """Max relative loss/grad-norm/validation difference of a bf16/fp16 layout against one
+    process in that dtype; its losses must differ from the same layout in fp32 (autocast really
+    ran)."""
     fp32 = result[0][name]["losses"]
-    got = result[0][name + "-bf16"]
-    assert got["losses"] != fp32, f"{name}: bf16 losses equal the fp32 ones (dtype ignored)"
+    got = result[0][f"{name}-{dtype}"]
+    assert got["losses"] != fp32, f"{name}: {dtype} losses equal the fp32 ones (dtype ignored)"
     return max(*_rel(got["losses"], ref["losses"]), *_rel(got["norms"], ref["norms"]),
                abs(got["val"] - ref["val"]) / ref["val"])
 
@@ -93,9 +94,15 @@ LAYOUTS_2 = [
     *[(f"pp-{s}", ["--parallel.pp", "2", "--parallel.pp_schedule", s,
                    "--parallel.pp_virtual_stages", "2"], 1, 4)
       for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")],
+    # FSDP's CPU offload: gradients on the host, norms reduced on the training device
+    ("zero3-offload", ["--parallel.data_parallel", "zero3", "--parallel.cpu_offload", "true"],
+     2, 2),
 ]
-# bf16 runs of one layout per technique (each adds a run to the spawn)
-BF16_2 = ("ddp", "zero1", "zero3", "tp-sp", "cp", "pp-gpipe", "pp-ZBVZeroBubble")
+# Low-precision runs of one layout per technique (each adds a run to the spawn); fp16 uses the
+# loss scaler (sharded where gradients differ between ranks).
+LOW_2 = {"ddp": ("bf16", "fp16"), "zero1": ("bf16",), "zero3": ("bf16", "fp16"),
+         "tp-sp": ("bf16", "fp16"), "cp": ("bf16",), "pp-gpipe": ("bf16", "fp16"),
+         "pp-ZBVZeroBubble": ("bf16",)}
 LAYOUTS_4 = [
     ("hsdp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 4, 2),
     ("fsdp-x-tp", ["--parallel.tp", "2"], 2, 2),
@@ -107,44 +114,48 @@ LAYOUTS_4 = [
     ("pp-x-tp", ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.dp_shard", "1"], 1, 2),
     ("zero3-4", ["--parallel.data_parallel", "zero3"], 4, 2),
 ]
-BF16_4 = ("fsdp-x-tp", "hsdp-x-tp", "pp-x-fsdp", "pp-x-tp")
+LOW_4 = {"fsdp-x-tp": ("bf16", "fp16"), "hsdp-x-tp": ("bf16",), "pp-x-fsdp": ("bf16",),
+         "pp-x-tp": ("bf16",)}
 LAYOUTS_8 = [("pp-x-tp-x-fsdp", ["--parallel.pp", "2", "--parallel.tp", "2"], 2, 2)]
-BF16_8 = ("pp-x-tp-x-fsdp",)
+LOW_8 = {"pp-x-tp-x-fsdp": ("bf16",)}
 
 
-def _run(tmp: Path, cache: Path, world: int, layouts: list, bf16: tuple[str, ...]
+def _run(tmp: Path, cache: Path, world: int, layouts: list, low: dict[str, tuple[str, ...]]
          ) -> tuple[dict, dict, list]:
     layouts = [(*lay, []) if len(lay) == 4 else lay for lay in layouts]
-    keys = {(4 * dp, ga, tuple(m), low) for name, _, dp, ga, m in layouts
-            for low in {False, name in bf16}}
+    keys = {(4 * dp, ga, tuple(m), dtype) for name, _, dp, ga, m in layouts
+            for dtype in ("fp32", *low.get(name, ()))}
     refs = {key: _reference(tmp, cache, *key) for key in sorted(keys)}
     jobs = []
     for name, flags, _, ga, m in layouts:
         argv = [*flags, *m, "--training.grad_accum_steps", str(ga)]
         jobs.append((name, [str(tmp / name), str(cache), *argv]))
-        if name in bf16:
-            jobs.append((name + "-bf16", [str(tmp / f"{name}-bf16"), str(cache), *argv, *BF16],
-                         {"capture": False}))
+        for dtype in low.get(name, ()):
+            jobs.append((f"{name}-{dtype}", [str(tmp / f"{name}-{dtype}"), str(cache), *argv,
+                                             "--precision.dtype", dtype], {"capture": False}))
     result = spawn(world, jobs, STEPS, tmp)
-    table = {name: _compare(result, name, refs[(4 * dp, ga, tuple(m), False)])
+    table = {name: _compare(result, name, refs[(4 * dp, ga, tuple(m), "fp32")])
              for name, _, dp, ga, m in layouts}
-    low = {name: _compare_bf16(result, name, refs[(4 * dp, ga, tuple(m), True)])
-           for name, _, dp, ga, m in layouts if name in bf16}
-    return table, low, result
+    errors = {name: {dtype: _compare_low(result, name, dtype,
+                                         refs[(4 * dp, ga, tuple(m), dtype)])
+                     for dtype in low[name]}
+              for name, _, dp, ga, m in layouts if name in low}
+    return table, errors, result
 
 
-def _check(world: int, table: dict[str, tuple[float, ...]], low: dict[str, float]) -> None:
+def _check(world: int, table: dict[str, tuple[float, ...]],
+           low: dict[str, dict[str, float]]) -> None:
     bad, rows = [], []
     for name, (_, dloss, dnorm, dgrad, dval) in table.items():
-        bf = f"{low[name]:.1e}" if name in low else "-"
+        cells = [f"{low.get(name, {})[d]:.1e}" if d in low.get(name, {}) else "-"
+                 for d in ("bf16", "fp16")]
         rows.append(f"| {name} | {world} | {dloss:.1e} | {dnorm:.1e} | {dgrad:.1e} | "
-                    f"{dval:.1e} | {bf} |")
+                    f"{dval:.1e} | {' | '.join(cells)} |")
         print(rows[-1])
         if not (dloss <= LOSS_TOL and dnorm <= LOSS_TOL and dgrad <= GRAD_TOL
                 and dval <= LOSS_TOL):
             bad.append((name, dloss, dnorm, dgrad, dval))
-        if low.get(name, 0.0) > BF16_TOL:
-            bad.append((name, "bf16", low[name]))
+        bad += [(name, d, e) for d, e in low.get(name, {}).items() if e > LOW_TOL]
     if TABLE:
         with open(TABLE, "a") as f:
             f.write("\n".join(rows) + "\n")
@@ -153,7 +164,7 @@ def _check(world: int, table: dict[str, tuple[float, ...]], low: dict[str, float
 
 @pytest.mark.distributed
 def test_two_rank_layouts_match_one_process(tmp_path: Path) -> None:
-    table, low, result = _run(tmp_path, tmp_path / "cache", 2, LAYOUTS_2, BF16_2)
+    table, low, result = _run(tmp_path, tmp_path / "cache", 2, LAYOUTS_2, LOW_2)
     _check(2, table, low)
     # Memory per rank: ZeRO-3 holds about half the parameters, ZeRO-1/2 half the optimizer
     # state of DDP (counted as tensor bytes on each rank).
@@ -166,11 +177,11 @@ def test_two_rank_layouts_match_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_four_rank_layouts_match_one_process(tmp_path: Path) -> None:
-    table, low, _ = _run(tmp_path, tmp_path / "cache", 4, LAYOUTS_4, BF16_4)
+    table, low, _ = _run(tmp_path, tmp_path / "cache", 4, LAYOUTS_4, LOW_4)
     _check(4, table, low)
 
 
 @pytest.mark.distributed
 def test_eight_rank_pp_x_tp_x_fsdp_matches_one_process(tmp_path: Path) -> None:
-    table, low, _ = _run(tmp_path, tmp_path / "cache", 8, LAYOUTS_8, BF16_8)
+    table, low, _ = _run(tmp_path, tmp_path / "cache", 8, LAYOUTS_8, LOW_8)
     _check(8, table, low)

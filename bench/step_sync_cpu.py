@@ -47,15 +47,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="first steps not counted")
     p.add_argument("--repeats", type=int, default=2, help="runs per tree (alternating)")
     p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--cache-dir", default=None, help="data cache (default: a temp dir)")
+    p.add_argument("--cache-dir", default=None, help="data cache (default: data.cache_dir's)")
     p.add_argument("--extra", default="", help="more config flags, space-separated")
     p.add_argument("--json", default=str(RESULTS))
     return p.parse_args(argv)
 
 
-def config_argv(out: Path, cache: Path, args: argparse.Namespace) -> list[str]:
+def config_argv(out: Path, args: argparse.Namespace) -> list[str]:
     """The demo's model and data (the `debug` preset), small evaluation, no checkpoints."""
-    return ["--output", str(out), "--data.cache_dir", str(cache),
+    cache = ["--data.cache_dir", args.cache_dir] if args.cache_dir else []
+    return ["--output", str(out), *cache,
             "--training.steps", str(args.steps), "--training.eval_interval", "0",
             "--training.sample_tokens", "0", "--checkpoint.interval", "0",
             "--checkpoint.save_final", "false", "--metrics.tensorboard", "false",
@@ -81,13 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     roots = dict(r.split("=", 1) for r in args.root)
     tmp = Path(tempfile.mkdtemp(prefix="step-sync-"))
-    cache = Path(args.cache_dir) if args.cache_dir else tmp / "cache"
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in roots}
     for rep in range(args.repeats):
         for label, path in roots.items():
             root = Path(path).resolve()
             out = tmp / f"{label}-{rep}"
-            argv_ = config_argv(out, cache, args) + eval_flag(root)
+            argv_ = config_argv(out, args) + eval_flag(root)
             lines = run(root, argv_, out)
             counted = [m for m in lines if m["step"] > args.warmup]
             seconds = sum(m["step_time_s"] for m in counted)

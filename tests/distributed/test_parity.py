@@ -100,9 +100,8 @@ LAYOUTS_2 = [
 ]
 # Low-precision runs of one layout per technique (each adds a run to the spawn); fp16 uses the
 # loss scaler (sharded where gradients differ between ranks).
-LOW_2 = {"ddp": ("bf16", "fp16"), "zero1": ("bf16",), "zero3": ("bf16", "fp16"),
-         "tp-sp": ("bf16", "fp16"), "cp": ("bf16",), "pp-gpipe": ("bf16", "fp16"),
-         "pp-ZBVZeroBubble": ("bf16",)}
+LOW_2 = {"ddp": ("bf16",), "zero1": ("bf16",), "zero3": ("bf16", "fp16"), "tp-sp": ("bf16",),
+         "cp": ("bf16",), "pp-gpipe": ("bf16", "fp16"), "pp-ZBVZeroBubble": ("bf16",)}
 LAYOUTS_4 = [
     ("hsdp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 4, 2),
     ("fsdp-x-tp", ["--parallel.tp", "2"], 2, 2),

@@ -73,8 +73,10 @@ def eval_flag(root: Path) -> list[str]:
 
 def run(root: Path, argv: list[str], out: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], env=env, check=True,
-                   capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], env=env, cwd=root,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"run in {root} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -116,7 +116,7 @@ def bench_loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                        "--training.eval_interval", "0", "--training.sample_tokens", "0",
                        "--checkpoint.interval", "0", "--checkpoint.save_final", "false",
                        "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
-                       "--training.eval_batches", "1"])
+                       "--training.eval_sequences", "4"])
     n = args.loader_batches * cfg.training.micro_batch_size
     train, _, _ = build_sources(cfg.data, cfg.training.seed, n)
     row: dict[str, Any] = {"seq_len": cfg.data.seq_len, "batch": cfg.training.micro_batch_size}

@@ -138,7 +138,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             "--training.steps", str(a.steps), "--training.micro_batch_size", str(a.batch),
             "--data.seq_len", str(a.seq_len), "--optimizer.lr", str(a.lr),
             "--lr_schedule.warmup_steps", "2", "--lr_schedule.decay", "constant",
-            "--training.eval_interval", "0", "--training.eval_batches", "1",
+            "--training.eval_interval", "0", "--training.eval_sequences", "4",
             "--checkpoint.save_final", "false", "--checkpoint.interval", "0",
             "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
             "--metrics.log_interval", "1000", "--precision.dtype", a.precision,

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scaletrain.config import ActivationCheckpointConfig, CompileConfig, ParallelConfig  # noqa: E402
 from scaletrain.models.args import ModelArgs, count_params  # noqa: E402
 from scaletrain.train.loss import cross_entropy_sum  # noqa: E402
+from scaletrain.train.step import TrainStep  # noqa: E402
 
 ARGS = ModelArgs(dim=128, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=256,
                  max_seq_len=64)
@@ -111,13 +112,14 @@ def _comm_worker(rank: int, world: int, port: int, out: str) -> None:
                                   lr=1e-3)
         else:
             opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-3, foreach=True)
+        # The trainer's step (loss, gradient norm, optimizer): its scalar reductions (token
+        # count, loss, norm) are counted with the gradient traffic.
+        train_step = TrainStep(model, opt, par, torch.device("cpu"), "fp32", cross_entropy_sum,
+                               max_grad_norm=1.0)
         for step in range(2):  # the second step is counted
             counter = CommBytes()
             with counter if step == 1 else contextlib.nullcontext():
-                par.forward_backward(model, [(x, x)], float(x.numel()), cross_entropy_sum,
-                                     contextlib.nullcontext)
-                opt.step()
-                opt.zero_grad()
+                train_step([(x, x)])
         results[name] = {"bytes": counter.bytes, "calls": counter.calls,
                          "param_bytes": p_bytes}
         dist.barrier()
@@ -134,13 +136,17 @@ def _pp_worker(rank: int, world: int, port: int, schedule: str, micro: int, out:
     torch.manual_seed(1)
     x = torch.randint(0, ARGS.vocab_size, (MBS * micro, SEQ))
     batches = [(x[i * MBS:(i + 1) * MBS], x[i * MBS:(i + 1) * MBS]) for i in range(micro)]
-    n = float(x.numel())
-    par.forward_backward(model, batches, n, cross_entropy_sum, contextlib.nullcontext)  # warm
+    n = torch.tensor(float(x.numel()))
+
+    def forward_backward() -> None:
+        par.pipeline_forward_backward(batches, n, lambda t: t)
+
+    forward_backward()  # warm
     times = []
     for _ in range(2):
         dist.barrier()
         t0 = time.perf_counter()
-        par.forward_backward(model, batches, n, cross_entropy_sum, contextlib.nullcontext)
+        forward_backward()
         times.append(time.perf_counter() - t0)
     model.zero_grad()
     # This stage's own compute for the same micro-batches, all ranks at once, no communication.

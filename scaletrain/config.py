@@ -181,7 +181,7 @@ def validate(cfg: Config) -> list[str]:
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_schedule
     positive = {
         "training.steps": t.steps, "training.micro_batch_size": t.micro_batch_size,
-        "training.eval_batches": t.eval_batches, "data.seq_len": cfg.data.seq_len,
+        "data.seq_len": cfg.data.seq_len,
         "data.vocab_size": cfg.data.vocab_size, "data.prefetch_factor": cfg.data.prefetch_factor,
         "metrics.log_interval": cfg.metrics.log_interval,
         "activation_checkpoint.every": cfg.activation_checkpoint.every,
@@ -194,7 +194,7 @@ def validate(cfg: Config) -> list[str]:
         "optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps,
         "lr_schedule.warmup_steps": s.warmup_steps, "training.eval_interval": t.eval_interval,
         "checkpoint.interval": cfg.checkpoint.interval, "data.num_workers": cfg.data.num_workers,
-        "training.sample_tokens": t.sample_tokens,
+        "training.sample_tokens": t.sample_tokens, "training.eval_sequences": t.eval_sequences,
     }
     for name, value in non_negative.items():
         if value < 0:

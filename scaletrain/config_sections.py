@@ -119,8 +119,10 @@ class TrainingConfig:
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
     eval_interval: int = 0
     """Evaluate validation loss every N steps (0 = only at the end)."""
-    eval_batches: int = 8
-    """Micro-batches of validation data per evaluation."""
+    eval_sequences: int = 64
+    """Validation sequences per evaluation (the first N of the split, shared out over the
+    data-parallel ranks; 0 = the whole split). The same N gives the same value for every layout
+    and micro-batch size."""
     on_nan: Literal["stop", "skip"] = "stop"
     """What to do when the loss is NaN/inf: stop the run, or skip the optimizer step."""
     sample_tokens: int = 48

@@ -18,7 +18,7 @@ from scaletrain.train.trainer import Trainer
 from tests.trainer_helpers import tiny_config
 
 PROFILE = ["--profiling.enabled", "true", "--profiling.wait", "1", "--profiling.warmup", "1",
-           "--profiling.active", "3", "--training.steps", "5", "--training.eval_batches", "1",
+           "--profiling.active", "3", "--training.steps", "5", "--training.eval_sequences", "4",
            "--checkpoint.save_final", "false",
            # a model big enough that compute, not DataLoader IPC, fills the fixed run's step
            "--data.seq_len", "64", "--model.dim", "128", "--model.ffn_dim", "256",

@@ -18,7 +18,7 @@ def tiny_argv(output: Path, cache: Path, *extra: str) -> list[str]:
         "--data.curate", "false",  # curation of the corpus is tested in test_data_corpus
         "--training.steps", "4", "--training.micro_batch_size", "4",
         "--training.grad_accum_steps", "1", "--training.eval_interval", "0",
-        "--training.eval_batches", "2", "--training.sample_tokens", "0",
+        "--training.eval_sequences", "8", "--training.sample_tokens", "0",
         "--precision.dtype", "fp32", "--lr_schedule.warmup_steps", "2",
         "--checkpoint.interval", "0", "--metrics.tensorboard", "false",
         "--metrics.progress_bar", "false", "--metrics.log_interval", "1",

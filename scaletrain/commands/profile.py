@@ -24,7 +24,7 @@ def _with_defaults(argv: list[str]) -> list[str]:
     extra = ["--profiling.enabled", "true"]
     for flag, value in (("--checkpoint.save_final", "false"), ("--training.sample_tokens", "0"),
                         ("--checkpoint.interval", "0"), ("--training.eval_interval", "0"),
-                        ("--training.eval_batches", "1")):
+                        ("--training.eval_sequences", "4")):
         if flag not in given:
             extra += [flag, value]
     return [*argv, *extra]

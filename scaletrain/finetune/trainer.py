@@ -32,10 +32,10 @@ from scaletrain.loader import ADAPTER_DIR, FINETUNE_META
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
-from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer
+from scaletrain.train.evaluate import evaluate
 from scaletrain.train.integrity import verification
-from scaletrain.train.loss import count_valid, cross_entropy_sum
+from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.trainer import Trainer
 
 log = logging.getLogger("scaletrain.finetune")
@@ -274,35 +274,35 @@ class FinetuneTrainer(Trainer):
         return path
 
     # --- evaluation -------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Validation loss over the whole held-out split; classification also logs accuracy and
-        macro-F1 (into `classification.jsonl`)."""
-        self.model.eval()
-        total, count = torch.zeros(()), torch.zeros((), dtype=torch.long)
-        preds, golds = [], []
-        ds = self.val_data
-        for start in range(0, len(ds), self.mbs):
-            items = [ds[i] for i in range(start, min(start + self.mbs, len(ds)))]
-            x = self._inputs({k: torch.stack([it[0][k] for it in items]) for k in items[0][0]})
-            y = torch.stack([it[1] for it in items]).to(self.device)
-            with precision.autocast(self.device, self.dtype):
-                logits = self.model_forward(x)
-            total += cross_entropy_sum(logits, y).cpu()
-            count += count_valid(y).cpu()
-            if self.ft.task == "classification":
-                preds.append(logits.argmax(-1).cpu())
-                golds.append(y.cpu())
-        self.model.train()
-        loss = (total / count.clamp(min=1)).item()
-        if preds:
-            scores = classification_scores(torch.cat(preds), torch.cat(golds), len(self.labels))
+    def eval_prepare(self, x: dict[str, torch.Tensor], y: torch.Tensor
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return self._inputs(x), y.to(self.device)
+
+    def evaluate_tensor(self) -> torch.Tensor:
+        """Validation loss over the whole held-out split (the trainer's one evaluation path);
+        classification also logs accuracy and macro-F1 (into `classification.jsonl`)."""
+        preds: list[torch.Tensor] = []
+        golds: list[torch.Tensor] = []
+
+        def collect(logits: torch.Tensor, y: torch.Tensor, real: torch.Tensor) -> None:
+            preds.append(logits.argmax(-1).cpu()[real])
+            golds.append(y.cpu()[real])
+
+        classify = self.ft.task == "classification"
+        loss = evaluate(self.model, self.par, self.val_data, 0, self.mbs, self.device,
+                        self.dtype, cross_entropy_sum, prepare=self.eval_prepare,
+                        forward=self.model_forward, on_batch=collect if classify else None)
+        if classify:
+            parts = self.par.gather_objects((torch.cat(preds), torch.cat(golds)))
+            scores = classification_scores(torch.cat([p for p, _ in parts]),
+                                           torch.cat([g for _, g in parts]), len(self.labels))
             self.last_scores = scores
             log.info("step %5d | validation accuracy %.4f | macro-F1 %.4f", self.step,
                      scores["accuracy"], scores["macro_f1"])
             if self.is_main:
                 with (self.output / "classification.jsonl").open("a") as f:
-                    f.write(json.dumps({"step": self.step, "val_loss": loss, **scores}) + "\n")
+                    f.write(json.dumps({"step": self.step, "val_loss": float(loss), **scores})
+                            + "\n")
         return loss
 
     def sample(self, max_new_tokens: int) -> str | None:

@@ -3,10 +3,13 @@ rank whose collective fails reports the ranks whose heartbeat stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger("scaletrain.parallel")
@@ -72,3 +75,35 @@ def describe_failure(heartbeat: Heartbeat | None, step: int, error: BaseExceptio
 
 class DistributedFailure(RuntimeError):
     """A collective failed because another rank died or stopped answering."""
+
+
+# Words of the errors gloo and NCCL raise when a peer dies or a collective times out.
+_PEER_WORDS = ("connection closed", "connection reset", "connection refused", "broken pipe",
+               "timed out", "timeout", "socket", "peer", "gloo", "nccl", "store")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True for a communication failure (a lost peer, a collective timeout); False for an
+    error of this rank's own work (out of memory, a shape error)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in _PEER_WORDS)
+
+
+@contextlib.contextmanager
+def guard(heartbeat: Heartbeat | None, step: int) -> Iterator[None]:
+    """Turn a failed collective into one `DistributedFailure` naming the rank that stopped;
+    any other error (OOM, shape, NaN) passes through as what it is."""
+    if heartbeat is None:
+        yield
+        return
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_peer_failure(e):
+            raise
+        raise DistributedFailure(describe_failure(heartbeat, step, e)) from None

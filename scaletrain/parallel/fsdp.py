@@ -35,7 +35,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype],
                                           reduce_dtype=DTYPES[reduce_dtype]),
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else None,
+        # pinned host memory needs an accelerator; a CPU-only run offloads to pageable memory
+        "offload_policy": (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+                           if cpu_offload else None),
     }
     if kwargs["offload_policy"] is None:
         del kwargs["offload_policy"]

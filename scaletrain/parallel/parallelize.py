@@ -31,7 +31,6 @@ from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.ddp import apply_ddp
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.fsdp import apply_fsdp
-from scaletrain.parallel.grad import clip_grad_norm
 from scaletrain.parallel.mesh import ParallelMesh, env_world, init_process_group
 from scaletrain.parallel.pp import (
     StageModule,
@@ -61,14 +60,19 @@ def resolve_mode(cfg: ParallelConfig, dims: ParallelDims) -> str:
 
 
 class PipelineLoss:
-    """Loss of one pipeline micro-batch: token-loss sum over the step's global token count."""
+    """Loss of one pipeline micro-batch: token-loss sum over the step's global token count,
+    scaled for fp16 by `scale`; it records the unscaled sums (the step's loss)."""
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
         self.loss_fn = loss_fn
-        self.n_valid = 1.0
+        self.n_valid: torch.Tensor | float = 1.0
+        self.scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.sums: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, targets) / self.n_valid
+        token_loss = self.loss_fn(logits, targets)
+        self.sums.append(token_loss.detach())
+        return self.scale(token_loss / self.n_valid)
 
 
 class Parallelism:
@@ -141,6 +145,22 @@ class Parallelism:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """`obj` of every rank, in rank order ([obj] for one process)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def heartbeat(self) -> Any:
+        """A started `failure.Heartbeat` (None for one process): names a rank that stops."""
+        if not self.enabled:
+            return None
+        from scaletrain.parallel.failure import Heartbeat
+
+        return Heartbeat()
+
     # --- model -----------------------------------------------------------------------------
     def build_model(self, args: ModelArgs, seed: int, ac: ActivationCheckpointConfig,
                     compile_cfg: CompileConfig) -> nn.Module:
@@ -207,9 +227,14 @@ class Parallelism:
                                              args.rope_scaling).to(self.device)
 
     def attach_pipeline(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
-                        microbatches: int) -> None:
-        """Build the pipeline stages and schedule (after the model is materialized)."""
+                        microbatches: int,
+                        autocast: Callable[[], contextlib.AbstractContextManager] | None = None
+                        ) -> None:
+        """Build the pipeline stages and schedule (after the model is materialized); each stage
+        forward runs under `autocast` (the run's mixed precision)."""
         assert self.mesh is not None
+        for m in self.stage_modules:
+            m.autocast = autocast or contextlib.nullcontext
         self.pipe_loss = PipelineLoss(loss_fn)
         self.schedule, self.stages = build_schedule(
             self.stage_modules, self.mesh["pp"], self.cfg.pp_schedule, microbatches,
@@ -242,130 +267,69 @@ class Parallelism:
         else:
             yield
 
-    def forward_backward(self, model: nn.Module, batches: list[Batch], n_valid: float,
-                         loss_fn: Callable[..., torch.Tensor],
-                         autocast: Callable[[], contextlib.AbstractContextManager],
-                         forward: Callable[[Any], torch.Tensor] | None = None) -> float:
-        """Forward and backward over a step's micro-batches; returns this rank's share of the
-        normalized loss (sum over the loss ranks and pipeline stages gives the step's loss).
-        `forward(inputs) -> logits` defaults to `model` (the trainer's `model_forward`)."""
-        if self.schedule is not None:
-            return self._pipeline_step(batches, n_valid)
-        forward = forward or model
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        last = len(batches) - 1
-        with self.loss_context():
-            for i, (x, y) in enumerate(batches):
-                x, y, positions = self.shard_batch(x, y)
-                sync = contextlib.nullcontext()
-                if i < last and hasattr(model, "no_sync"):  # DDP: reduce on the last only
-                    sync = model.no_sync()
-                with sync:
-                    with autocast():
-                        logits = model(x, positions=positions) if positions is not None \
-                            else forward(x)
-                    token_loss = loss_fn(logits, y)
-                    (token_loss / n_valid).backward()
-                detached = token_loss.detach()
-                if isinstance(detached, DTensor):
-                    detached = detached.full_tensor()
-                loss_sum += detached
-        return float(loss_sum) / n_valid
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group (None without pipeline parallelism)."""
+        return self.mesh.group("pp") if self.mesh is not None and self.dims.pp > 1 else None
 
-    def _pipeline_step(self, batches: list[Batch], n_valid: float) -> float:
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
-        self.pipe_loss.n_valid = n_valid
-        first = any(s.embed for s in self.stage_specs)
-        last = any(s.head for s in self.stage_specs)
-        losses: list[torch.Tensor] = []
-        args = (x,) if first else ()
-        kwargs = {"target": y, "losses": losses} if last else {}
-        with self.loss_context():
-            self.schedule.step(*args, **kwargs)
-        total = 0.0
-        for loss in losses:
-            loss = loss.detach()
-            total += float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-        return total
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        params = [p for p in model.parameters() if p.grad is not None]
-        pp_group = self.mesh.group("pp") if self.mesh is not None and self.dims.pp > 1 else None
-        return clip_grad_norm(params, max_norm, pp_group)
-
-    def step_loss(self, local: float) -> float:
-        """The step's loss on every rank from each rank's share."""
-        t = torch.tensor(local, dtype=torch.float64, device=self.device)
+    def reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank loss share (or token count) over the ranks that hold different
+        tokens (data and context parallel) and pipeline stages (only the last has losses)."""
         self.all_reduce(t, "dp_cp")
         if self.dims.pp > 1:
             self.all_reduce(t, "pp")
-        return float(t)
+        return t
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: Iterator[Batch],
-                 loss_fn: Callable[..., torch.Tensor],
-                 autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
-        """Mean validation loss; every rank is given the same batches."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.schedule is not None:
-            return self._pipeline_eval(list(batches))
-        with self.loss_context():
-            for x, y in batches:
-                x, y = x.to(self.device), y.to(self.device)
-                x, y, positions = self.shard_batch(x, y)
-                with autocast():
-                    logits = model(x, positions=positions) if positions is not None else model(x)
-                loss = loss_fn(logits, y)
-                if isinstance(loss, DTensor):
-                    loss = loss.full_tensor()
-                total += loss.double()
-                count += (y != -100).sum().double()
-        self.all_reduce(total, "cp")
-        self.all_reduce(count, "cp")
-        return float(total / count.clamp(min=1))
+    def pipeline_forward_backward(self, batches: list[Batch], n_valid: torch.Tensor,
+                                  scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One schedule step over the micro-batches; this rank's sum of token losses (zero
+        outside the last stage)."""
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        self.pipe_loss.n_valid, self.pipe_loss.scale, self.pipe_loss.sums = n_valid, scale, []
+        first = any(s.embed for s in self.stage_specs)
+        last = any(s.head for s in self.stage_specs)
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": []} if last else {}
+        self.schedule.step(*args, **kwargs)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        # The first step also calls the loss during shape inference: the last n calls count.
+        for loss in self.pipe_loss.sums[len(self.pipe_loss.sums) - len(batches):]:
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
+        return total
 
-    def _pipeline_eval(self, batches: list[Batch]) -> float:
-        """Forward-only pass through the stages in order, with point-to-point hand-overs
-        (torch's schedule `eval` runs backward actions for multi-stage schedules)."""
+    def pipeline_eval_batch(self, x: torch.Tensor, y: torch.Tensor,
+                            loss_fn: Callable[..., torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward-only pass of one batch through the stages in order, with point-to-point
+        hand-overs (torch's schedule `eval` runs backward actions for multi-stage schedules).
+        Returns (token-loss sum, valid-token count), both zero outside the last stage."""
         assert self.mesh is not None
         group = self.mesh.group("pp")
-        pp = self.dims.pp
-        n_stages = pp * len(self.stage_modules)
-        owner = {}
-        for r in range(pp):
-            for sid in _stage_ids_of(r, self):
-                owner[sid] = dist.get_global_rank(group, r)
+        n_stages = self.dims.pp * len(self.stage_modules)
+        owner = {sid: dist.get_global_rank(group, r) for r in range(self.dims.pp)
+                 for sid in _stage_ids_of(r, self)}
         mine = {m.spec.index: m for m in self.stage_modules}
         me = dist.get_rank()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
         shards = self.stage_modules[0].seq_shards
-        with self.loss_context():
-            for x, y in batches:
-                x, y = x.to(self.device), y.to(self.device)
-                h: torch.Tensor | None = None
-                for sid in range(n_stages):
-                    if sid not in mine:
-                        continue
-                    if sid > 0 and owner[sid - 1] != me:
-                        shape = (x.shape[0], x.shape[1] // shards, self.hidden_dim)
-                        h = torch.empty(shape, dtype=torch.float32, device=self.device)
-                        dist.recv(h, src=owner[sid - 1], group=group)
-                    out = mine[sid](x if sid == 0 else h)
-                    if sid == n_stages - 1:
-                        loss = self.pipe_loss.loss_fn(out, y)
-                        if isinstance(loss, DTensor):
-                            loss = loss.full_tensor()
-                        total += loss.double()
-                    else:
-                        h = out.float().contiguous()
-                        if owner[sid + 1] != me:
-                            dist.send(h, dst=owner[sid + 1], group=group)
-                count += (y != -100).sum().double()
-        self.all_reduce(total, "pp")  # only the last stage has the loss
-        return float(total / count.clamp(min=1))
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        valid = torch.zeros((), dtype=torch.float64, device=self.device)
+        h: torch.Tensor | None = None
+        for sid in sorted(mine):
+            if sid > 0 and owner[sid - 1] != me:
+                shape = (x.shape[0], x.shape[1] // shards, self.hidden_dim)
+                h = torch.empty(shape, dtype=torch.float32, device=self.device)
+                dist.recv(h, src=owner[sid - 1], group=group)
+            out = mine[sid](x if sid == 0 else h)
+            if sid == n_stages - 1:
+                part = loss_fn(out, y)
+                loss = (part.full_tensor() if isinstance(part, DTensor) else part).double()
+                valid = (y != -100).sum().double()
+            else:
+                h = out.float().contiguous()
+                if owner[sid + 1] != me:
+                    dist.send(h, dst=owner[sid + 1], group=group)
+        return loss, valid
 
 
 def _stage_ids_of(pp_rank: int, par: Parallelism) -> list[int]:

@@ -9,6 +9,7 @@ across layouts), and each of its stages is a thin view over that copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +112,9 @@ class StageModule(nn.Module):
         # Under sequence parallelism the hidden state between stages is this rank's slice of
         # the sequence: RoPE positions must span the full length.
         self.seq_shards = seq_shards
+        # The run's autocast, entered around each stage forward (the schedule runs backward
+        # outside it): set by `Parallelism.attach_pipeline`.
+        self.autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         object.__setattr__(self, "_model", model)  # not a child: its names stay the model's
         self.spec = spec
         self.layers = nn.ModuleDict({i: model.layers[i] for i in spec.layers})
@@ -122,8 +126,9 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq_len = x.shape[1] * (1 if self.spec.embed else self.seq_shards)
         positions = torch.arange(seq_len, device=x.device)
-        return self._model.forward_part(x, self.spec.layers, embed=self.spec.embed,
-                                        head=self.spec.head, positions=positions)
+        with self.autocast():
+            return self._model.forward_part(x, self.spec.layers, embed=self.spec.embed,
+                                            head=self.spec.head, positions=positions)
 
 
 def build_schedule(modules: list[StageModule], pp_mesh: DeviceMesh, name: str,

@@ -38,8 +38,31 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
 
 
-def grad_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler | None:
-    """A dynamic loss scaler for fp16 (bf16 and fp32 have the range to need none)."""
+def grad_scaler(device: torch.device, dtype: str,
+                sharded: bool = False) -> torch.amp.GradScaler | None:
+    """A dynamic loss scaler for fp16 (bf16 and fp32 have the range to need none).
+
+    `sharded`: gradients differ between ranks (FSDP, tensor or pipeline parallel), so whether
+    one is inf/NaN is agreed over all ranks (torch's ShardedGradScaler); DDP's reduced
+    gradients are the same everywhere and take the plain scaler.
+    """
     if dtype != "fp16":
         return None
+    if sharded:
+        return _sharded_scaler(device)
     return torch.amp.GradScaler(device.type)
+
+
+def _sharded_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """torch's ShardedGradScaler (inf/NaN agreed over all ranks), whose found-inf flags are
+    made scalars: fused optimizers take them as a step-count decrement of shape []."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    class Scaler(ShardedGradScaler):
+        def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+            super().unscale_(optimizer)
+            state = self._per_optimizer_states[id(optimizer)]
+            state["found_inf_per_device"] = {
+                d: t.reshape(()) for d, t in state["found_inf_per_device"].items()}
+
+    return Scaler(device.type)

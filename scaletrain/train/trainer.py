@@ -25,10 +25,12 @@ from scaletrain.plan.hardware import device_name, peak_tflops
 from scaletrain.profiling.capture import StepProfiler, phase
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
-from scaletrain.train.loss import count_valid, cross_entropy_sum
+from scaletrain.train.evaluate import evaluate
+from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
 from scaletrain.train.metrics import MetricsLogger, StepMetrics, peak_memory_gib
 from scaletrain.train.optim import build_optimizer
+from scaletrain.train.step import StepOutput, TrainStep
 
 log = logging.getLogger("scaletrain.train")
 
@@ -102,16 +104,22 @@ class Trainer:
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
         if self.par.dims.pp > 1:
-            self.par.attach_pipeline(self.model, cross_entropy_sum, self.ga)
+            self.par.attach_pipeline(self.model, cross_entropy_sum, self.ga,
+                                     lambda: precision.autocast(self.device, self.dtype))
         if cfg.precision.param_dtype == "bf16":
             for p in self.model.parameters():  # buffers (RoPE frequencies) stay fp32
                 p.data = p.data.to(torch.bfloat16)
         self.schedule = LRSchedule(self.optimizer, cfg.lr_schedule, cfg.optimizer.lr,
                                    cfg.training.steps)
-        self.scaler = precision.grad_scaler(self.device, self.dtype)
+        self.scaler = precision.grad_scaler(
+            self.device, self.dtype, sharded=self.par.enabled and self.par.mode not in
+            ("ddp", "zero1"))
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enabled and not self.par.enabled:
             self.loss_fn = torch.compile(cross_entropy_sum)
+        self.step_fn = TrainStep(self.model, self.optimizer, self.par, self.device, self.dtype,
+                                 lambda logits, y: self.loss_fn(logits, y),
+                                 cfg.training.max_grad_norm, self.scaler, self.model_forward)
         self.checkpointer = self.checkpointer_cls(self.output / "checkpoints",
                                                   cfg.checkpoint.keep_last, self.model_args,
                                                   self.corpus.tokenizer_path,
@@ -129,9 +137,6 @@ class Trainer:
     # --- construction -----------------------------------------------------------------------
     def _check_distributed(self) -> None:
         """Layout problems as one message, then the process group and the mesh."""
-        if self.dtype == "fp16":
-            raise ConfigError("fp16 loss scaling is not supported with several processes; "
-                              "use precision.dtype bf16 or fp32")
         if self.cfg.precision.param_dtype == "bf16" or self.cfg.optimizer.offload:
             raise ConfigError("precision.param_dtype bf16 and optimizer.offload are single-"
                               "process options; with several processes use "
@@ -235,74 +240,36 @@ class Trainer:
                         y.to(self.device, non_blocking=self.pin_memory)))
         return out
 
-    def train_step(self, batches: list[Batch]) -> tuple[float, float]:
-        """Forward/backward over the micro-batches, then one optimizer step.
-
-        The loss is the sum of token losses over all micro-batches divided by their total
-        count of valid tokens, so any split into micro-batches gives the same gradients.
-        Returns (loss, grad_norm); the loss is NaN/inf when the step was skipped.
-        """
-        n_valid = sum(count_valid(y) for _, y in batches).clamp(min=1)
-        if self.par.enabled:  # every rank divides by the count over all data-parallel ranks
-            n_total = float(self.par.all_reduce(n_valid.double(), "dp"))
-            local = self.par.forward_backward(
-                self.model, batches, n_total, self.loss_fn,
-                lambda: precision.autocast(self.device, self.dtype), self.model_forward)
-            loss = self.par.step_loss(local)
-        else:
-            loss_sum = torch.zeros((), device=self.device)
-            for x, y in batches:
-                with phase("forward"):
-                    with precision.autocast(self.device, self.dtype):
-                        logits = self.model_forward(x)
-                    token_loss = self.loss_fn(logits, y)
-                scaled = token_loss / n_valid
-                with phase("backward"):
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-                loss_sum += token_loss.detach()
-            loss = (loss_sum / n_valid).item()
-        if not math.isfinite(loss):
-            self._on_nonfinite(loss)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.schedule.step()
-            return loss, float("nan")
-        with phase("optimizer"):
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            max_norm = self.cfg.training.max_grad_norm or float("inf")
-            if self.par.enabled:
-                grad_norm = self.par.clip_grad_norm(self.model, max_norm)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+    def run_step(self, batches: list[Batch]) -> StepOutput:
+        """One optimizer step over the micro-batches (every layout); device tensors back."""
+        out = self.step_fn(batches)
         self.schedule.step()
-        return loss, float(grad_norm)
+        return out
+
+    def train_step(self, batches: list[Batch]) -> tuple[float, float]:
+        """`run_step`, read back at once: (loss, grad_norm) as floats, and `training.on_nan`
+        applied (for tests and benchmarks; the loop reads values at log steps only)."""
+        out = self.run_step(batches)
+        loss, norm, skipped = torch.stack([out.loss.float(), out.grad_norm.float(),
+                                           out.skipped.float()]).tolist()
+        if skipped:
+            self._on_nonfinite(loss, self.step + 1)
+            return loss, float("nan")
+        return loss, norm
 
     def model_forward(self, x: Any) -> torch.Tensor:
         """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids)."""
         return self.model(x)
 
-    def _guarded_step(self, batches: list[Batch], heartbeat: Any) -> tuple[float, float]:
-        """train_step; with several processes a failed collective becomes one clear error
-        naming the rank that stopped (the others exit within parallel.timeout_s)."""
-        if heartbeat is None:
-            return self.train_step(batches)
-        from scaletrain.parallel.failure import DistributedFailure, describe_failure
+    def _guarded_step(self, batches: list[Batch], heartbeat: Any) -> StepOutput:
+        """run_step; with several processes a failed collective becomes one clear error
+        naming the rank that stopped (see `parallel.failure.guard`)."""
+        from scaletrain.parallel.failure import guard
 
-        try:
-            return self.train_step(batches)
-        except RuntimeError as e:
-            if isinstance(e, TrainingDiverged):
-                raise
-            raise DistributedFailure(describe_failure(heartbeat, self.step + 1, e)) from None
+        with guard(heartbeat, self.step + 1):
+            return self.run_step(batches)
 
-    def _on_nonfinite(self, loss: float) -> None:
-        step = self.step + 1
+    def _on_nonfinite(self, loss: float, step: int) -> None:
         causes = ("learning rate too high (optimizer.lr, lr_schedule.warmup_steps), fp16 overflow "
                   "(use bf16 or keep the loss scaler), a bad batch, or no gradient clipping "
                   "(training.max_grad_norm)")
@@ -313,44 +280,43 @@ class Trainer:
                     loss, step, causes)
 
     # --- evaluation -------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        from scaletrain.data.loader import iter_eval_batches
+    def evaluate_tensor(self) -> torch.Tensor:
+        """Validation loss over `training.eval_sequences` sequences, split over the
+        data-parallel ranks (a device tensor, equal on every rank)."""
+        return evaluate(self.model, self.par, self.val_data, self.cfg.training.eval_sequences,
+                        self.mbs, self.device, self.dtype, cross_entropy_sum,
+                        prepare=self.eval_prepare, forward=self.model_forward)
 
-        self.model.eval()
-        total = torch.zeros((), device=self.device)
-        count = torch.zeros((), device=self.device, dtype=torch.long)
-        batches = iter_eval_batches(self.val_data, self.mbs, self.cfg.training.eval_batches)
-        if self.par.enabled:  # every rank sees the same validation batches
-            loss = self.par.evaluate(self.model, batches, cross_entropy_sum,
-                                     lambda: precision.autocast(self.device, self.dtype))
-            self.model.train()
-            return loss
-        for x, y in batches:
-            x, y = x.to(self.device), y.to(self.device)
-            with precision.autocast(self.device, self.dtype):
-                logits = self.model(x)
-            total += cross_entropy_sum(logits, y)
-            count += count_valid(y)
-        self.model.train()
-        return (total / count.clamp(min=1)).item()
+    def eval_prepare(self, x: Any, y: torch.Tensor) -> Batch:
+        return x.to(self.device), y.to(self.device)
+
+    def evaluate(self) -> float:
+        """Validation loss; a non-finite one follows `training.on_nan`."""
+        loss = float(self.evaluate_tensor())
+        if not math.isfinite(loss):
+            msg = f"validation loss is {loss} at step {self.step}"
+            if self.cfg.training.on_nan == "stop":
+                raise TrainingDiverged(msg + "; the weights are not finite or the validation "
+                                       "data is bad. Set --training.on_nan skip to continue.")
+            log.warning("%s (training.on_nan is skip: continuing)", msg)
+        return loss
 
     # --- the loop ---------------------------------------------------------------------------
     def train(self) -> TrainResult:
+        """The loop, the same for every layout. Steps run without reading values back to the
+        host; at log steps (every `metrics.log_interval`, before an evaluation or checkpoint,
+        and at the end) the pending steps' losses and norms are read in one transfer, written
+        to the metrics (each step's own values), and a non-finite step acts on `on_nan`."""
         cfg = self.cfg
         start = time.perf_counter()
         result = TrainResult(steps=self.step)
-        heartbeat = None
-        if self.par.enabled:
-            from scaletrain.parallel.failure import Heartbeat
-
-            heartbeat = Heartbeat()
-        tokens_per_step = self.ga * self.mbs * self.dp_size * cfg.data.seq_len
+        heartbeat = self.par.heartbeat()
         metrics: Any = _NoMetrics()
         if self.is_main:  # one rank writes metrics, logs and the progress bar
             metrics = MetricsLogger(self.output, cfg.training.steps, cfg.metrics.log_interval,
                                     cfg.metrics.tensorboard, cfg.metrics.progress_bar,
                                     start_step=self.step)
+        pending = _Pending(time.perf_counter())
         prof = StepProfiler(cfg.profiling, self.output, self.device, start_step=self.step).start()
         try:
             while self.step < cfg.training.steps:
@@ -358,29 +324,23 @@ class Trainer:
                 batches = self.next_batches()
                 data_wait = time.perf_counter() - t0
                 with prof.oom_guard(cfg):
-                    loss, grad_norm = self._guarded_step(batches, heartbeat)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                step_time = time.perf_counter() - t0
+                    out = self._guarded_step(batches, heartbeat)
                 self.step += 1
                 prof.step()
-                result.losses.append(loss)
-                tps = tokens_per_step / step_time
-                achieved = self.flops_per_token * tps
-                metrics.log_step(StepMetrics(
-                    step=self.step, loss=loss, lr=self.schedule.lr_at(self.step - 1),
-                    grad_norm=grad_norm, tokens_per_s=tps, tflops=achieved / 1e12,
-                    mfu=None if self.peak_flops is None else achieved / self.peak_flops,
-                    peak_mem_gib=peak_memory_gib(self.device), step_time_s=step_time,
-                    data_wait_s=data_wait,
-                ))
+                pending.steps.append((self.step, out, data_wait))
                 last = self.step == cfg.training.steps
-                if cfg.training.eval_interval and self.step % cfg.training.eval_interval == 0 \
-                        and not last:
+                evaluate = bool(cfg.training.eval_interval) and not last \
+                    and self.step % cfg.training.eval_interval == 0
+                save = bool(cfg.checkpoint.interval) and not last \
+                    and self.step % cfg.checkpoint.interval == 0
+                if last or evaluate or save or self.step % cfg.metrics.log_interval == 0:
+                    self._log_pending(pending, metrics, result)
+                if evaluate:
                     metrics.log_eval(self.step, self.evaluate())
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 \
-                        and not last:
+                    pending.since = time.perf_counter()  # evaluation time is not step time
+                if save:
                     result.checkpoint = self.save_checkpoint()
+                    pending.since = time.perf_counter()
             prof.stop()  # evaluation and the final checkpoint stay out of the trace
             result.val_loss = self.evaluate()
             metrics.log_eval(self.step, result.val_loss)
@@ -393,23 +353,57 @@ class Trainer:
                 heartbeat.stop()
         result.steps = self.step
         result.wall_time_s = time.perf_counter() - start
-        if cfg.training.sample_tokens and not self.par.enabled:
+        if cfg.training.sample_tokens:
             result.sample = self.sample(cfg.training.sample_tokens)
         return result
 
+    def _log_pending(self, pending: _Pending, metrics: Any, result: TrainResult) -> None:
+        """Read the pending steps back (one transfer; the only host synchronization of the
+        loop), log each step's metrics and apply `training.on_nan`."""
+        if not pending.steps:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        values = torch.stack([torch.stack([o.loss.float(), o.grad_norm.float(),
+                                           o.skipped.float()]) for _, o, _ in pending.steps])
+        rows = values.cpu().tolist()
+        # Steps are not synchronized one by one: each gets the interval's mean step time.
+        step_time = (now - pending.since) / len(pending.steps)
+        tps = self.ga * self.mbs * self.dp_size * self.cfg.data.seq_len / step_time
+        achieved = self.flops_per_token * tps
+        peak_mem = peak_memory_gib(self.device)
+        steps, pending.steps, pending.since = pending.steps, [], now
+        for (step, _, data_wait), (loss, norm, skipped) in zip(steps, rows, strict=True):
+            if skipped:
+                self._on_nonfinite(loss, step)
+                norm = float("nan")
+            result.losses.append(loss)
+            metrics.log_step(StepMetrics(
+                step=step, loss=loss, lr=self.schedule.lr_at(step - 1), grad_norm=norm,
+                tokens_per_s=tps, tflops=achieved / 1e12,
+                mfu=None if self.peak_flops is None else achieved / self.peak_flops,
+                peak_mem_gib=peak_mem, step_time_s=step_time, data_wait_s=data_wait,
+            ))
+
     def sample(self, max_new_tokens: int) -> str | None:
-        """Greedy continuation of the start of the validation data, decoded (for a quick look)."""
-        from tokenizers import Tokenizer
+        """A sampled continuation of a line of the validation text (see `train.sample`);
+        None with several processes (the model is sharded)."""
+        if self.par.enabled:
+            return None
+        from scaletrain.train.sample import sample_text
 
-        from scaletrain.models.generation import generate
+        return sample_text(self.model_args, self.model.state_dict(), self.device,
+                           self.corpus.val, self.corpus.tokenizer_path, self.corpus.eos_id,
+                           max_new_tokens, self.cfg.training.seed)
 
-        plain = build_model(self.model_args, self.device)  # no AC/compile wrappers
-        plain.load_state_dict(self.model.state_dict())
-        plain.eval()
-        prompt = [int(t) for t in self.corpus.val[:24]]
-        new = generate(plain, prompt, max_new_tokens, temperature=0.0, eos_id=self.corpus.eos_id)
-        tokenizer = Tokenizer.from_file(str(self.corpus.tokenizer_path))
-        return tokenizer.decode(prompt) + "\u2588" + tokenizer.decode(new)
+
+@dataclass
+class _Pending:
+    """Steps run but not yet read back: (step, outputs, data wait), since when."""
+
+    since: float
+    steps: list[tuple[int, StepOutput, float]] = field(default_factory=list)
 
 
 class _NoMetrics:

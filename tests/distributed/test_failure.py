@@ -21,12 +21,12 @@ from scaletrain.train.trainer import Trainer
 from scaletrain.commands import train
 
 if os.environ["RANK"] == "1":  # this rank dies in its third step
-    original = Trainer.train_step
+    original = Trainer.run_step
     def dying_step(self, batches):
         if self.step == 2:
             os._exit(17)
         return original(self, batches)
-    Trainer.train_step = dying_step
+    Trainer.run_step = dying_step
 argv = tiny_argv(Path({out!r}), Path({cache!r}), "--training.steps", "50",
                  "--parallel.timeout_s", "60", "--checkpoint.save_final", "false")
 sys.exit(train.main(argv))

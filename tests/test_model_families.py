@@ -1,0 +1,112 @@
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 against transformers: logits both ways, greedy
+generation, exact parameter counts of the presets, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from scaletrain.models.args import PRESETS, ModelArgs, count_params  # noqa: E402
+from scaletrain.models.generation import generate  # noqa: E402
+from scaletrain.models.hf import (  # noqa: E402
+    from_hf_state_dict,
+    hf_config_from_model_args,
+    load_hf_checkpoint,
+    model_args_from_hf_config,
+    save_hf_checkpoint,
+    to_hf_state_dict,
+)
+from scaletrain.models.transformer import build_model  # noqa: E402
+from tests.family_helpers import FAMILIES, hf_model, randomize, tokens  # noqa: E402
+
+TOL = 1e-5
+FAMILY_NAMES = list(FAMILIES)
+
+
+def _diff(ours, hf, x: torch.Tensor) -> tuple[float, float]:
+    with torch.no_grad():
+        ref = hf(x).logits
+        return (ours(x) - ref).abs().max().item(), ref.abs().max().item()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_from_hf_logits_and_greedy_generation(tmp_path, family):
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path)
+    ours, args = load_hf_checkpoint(tmp_path)
+    assert args.family == family
+    diff, scale = _diff(ours, hf, tokens())
+    assert scale > 0.5, "logits too small for the comparison to mean anything"
+    assert diff < TOL, (family, diff)
+    prompt = tokens(30, 1)[0].tolist()  # prompt + 30 new tokens pass the sliding windows
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                      pad_token_id=0, eos_token_id=None)
+    assert generate(ours, prompt, 30) == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, family):
+    args = model_args_from_hf_config(hf_model(family).config.to_dict())
+    ours = build_model(args, seed=0)
+    randomize(ours, 3, unit_offset=args.norm_unit_offset)
+    ours.eval()
+    save_hf_checkpoint(ours, tmp_path / "hf", bos_token_id=0, eos_token_id=1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager").eval()
+    assert hf.config.model_type == family
+    diff, scale = _diff(ours, hf, tokens())
+    assert scale > 0.5 and diff < TOL, (family, diff, scale)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_state_dict_round_trip_is_exact(family):
+    hf = hf_model(family)
+    args = model_args_from_hf_config(hf.config.to_dict())
+    hf_sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"
+             or not args.tie_embeddings}
+    back = to_hf_state_dict(from_hf_state_dict(hf_sd, args), args)
+    assert set(back) == set(hf_sd)
+    assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
+
+
+def _hf_param_count(args: ModelArgs) -> int:
+    cfg = transformers.AutoConfig.for_model(**hf_config_from_model_args(args))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+
+
+# The totals the model cards / safetensors headers publish (tied heads counted once).
+PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304,
+             "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920,
+             "qwen3-8b": 8_190_735_360, "mistral-7b-v0.3": 7_248_023_552,
+             "phi3-mini": 3_821_079_552, "gemma2-2b": 2_614_341_888,
+             "gemma2-9b": 9_241_705_984}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_preset_parameter_counts(name):
+    args = PRESETS[name]
+    assert count_params(args).total == PUBLISHED[name]
+    assert _hf_param_count(args) == PUBLISHED[name]  # transformers' model of our config.json
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_built_model_matches_count_params(family):
+    args = PRESETS[f"debug-{family}"]
+    model = build_model(args, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == count_params(args).total
+
+
+def test_unsupported_model_type_lists_the_supported_ones():
+    cfg = hf_config_from_model_args(PRESETS["debug-qwen2"])
+    with pytest.raises(ValueError, match="'falcon'.*'qwen3'.*'gemma2'"):
+        model_args_from_hf_config({**cfg, "model_type": "falcon"})
+    with pytest.raises(ValueError, match="layer_types"):
+        model_args_from_hf_config({**hf_config_from_model_args(PRESETS["debug-gemma2"]),
+                                   "layer_types": ["sliding_attention", "full_attention",
+                                                   "full_attention", "sliding_attention"]})
+    with pytest.raises(ValueError, match="cannot hold"):
+        hf_config_from_model_args(PRESETS["debug-qwen2"].replace(family="mistral"))

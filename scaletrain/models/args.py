@@ -299,7 +299,7 @@ PRESETS: dict[str, ModelArgs] = {
            "qwen2": dict(family="qwen2", qkv_bias=True),
            "qwen3": dict(family="qwen3", qk_norm=True, head_dim_override=48),
            "mistral": dict(family="mistral", sliding_window=24),
-           "phi3": dict(family="phi3", sliding_window=40),
+           "phi3": dict(family="phi3", sliding_window=20),
            "gemma2": dict(family="gemma2", head_dim_override=48, norm_unit_offset=True,
                           post_norms=True, mlp_act="gelu_tanh", embed_scale=True,
                           sliding_window=24, sliding_window_pattern=2, attn_softcap=50.0,

@@ -21,8 +21,9 @@ Llama block (flash SDPA: no s x s scores; true for the CPU flash kernel and CUDA
 Family extras (`ModelArgs`): Gemma 2's post-norms are two more RMSNorms; Qwen3's q/k norms keep
 their fp32 input and rstd over (T, heads, d); soft-capped attention (Gemma 2) is computed
 explicitly and keeps the tanh of the s x s scores and the fp32 and cast probabilities, K/V
-repeated to every query head and the mask, instead of the log-sum-exp. A sliding window runs in SDPA with a mask and
-keeps what the flash kernel keeps.
+repeated to every query head and the mask, instead of the log-sum-exp; capped output logits
+keep their tanh output. A sliding window runs in SDPA with a mask and keeps what the flash
+kernel keeps.
 
 GPT-2 block: LayerNorm keeps its input plus fp32 mean and rstd (r Th + 8T), GELU keeps its input,
 w2 its output (2 c T f), learned positions keep the position ids.

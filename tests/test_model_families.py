@@ -110,3 +110,33 @@ def test_unsupported_model_type_lists_the_supported_ones():
                                                    "full_attention", "sliding_attention"]})
     with pytest.raises(ValueError, match="cannot hold"):
         hf_config_from_model_args(PRESETS["debug-qwen2"].replace(family="mistral"))
+
+
+def _write_tokenizer(directory, template: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(126)} | {"<s>": 126, "</s>": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>")
+    fast.chat_template = template
+    fast.save_pretrained(directory)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_convert_hf_to_native_and_back_carries_weights_and_chat_template(tmp_path, family):
+    from scaletrain.commands import convert as convert_cmd
+
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    _write_tokenizer(tmp_path / "hf", template)
+    assert convert_cmd.main([str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "hf"]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, hf(x).logits)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tok.chat_template == template

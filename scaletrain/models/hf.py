@@ -42,6 +42,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 # Buffers some HF checkpoints carry that hold no learned weights.
 _IGNORED_HF_KEYS = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
@@ -396,7 +397,9 @@ def save_hf_checkpoint(
     tokenizer_file: str | os.PathLike | None = None,
 ) -> Path:
     """Write `config.json` and safetensors weights (sharded with an index when over
-    `max_shard_bytes`) that `transformers` loads with `from_pretrained`.
+    `max_shard_bytes`) that `transformers` loads with `from_pretrained`. `tokenizer_file` is
+    copied as `tokenizer.json`, with the `TOKENIZER_COMPANIONS` found next to it (the chat
+    template lives in `tokenizer_config.json` or `chat_template.jinja`).
 
     Written to a temporary directory next to `directory`, then renamed into place, so a crash
     never leaves a complete-looking checkpoint. `directory` must not exist yet.
@@ -433,6 +436,11 @@ def save_hf_checkpoint(
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+            # The tokenizer's companions (chat template, special tokens) travel with it.
+            for name in TOKENIZER_COMPANIONS:
+                companion = Path(tokenizer_file).parent / name
+                if companion.is_file():
+                    shutil.copyfile(companion, tmp / name)
         os.replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

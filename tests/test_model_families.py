@@ -19,7 +19,7 @@ from scaletrain.models.hf import (  # noqa: E402
     to_hf_state_dict,
 )
 from scaletrain.models.transformer import build_model  # noqa: E402
-from tests.family_helpers import FAMILIES, hf_model, randomize, tokens  # noqa: E402
+from tests.family_helpers import COMMON, FAMILIES, hf_model, randomize, tokens  # noqa: E402
 
 TOL = 1e-5
 FAMILY_NAMES = list(FAMILIES)
@@ -41,8 +41,8 @@ def test_from_hf_logits_and_greedy_generation(tmp_path, family):
     assert scale > 0.5, "logits too small for the comparison to mean anything"
     assert diff < TOL, (family, diff)
     prompt = tokens(30, 1)[0].tolist()  # prompt + 30 new tokens pass the sliding windows
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
-                      pad_token_id=0, eos_token_id=None)
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                      max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert generate(ours, prompt, 30) == out[0, len(prompt):].tolist()
 
 
@@ -140,3 +140,32 @@ def test_convert_hf_to_native_and_back_carries_weights_and_chat_template(tmp_pat
         assert torch.equal(back(x).logits, hf(x).logits)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok.chat_template == template
+
+
+def test_phi3_longrope_matches_transformers_both_ways(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    rope = {"rope_type": "longrope", "short_factor": (1 + torch.rand(8, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(8, generator=g)).tolist()}
+    cfg = transformers.Phi3Config(**{**COMMON, "num_key_value_heads": 4, "rope_scaling": rope,
+                                     "max_position_embeddings": 256,
+                                     "original_max_position_embeddings": 64})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    randomize(hf, 0)
+    hf.eval().save_pretrained(tmp_path / "hf")
+    ours, args = load_hf_checkpoint(tmp_path / "hf")
+    assert args.rope_scaling.kind == "longrope" and args.rope_scaling.attention_factor > 1
+    for seq in (40, 80):  # short factors within the original 64 positions, long beyond
+        diff, scale = _diff(ours, hf, tokens(seq))
+        assert scale > 0.5 and diff < TOL, (seq, diff)
+    prompt = tokens(50, 1)[0].tolist()  # decoding crosses position 64: the factors switch
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                      max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert generate(ours, prompt, 30) == out[0, len(prompt):].tolist()
+    save_hf_checkpoint(ours, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager").eval()
+    diff, _ = _diff(ours, back, tokens(80))
+    assert diff < TOL
+    from scaletrain.models.generation import generate_batch
+
+    assert generate_batch(ours, [prompt, prompt[5:]], 30)[0] == out[0, len(prompt):].tolist()

@@ -18,12 +18,22 @@ MlpAct = Literal["silu", "gelu_tanh"]
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: llama3` in HF configs)."""
+    """RoPE frequency scaling.
+
+    `kind="llama3"`: Llama-3.1 frequency-dependent scaling (`rope_type: llama3` in HF configs).
+    `kind="longrope"`: Phi-3 128k / Phi-3.5 LongRoPE: inverse frequencies divided per pair by
+    `short_factor`, or by `long_factor` once a forward pass reaches beyond
+    `original_max_seq_len` positions; cos/sin multiplied by `attention_factor`.
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    kind: Literal["llama3", "longrope"] = "llama3"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,12 @@ class ModelArgs:
             )
         if self.arch == "llama" and self.head_dim % 2:
             out.append(f"head_dim ({self.head_dim}) must be even for RoPE")
+        rs = self.rope_scaling
+        if rs is not None and rs.kind == "longrope" and not (
+                len(rs.short_factor) == len(rs.long_factor) == self.head_dim // 2):
+            out.append(f"longrope short_factor and long_factor need head_dim / 2 "
+                       f"({self.head_dim // 2}) entries each (got {len(rs.short_factor)} and "
+                       f"{len(rs.long_factor)})")
         if self.head_dim_override is not None and self.head_dim_override <= 0:
             out.append(f"head_dim_override must be positive (got {self.head_dim_override})")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -165,7 +181,11 @@ class ModelArgs:
     def from_dict(cls, data: dict[str, Any]) -> ModelArgs:
         data = dict(data)
         if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            rope = dict(data["rope_scaling"])
+            for key in ("short_factor", "long_factor"):
+                if key in rope:
+                    rope[key] = tuple(rope[key])
+            data["rope_scaling"] = RopeScaling(**rope)
         return cls(**data)
 
 
@@ -334,6 +354,7 @@ def preset_table() -> list[dict[str, Any]]:
             "name": name, "arch": a.arch if a.arch == "gpt2" else a.family,
             "params": count_params(a).total, "dim": a.dim,
             "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.kv_heads,
+            "head_dim": a.head_dim, "sliding_window": a.sliding_window,
             "ffn_dim": a.hidden_dim, "vocab_size": a.vocab_size, "max_seq_len": a.max_seq_len,
             "tie_embeddings": a.tie_embeddings,
         })

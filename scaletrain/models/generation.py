@@ -115,8 +115,12 @@ def generate(
             out.append(token)
             if token in stop or len(out) == n_new:
                 return out
-            step = torch.tensor([[token]], dtype=torch.long, device=device)
-            logits = model(step, start_pos=pos)[0, -1]
+            if _rope_switches_at(model, pos):  # recompute the cache with the long factors
+                full = torch.tensor([prompt_ids + out], dtype=torch.long, device=device)
+                logits = model(full, start_pos=0)[0, -1]
+            else:
+                step = torch.tensor([[token]], dtype=torch.long, device=device)
+                logits = model(step, start_pos=pos)[0, -1]
             pos += 1
     finally:
         model.clear_cache()
@@ -201,11 +205,26 @@ def generate_batch(
                     done[i] = token in stop or len(out[i]) == n_new
             if all(done):
                 return out
-            step = torch.tensor([[r[-1]] for r in out], dtype=torch.long, device=device)
-            logits = model(step, pos, key_mask=mask)[:, -1]
+            if _rope_switches_at(model, pos):  # recompute the cache with the long factors
+                fed = pos - longest + 1  # a row that ended kept feeding its last token
+                new = torch.tensor([r + r[-1:] * (fed - len(r)) for r in out],
+                                   dtype=torch.long, device=device)
+                full = torch.cat([tokens, new], dim=1)
+                logits = model(full, 0, key_mask=mask)[:, -1]
+            else:
+                step = torch.tensor([[r[-1]] for r in out], dtype=torch.long, device=device)
+                logits = model(step, pos, key_mask=mask)[:, -1]
             pos += 1
     finally:
         model.clear_cache()
+
+
+def _rope_switches_at(model: Transformer, pos: int) -> bool:
+    """LongRoPE (Phi-3) uses its long factors once the sequence passes the original context;
+    keys cached with the short ones are then recomputed, at the step that feeds position
+    `original_max_seq_len` (what transformers' Phi-3 generation does)."""
+    s = model.args.rope_scaling
+    return s is not None and s.kind == "longrope" and pos == s.original_max_seq_len
 
 
 __all__ = ["generate", "generate_batch", "filter_logits"]

@@ -9,6 +9,7 @@ fused again at export).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from scaletrain.models.args import ModelArgs, RopeScaling
@@ -70,20 +71,36 @@ def unsupported_model_type(model_type: Any) -> ValueError:
 
 
 # --- config.json -> ModelArgs ----------------------------------------------------------------
-def rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:
+def rope_scaling_from_hf(rope: dict[str, Any], cfg: dict[str, Any] | None = None
+                         ) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
+    if kind in ("longrope", "su") and cfg is not None:
+        return _longrope(rope, cfg)
     if kind != "llama3":
-        raise ValueError(
-            f"RoPE scaling type {kind!r} is not supported (supported: default, llama3)"
-        )
+        raise ValueError(f"RoPE scaling type {kind!r} is not supported (supported: default, "
+                         "llama3, longrope for phi3)")
     return RopeScaling(
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),
         high_freq_factor=float(rope["high_freq_factor"]),
         original_max_seq_len=int(rope["original_max_position_embeddings"]),
     )
+
+
+def _longrope(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """Phi-3 LongRoPE; the attention factor resolved as transformers does when absent."""
+    original = int(rope.get("original_max_position_embeddings")
+                   or cfg["original_max_position_embeddings"])
+    factor = rope.get("factor") or int(cfg["max_position_embeddings"]) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(kind="longrope", factor=float(factor), original_max_seq_len=original,
+                       short_factor=tuple(float(x) for x in rope["short_factor"]),
+                       long_factor=tuple(float(x) for x in rope["long_factor"]),
+                       attention_factor=float(attention))
 
 
 def _window(cfg: dict[str, Any], family: str, n_layers: int) -> tuple[int | None, int]:
@@ -157,7 +174,7 @@ def rope_family_args(cfg: dict[str, Any]) -> ModelArgs:
         ffn_dim=int(cfg["intermediate_size"]),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
-        rope_scaling=rope_scaling_from_hf(rope),
+        rope_scaling=rope_scaling_from_hf(rope, cfg if family == "phi3" else None),
         max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         head_dim_override=(int(head_dim) if head_dim is not None and head_dim * n_heads != dim
@@ -211,7 +228,14 @@ def rope_family_config(args: ModelArgs) -> dict[str, Any]:
                        args.query_pre_attn_scalar or args.head_dim),
                    attn_logit_softcapping=args.attn_softcap,
                    final_logit_softcapping=args.final_softcap, pad_token_id=None)
-    if args.rope_scaling is not None:
+    if args.rope_scaling is not None and args.rope_scaling.kind == "longrope":
+        s = args.rope_scaling
+        cfg["original_max_position_embeddings"] = s.original_max_seq_len
+        cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": list(s.short_factor),
+                               "long_factor": list(s.long_factor), "factor": s.factor,
+                               "attention_factor": s.attention_factor,
+                               "original_max_position_embeddings": s.original_max_seq_len}
+    elif args.rope_scaling is not None:
         s = args.rope_scaling
         cfg["rope_scaling"] = {
             "rope_type": "llama3",
@@ -253,6 +277,10 @@ def _check_representable(args: ModelArgs) -> None:
     if lacking:
         raise ValueError(f"a {args.family} checkpoint needs {', '.join(lacking)} set "
                          "(see docs/models.md)")
+    if args.rope_scaling is not None and args.rope_scaling.kind == "longrope" and (
+            args.family != "phi3"):
+        raise ValueError(f"a {args.family} checkpoint cannot hold longrope RoPE scaling "
+                         "(phi3 only)")
     wrong = [f for f in used if f not in allowed]
     if wrong:
         raise ValueError(f"a {args.family} checkpoint cannot hold {', '.join(wrong)}; set "

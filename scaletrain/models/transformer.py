@@ -213,11 +213,24 @@ class Transformer(nn.Module):
         else:
             if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
                 self.reset_buffers()
-            cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+            cos, sin = self._rope_tables(positions, h.dtype)
             rope = (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
         for layer_id in layer_ids:  # mask by keyword: TP's input plans cover positional inputs
             h = self.layers[layer_id](h, rope, start_pos, mask=mask)
         return h
+
+    def _rope_tables(self, positions: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for `positions`; LongRoPE switches to its long factors for the whole pass
+        once it reaches beyond the original context (as transformers does)."""
+        s = self.args.rope_scaling
+        if s is None or s.kind != "longrope":
+            return rope_cos_sin(self.inv_freq, positions, dtype)
+        inv_freq = self.inv_freq
+        if int(positions.max()) + 1 > s.original_max_seq_len:
+            inv_freq = inverse_frequencies(self.args.head_dim, self.args.rope_theta, s,
+                                           long=True).to(positions.device)
+        return rope_cos_sin(inv_freq, positions, dtype, s.attention_factor)
 
     # --- initialization -------------------------------------------------------------------
     def reset_buffers(self) -> None:

@@ -3,6 +3,8 @@ generation, exact parameter counts of the presets, clear errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -169,3 +171,38 @@ def test_phi3_longrope_matches_transformers_both_ways(tmp_path):
     from scaletrain.models.generation import generate_batch
 
     assert generate_batch(ours, [prompt, prompt[5:]], 30)[0] == out[0, len(prompt):].tolist()
+
+
+def test_serve_answers_with_a_gemma2_checkpoint(tmp_path):
+    """The OpenAI endpoint over a Hugging Face Gemma 2 directory: its greedy completion is
+    transformers' greedy continuation."""
+    import threading
+    import urllib.request
+
+    from scaletrain.commands.serve import make_server
+    from scaletrain.data.synth.generators import LocalGenerator
+
+    hf = hf_model("gemma2")
+    hf.save_pretrained(tmp_path / "hf")
+    _write_tokenizer(tmp_path / "hf", "{{ messages }}")
+    server = make_server(LocalGenerator.from_checkpoint(tmp_path / "hf"), "127.0.0.1", 0, "g2")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        prompt = " ".join(f"w{i}" for i in (5, 17, 42, 99, 3, 60, 7, 8, 11, 30))
+        body = json.dumps({"model": "g2", "prompt": prompt, "max_tokens": 20,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://{host}:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = json.loads(resp.read())["choices"][0]["text"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.engine.close()
+    ids = [int(w[1:]) for w in prompt.split()]
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                      max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=1)
+    expected = " ".join(f"w{i}" if i < 126 else "" for i in out[0, len(ids):].tolist())
+    assert text.split() == expected.split()

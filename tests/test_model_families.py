@@ -156,6 +156,7 @@ def test_phi3_longrope_matches_transformers_both_ways(tmp_path):
     hf.eval().save_pretrained(tmp_path / "hf")
     ours, args = load_hf_checkpoint(tmp_path / "hf")
     assert args.rope_scaling.kind == "longrope" and args.rope_scaling.attention_factor > 1
+    assert ModelArgs.from_dict(json.loads(json.dumps(args.to_dict()))) == args  # meta.json
     for seq in (40, 80):  # short factors within the original 64 positions, long beyond
         diff, scale = _diff(ours, hf, tokens(seq))
         assert scale > 0.5 and diff < TOL, (seq, diff)

@@ -76,7 +76,8 @@ def build_ours(a: argparse.Namespace, dtype: str, compiled: bool, output: Path) 
 
     argv = [
         "--output", str(output), "--training.device", "cpu",
-        "--model.name", "debug", "--model.dim", str(a.dim), "--model.n_layers", str(a.layers),
+        "--model.name", getattr(a, "model_name", "debug"),
+        "--model.dim", str(a.dim), "--model.n_layers", str(a.layers),
         "--model.n_heads", str(a.heads), "--model.n_kv_heads", str(a.kv_heads),
         "--model.ffn_dim", str(a.ffn_dim), "--model.vocab_size", str(a.vocab),
         "--model.max_seq_len", str(max(a.seq_len, 1024)),
@@ -95,16 +96,18 @@ def build_ours(a: argparse.Namespace, dtype: str, compiled: bool, output: Path) 
 
 
 def build_baseline(trainer: Any, compiled: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """transformers' LlamaForCausalLM with the Trainer's dimensions and (copied) initial weights,
-    and an AdamW with the Trainer's hyper-parameters, weight-decay groups and kernel flags."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' model of the Trainer's family (LlamaForCausalLM, Qwen2ForCausalLM, ...) with
+    its dimensions and (copied) initial weights, and an AdamW with the Trainer's
+    hyper-parameters, weight-decay groups and kernel flags. SDPA attention, except where the
+    model soft-caps attention logits (Gemma 2), which transformers computes eagerly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from scaletrain.models.hf import hf_config_from_model_args, to_hf_state_dict
 
     args = trainer.model_args
-    cfg = LlamaConfig(**hf_config_from_model_args(args), attn_implementation="sdpa",
-                      use_cache=False)
-    model = LlamaForCausalLM(cfg)
+    attn = "eager" if args.attn_softcap is not None else "sdpa"
+    cfg = AutoConfig.for_model(**hf_config_from_model_args(args), use_cache=False)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     model.load_state_dict(to_hf_state_dict(trainer.model.state_dict(), args), strict=True)
     model.train()
     ours = trainer.optimizer

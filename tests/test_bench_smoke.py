@@ -90,3 +90,17 @@ def test_finetune_cpu_bench_reports_every_method(tmp_path: Path) -> None:
     for r in runs.values():
         assert r["tokens_per_s"] > 0 and r["peak_rss_gib"] >= r["rss_after_build_gib"] > 0
         assert r["steps"] == 2 and math.isfinite(r["final_loss"])
+
+
+def test_families_cpu_bench_trains_the_same_model_on_both_sides(tmp_path: Path) -> None:
+    bench = _load("families_cpu")
+    out = tmp_path / "families_cpu.json"
+    bench.main(["--families", "gemma2", "--out", str(out),
+                "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn-dim",
+                "128", "--vocab", "512", "--seq-len", "32", "--batch", "2", "--steps", "1",
+                "--warmup", "1", "--cache-dir", str(tmp_path / "cache"), "--max-bytes", "300000"])
+    result = json.loads(out.read_text())["families"]["gemma2"]["fp32-eager"]
+    first = result["first_step"]  # same weights, batch, loss: Gemma 2 on both sides
+    assert math.isclose(first["ours"]["loss"], first["baseline"]["loss"], rel_tol=1e-4)
+    assert math.isclose(first["ours"]["grad_norm"], first["baseline"]["grad_norm"], rel_tol=1e-3)
+    assert result["ours"]["tokens_per_s"] > 0 and result["baseline"]["tokens_per_s"] > 0

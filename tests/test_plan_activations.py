@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.config import ActivationCheckpointConfig as AC
-from scaletrain.models.args import ModelArgs
+from scaletrain.models.args import PRESETS, ModelArgs
 from scaletrain.plan.activations import ActivationSpec, activation_bytes
 from scaletrain.plan.measure import measure_saved_bytes
 
@@ -18,6 +18,10 @@ SHAPES = {
                       max_seq_len=128, tie_embeddings=True),
     "gpt2": ModelArgs(arch="gpt2", dim=64, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=128),
 }
+# q/k norms; post-norms, soft-capped explicit attention, windows and capped logits
+FAMILY_SHAPES = {fam: PRESETS[f"debug-{fam}"].replace(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96, head_dim_override=24)
+    for fam in ("qwen3", "gemma2")}
 MODES = {
     "none": AC(),
     "full": AC(mode="full"),
@@ -39,6 +43,18 @@ def _estimate(args: ModelArgs, mbs: int, seq: int, dtype: str, param_dtype: str,
 @pytest.mark.parametrize("shape", SHAPES)
 def test_saved_bytes_match_the_estimate(shape: str, precision: str, mode: str) -> None:
     args, ac = SHAPES[shape], MODES[mode]
+    dtype, param_dtype = PRECISIONS[precision]
+    for mbs, seq in ((2, 16), (3, 40)):
+        measured = measure_saved_bytes(args, mbs, seq, dtype, param_dtype, ac).activations
+        estimate = _estimate(args, mbs, seq, dtype, param_dtype, ac)
+        assert estimate == pytest.approx(measured, rel=0.05), (mbs, seq)
+
+
+@pytest.mark.parametrize("mode", ["none", "every-2nd"])
+@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+@pytest.mark.parametrize("shape", FAMILY_SHAPES)
+def test_family_saved_bytes_match_the_estimate(shape: str, precision: str, mode: str) -> None:
+    args, ac = FAMILY_SHAPES[shape], MODES[mode]
     dtype, param_dtype = PRECISIONS[precision]
     for mbs, seq in ((2, 16), (3, 40)):
         measured = measure_saved_bytes(args, mbs, seq, dtype, param_dtype, ac).activations

@@ -20,14 +20,15 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     table = Table(title="scaletrain model presets")
-    columns = ["name", "arch", "params", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-               "vocab_size", "max_seq_len", "tie_embeddings"]
+    columns = ["name", "arch", "params", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+               "ffn_dim", "vocab_size", "max_seq_len", "sliding_window", "tie_embeddings"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("name", "arch") else "right")
     for row in rows:
-        table.add_row(*(f"{row[c]:,}" if c == "params" else str(row[c]) for c in columns))
+        table.add_row(*(f"{row[c]:,}" if c == "params" else str(row[c] or "-")
+                        if c == "sliding_window" else str(row[c]) for c in columns))
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze columns into 80 characters
-        console = Console(width=160)
+        console = Console(width=180)
     console.print(table)
     return 0

@@ -30,6 +30,9 @@ HF_TARGETS: dict[str, str] = {
     "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
     "gate": "gate_proj", "up": "up_proj", "down": "down_proj",
 }
+# Phi-3 checkpoints fuse projections: their HF names stand for several of ours.
+HF_FUSED_TARGETS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q", "k", "v"),
+                                                "gate_up_proj": ("gate", "up")}
 
 
 class LoRAError(ValueError):
@@ -54,11 +57,15 @@ def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     reverse = {v: k for k, v in HF_TARGETS.items()}
     out: list[str] = []
     for item in filter(None, items):
+        if item in HF_FUSED_TARGETS:
+            out += [t for t in HF_FUSED_TARGETS[item] if t not in out]
+            continue
         short = reverse.get(item, item)
         if short not in TARGETS:
             raise LoRAError(
                 f"LoRA target module '{item}' matches no layer; choose among "
-                f"{', '.join(TARGETS)} (or the Hugging Face names {', '.join(HF_TARGETS.values())})"
+                f"{', '.join(TARGETS)} (or the Hugging Face names "
+                f"{', '.join([*HF_TARGETS.values(), *HF_FUSED_TARGETS])})"
             )
         if short not in out:
             out.append(short)

@@ -12,16 +12,28 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Arch = Literal["llama", "gpt2"]
+Family = Literal["llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma2"]
+MlpAct = Literal["silu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: llama3` in HF configs)."""
+    """RoPE frequency scaling.
+
+    `kind="llama3"`: Llama-3.1 frequency-dependent scaling (`rope_type: llama3` in HF configs).
+    `kind="longrope"`: Phi-3 128k / Phi-3.5 LongRoPE: inverse frequencies divided per pair by
+    `short_factor`, or by `long_factor` once a forward pass reaches beyond
+    `original_max_seq_len` positions; cos/sin multiplied by `attention_factor`.
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    kind: Literal["llama3", "longrope"] = "llama3"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,10 @@ class ModelArgs:
 
     `arch="llama"`: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
     `arch="gpt2"`: LayerNorm, learned positions, GELU MLP, biases, tied head.
+
+    The RoPE families (Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2) are `arch="llama"` with
+    `family` naming their Hugging Face format and the fields below stating how they differ;
+    every field defaults to Llama's behaviour (see docs/models.md).
     """
 
     arch: Arch = "llama"
@@ -47,6 +63,34 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    family: Family = "llama"
+    """Checkpoint format (Hugging Face `model_type`); the architecture is set by the fields."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2/2.5)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    head_dim_override: int | None = None
+    """Attention head size when it is not dim // n_heads (Qwen3, Gemma 2)."""
+    sliding_window: int | None = None
+    """Local attention: a query sees itself and the window - 1 keys before it (Mistral, Phi-3,
+    Gemma 2 local layers)."""
+    sliding_window_pattern: int = 1
+    """With a window: 1 = every layer is local; p > 1 = layers i with i % p != p - 1 are local,
+    the others global (Gemma 2: p = 2, even layers local)."""
+    norm_unit_offset: bool = False
+    """RMSNorm scales by (1 + weight), weights start at zero (Gemma)."""
+    post_norms: bool = False
+    """Extra RMSNorms on the attention and MLP outputs before the residual add (Gemma 2)."""
+    mlp_act: MlpAct = "silu"
+    """Gated-MLP activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
+    embed_scale: bool = False
+    """Multiply the token embeddings by sqrt(dim) (Gemma)."""
+    attn_softcap: float | None = None
+    """Attention logits become cap * tanh(logits / cap) (Gemma 2)."""
+    final_softcap: float | None = None
+    """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale 1 / sqrt(this) instead of 1 / sqrt(head_dim) (Gemma 2)."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -61,14 +105,34 @@ class ModelArgs:
                 out.append(f"{name} must be positive (got {getattr(self, name)})")
         if out:
             return out
-        if self.dim % self.n_heads:
+        if self.head_dim_override is None and self.dim % self.n_heads:
             out.append(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
             out.append(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
             )
-        if self.arch == "llama" and (self.dim // self.n_heads) % 2:
-            out.append(f"head_dim ({self.dim // self.n_heads}) must be even for RoPE")
+        if self.arch == "llama" and self.head_dim % 2:
+            out.append(f"head_dim ({self.head_dim}) must be even for RoPE")
+        rs = self.rope_scaling
+        if rs is not None and rs.kind == "longrope" and not (
+                len(rs.short_factor) == len(rs.long_factor) == self.head_dim // 2):
+            out.append(f"longrope short_factor and long_factor need head_dim / 2 "
+                       f"({self.head_dim // 2}) entries each (got {len(rs.short_factor)} and "
+                       f"{len(rs.long_factor)})")
+        if self.head_dim_override is not None and self.head_dim_override <= 0:
+            out.append(f"head_dim_override must be positive (got {self.head_dim_override})")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            out.append(f"sliding_window must be positive or unset (got {self.sliding_window})")
+        if self.sliding_window_pattern < 1:
+            out.append("sliding_window_pattern must be >= 1 "
+                       f"(got {self.sliding_window_pattern})")
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                out.append(f"{name} must be positive or unset (got {value})")
+        if (self.arch == "gpt2" and self.family not in ("gpt2", "llama")
+                or self.arch != "gpt2" and self.family == "gpt2"):
+            out.append(f"family {self.family!r} does not match arch {self.arch!r}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             out.append(f"ffn_dim must be positive (got {self.ffn_dim})")
         return out
@@ -79,7 +143,25 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
+        if self.head_dim_override is not None:
+            return self.head_dim_override
         return self.dim // self.n_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether block `layer` attends only inside `sliding_window`."""
+        if self.sliding_window is None:
+            return False
+        p = self.sliding_window_pattern
+        return p == 1 or layer % p != p - 1
+
+    def attention_span(self, layer: int, seq_len: int) -> int:
+        """Keys the last query of a `seq_len` sequence sees in block `layer`."""
+        return min(seq_len, self.sliding_window) if self.is_sliding(layer) else seq_len
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def hidden_dim(self) -> int:
@@ -99,7 +181,11 @@ class ModelArgs:
     def from_dict(cls, data: dict[str, Any]) -> ModelArgs:
         data = dict(data)
         if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            rope = dict(data["rope_scaling"])
+            for key in ("short_factor", "long_factor"):
+                if key in rope:
+                    rope[key] = tuple(rope[key])
+            data["rope_scaling"] = RopeScaling(**rope)
         return cls(**data)
 
 
@@ -143,16 +229,21 @@ def count_params(args: ModelArgs) -> ParamCount:
     attention = d * q_out + 2 * d * kv_out + q_out * d
     if bias:
         attention += q_out + 2 * kv_out + d
+    elif args.qkv_bias:
+        attention += q_out + 2 * kv_out
+    if args.qk_norm:
+        attention += 2 * hd
     hidden = args.hidden_dim
     # GELU MLP: two matrices with biases; SwiGLU: three matrices, no biases.
     mlp = 2 * d * hidden + (hidden + d) if args.arch == "gpt2" else 3 * d * hidden
     norm = 2 * d if args.arch == "gpt2" else d  # LayerNorm has weight and bias
+    norms_per_layer = 4 if args.post_norms else 2
     return ParamCount(
         embedding=args.vocab_size * d,
         positional=args.max_seq_len * d if args.arch == "gpt2" else 0,
         attention=args.n_layers * attention,
         mlp=args.n_layers * mlp,
-        norms=args.n_layers * 2 * norm + norm,
+        norms=args.n_layers * norms_per_layer * norm + norm,
         head=0 if args.tie_embeddings else args.vocab_size * d,
     )
 
@@ -168,6 +259,13 @@ def _gpt2(dim: int, n_layers: int, n_heads: int) -> ModelArgs:
 
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5)
+_QWEN = dict(family="qwen2", qkv_bias=True, vocab_size=151936, rope_theta=1e6, norm_eps=1e-6)
+_QWEN3 = dict(family="qwen3", qk_norm=True, head_dim_override=128, vocab_size=151936,
+              rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960)
+_GEMMA2 = dict(family="gemma2", head_dim_override=256, vocab_size=256000, max_seq_len=8192,
+               norm_eps=1e-6, tie_embeddings=True, sliding_window=4096, sliding_window_pattern=2,
+               norm_unit_offset=True, post_norms=True, mlp_act="gelu_tanh", embed_scale=True,
+               attn_softcap=50.0, final_softcap=30.0, query_pre_attn_scalar=256.0)
 
 PRESETS: dict[str, ModelArgs] = {
     # Tiny model for CPU runs, CI and the demo (vocabulary matches the default corpus tokenizer).
@@ -193,6 +291,40 @@ PRESETS: dict[str, ModelArgs] = {
     "llama3.1-405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                                multiple_of=4096, ffn_dim_multiplier=1.2, max_seq_len=131072,
                                rope_scaling=_llama3_rope(8.0), **_LLAMA3),
+    # Dimensions of the published Hugging Face config.json of each model (docs/models.md).
+    "qwen2.5-0.5b": ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
+                              max_seq_len=32768, tie_embeddings=True, **_QWEN),
+    "qwen2.5-1.5b": ModelArgs(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_dim=8960,
+                              max_seq_len=131072, tie_embeddings=True, **_QWEN),
+    "qwen2.5-7b": ModelArgs(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                            max_seq_len=131072, **{**_QWEN, "vocab_size": 152064}),
+    "qwen3-0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072,
+                            tie_embeddings=True, **_QWEN3),
+    "qwen3-8b": ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
+                          **_QWEN3),
+    "mistral-7b-v0.3": ModelArgs(family="mistral", dim=4096, n_layers=32, n_heads=32,
+                                 n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
+                                 rope_theta=1e6, norm_eps=1e-5, max_seq_len=32768),
+    "phi3-mini": ModelArgs(family="phi3", dim=3072, n_layers=32, n_heads=32, n_kv_heads=32,
+                           ffn_dim=8192, vocab_size=32064, rope_theta=10000.0, norm_eps=1e-5,
+                           max_seq_len=4096, sliding_window=2047),
+    "gemma2-2b": ModelArgs(dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, ffn_dim=9216,
+                           **_GEMMA2),
+    "gemma2-9b": ModelArgs(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, ffn_dim=14336,
+                           **_GEMMA2),
+    # Tiny members of each family (dimensions of `debug`) for CPU runs and the parity tests.
+    **{f"debug-{fam}": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                                 ffn_dim=768, max_seq_len=1024, **extra)
+       for fam, extra in {
+           "qwen2": dict(family="qwen2", qkv_bias=True),
+           "qwen3": dict(family="qwen3", qk_norm=True, head_dim_override=48),
+           "mistral": dict(family="mistral", sliding_window=24),
+           "phi3": dict(family="phi3", sliding_window=20),
+           "gemma2": dict(family="gemma2", head_dim_override=48, norm_unit_offset=True,
+                          post_norms=True, mlp_act="gelu_tanh", embed_scale=True,
+                          sliding_window=24, sliding_window_pattern=2, attn_softcap=50.0,
+                          final_softcap=30.0, query_pre_attn_scalar=32.0),
+       }.items()},
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -219,8 +351,10 @@ def preset_table() -> list[dict[str, Any]]:
     rows = []
     for name, a in PRESETS.items():
         rows.append({
-            "name": name, "arch": a.arch, "params": count_params(a).total, "dim": a.dim,
+            "name": name, "arch": a.arch if a.arch == "gpt2" else a.family,
+            "params": count_params(a).total, "dim": a.dim,
             "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.kv_heads,
+            "head_dim": a.head_dim, "sliding_window": a.sliding_window,
             "ffn_dim": a.hidden_dim, "vocab_size": a.vocab_size, "max_seq_len": a.max_seq_len,
             "tie_embeddings": a.tie_embeddings,
         })

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scaletrain.models.generation import _check, filter_logits
+from scaletrain.models.generation import _check, filter_logits, rope_switches_at
 from scaletrain.models.transformer import Transformer
 
 
@@ -129,7 +129,7 @@ def _decode_group(model: Transformer, rows: list[Row], budgets: list[int], tempe
             generators.append(g)
 
     def head(h: torch.Tensor) -> torch.Tensor:
-        return model.output(model.norm(h)).float()
+        return model.logits(h).float()
 
     model.setup_cache(batch, max(longest + most - 1, longest))
     try:
@@ -176,9 +176,16 @@ def _decode_group(model: Transformer, rows: list[Row], budgets: list[int], tempe
                     done[i] = True
             if all(done):
                 break
-            step = torch.tensor([[r.ids[-1] if r.ids else pad_id] for r in results],
-                                dtype=torch.long, device=device)
-            logits = model(step, pos, key_mask=mask)[:, -1].float()
+            if rope_switches_at(model, pos):  # LongRoPE: recompute the cache, long factors
+                fed = pos - longest + 1  # a finished row kept feeding its last token
+                new = torch.tensor([r.ids + [r.ids[-1] if r.ids else pad_id] * (fed - len(r.ids))
+                                    for r in results], dtype=torch.long, device=device)
+                full = torch.cat([tokens, new], dim=1)
+                logits = model(full, 0, key_mask=mask)[:, -1].float()
+            else:
+                step = torch.tensor([[r.ids[-1] if r.ids else pad_id] for r in results],
+                                    dtype=torch.long, device=device)
+                logits = model(step, pos, key_mask=mask)[:, -1].float()
             pos += 1
     finally:
         model.clear_cache()

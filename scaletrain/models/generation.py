@@ -115,8 +115,12 @@ def generate(
             out.append(token)
             if token in stop or len(out) == n_new:
                 return out
-            step = torch.tensor([[token]], dtype=torch.long, device=device)
-            logits = model(step, start_pos=pos)[0, -1]
+            if rope_switches_at(model, pos):  # recompute the cache with the long factors
+                full = torch.tensor([prompt_ids + out], dtype=torch.long, device=device)
+                logits = model(full, start_pos=0)[0, -1]
+            else:
+                step = torch.tensor([[token]], dtype=torch.long, device=device)
+                logits = model(step, start_pos=pos)[0, -1]
             pos += 1
     finally:
         model.clear_cache()
@@ -155,6 +159,14 @@ def generate_batch(
         raise ValueError(f"{len(budgets)} budgets for {len(prompts)} prompts")
     rows = [Row(p, b, s) for p, b, s in zip(prompts, budgets, seeds)]
     return [d.ids for d in decode_rows(model, rows, temperature, top_k, top_p, eos_id, pad_id)]
+
+
+def rope_switches_at(model: Transformer, pos: int) -> bool:
+    """LongRoPE (Phi-3) uses its long factors once the sequence passes the original context;
+    keys cached with the short ones are then recomputed, at the step that feeds position
+    `original_max_seq_len` (what transformers' Phi-3 generation does)."""
+    s = model.args.rope_scaling
+    return s is not None and s.kind == "longrope" and pos == s.original_max_seq_len
 
 
 __all__ = ["generate", "generate_batch", "filter_logits"]

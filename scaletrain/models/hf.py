@@ -1,7 +1,9 @@
 """Hugging Face interop: configs, state-dict renaming and safetensors checkpoints.
 
-Llama checkpoints map by plain renaming (our RoPE is the HF "rotate half" layout, so q/k need
-no permutation). GPT-2 checkpoints use `Conv1D` weights stored as [in, out] and a fused
+Llama-layout checkpoints (Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2; family differences
+in `hf_families.py`) map by plain renaming (our RoPE is the HF "rotate half" layout, so q/k need
+no permutation); Phi-3's fused projections are split at load and fused again at export.
+GPT-2 checkpoints use `Conv1D` weights stored as [in, out] and a fused
 `c_attn` (q, k, v) projection, which are transposed and split here.
 
 No distributed code and nothing from the rest of the package: this module reads and writes
@@ -21,8 +23,17 @@ from typing import Any
 
 import torch
 
-from scaletrain.models.args import ModelArgs, RopeScaling
+from scaletrain.models.args import ModelArgs
 from scaletrain.models.files import honour_umask, make_output_dir
+from scaletrain.models.hf_families import (
+    LLAMA_LAYER,
+    SUPPORTED_MODEL_TYPES,
+    fused_map,
+    layer_map,
+    rope_family_args,
+    rope_family_config,
+    unsupported_model_type,
+)
 from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
@@ -31,6 +42,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 # Buffers some HF checkpoints carry that hold no learned weights.
 _IGNORED_HF_KEYS = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_freq)$")
@@ -40,67 +52,14 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 # --- configs ---------------------------------------------------------------------------------
 def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
-    """`ModelArgs` for a Hugging Face `config.json` (Llama or GPT-2), or a ValueError saying why
-    the model cannot be represented."""
+    """`ModelArgs` for a Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3,
+    Gemma 2 or GPT-2), or a ValueError saying why the model cannot be represented."""
     model_type = cfg.get("model_type")
-    if model_type == "llama":
-        return _llama_args(cfg)
     if model_type == "gpt2":
         return _gpt2_args(cfg)
-    raise ValueError(
-        f"unsupported Hugging Face model_type {model_type!r}: only 'llama' and 'gpt2' "
-        "checkpoints can be converted"
-    )
-
-
-def _llama_args(cfg: dict[str, Any]) -> ModelArgs:
-    dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * n_heads != dim:
-        raise ValueError(
-            f"config head_dim={head_dim} differs from hidden_size/num_attention_heads="
-            f"{dim}/{n_heads}; scaletrain models need head_dim == hidden_size // num_heads"
-        )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (Llama models use 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ValueError(f"{flag}=true is not supported: scaletrain Llama layers have no bias")
-    # transformers >= 5 nests rope_theta and the scaling in `rope_parameters`; older configs
-    # have top-level `rope_theta` and `rope_scaling`.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    return ModelArgs(
-        arch="llama",
-        dim=dim,
-        n_layers=int(cfg["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        vocab_size=int(cfg["vocab_size"]),
-        ffn_dim=int(cfg["intermediate_size"]),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=_rope_scaling(rope),
-        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ValueError(
-            f"RoPE scaling type {kind!r} is not supported (supported: default, llama3)"
-        )
-    return RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_seq_len=int(rope["original_max_position_embeddings"]),
-    )
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return rope_family_args(cfg)
+    raise unsupported_model_type(model_type)
 
 
 def _gpt2_args(cfg: dict[str, Any]) -> ModelArgs:
@@ -156,33 +115,7 @@ def hf_config_from_model_args(
         if args.kv_heads != args.n_heads:
             raise ValueError("GPT-2 checkpoints cannot hold grouped-query attention")
     else:
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": args.dim,
-            "intermediate_size": args.hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta,
-            "max_position_embeddings": args.max_seq_len,
-            "tie_word_embeddings": args.tie_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
-        if args.rope_scaling is not None:
-            s = args.rope_scaling
-            cfg["rope_scaling"] = {
-                "rope_type": "llama3",
-                "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_seq_len,
-            }
+        cfg = rope_family_config(args)
     if dtype is not None:
         name = str(dtype).removeprefix("torch.")
         cfg["torch_dtype"] = name  # transformers < 5
@@ -194,17 +127,7 @@ def hf_config_from_model_args(
 
 
 # --- state dicts -----------------------------------------------------------------------------
-_LLAMA_LAYER = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+_LLAMA_LAYER = LLAMA_LAYER  # the name finetune/peft_io.py imported
 _LLAMA_TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -237,8 +160,10 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     """Our state dict -> HF names and layouts (contiguous tensors, the tied head left out)."""
     out: dict[str, torch.Tensor] = {}
     gpt2 = args.arch == "gpt2"
-    top, layer_map = (_GPT2_TOP, _GPT2_LAYER) if gpt2 else (_LLAMA_TOP, _LLAMA_LAYER)
+    top, layers = (_GPT2_TOP, _GPT2_LAYER) if gpt2 else (_LLAMA_TOP, layer_map(args))
     prefix = "transformer.h" if gpt2 else "model.layers"
+    fused = fused_map(args)
+    fused_parts = {part for parts in fused.values() for part in parts}
     for key, tensor in sd.items():
         if key == "output.weight" and args.tie_embeddings:
             continue
@@ -251,7 +176,9 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
         i, module, param = parsed
         if gpt2 and module in ("attention.wq", "attention.wk", "attention.wv"):
             continue  # fused below
-        hf_module = layer_map[module]
+        if module in fused_parts:
+            continue  # fused below
+        hf_module = layers[module]
         if gpt2 and hf_module in _CONV1D and param == "weight":
             tensor = tensor.t()
         out[f"{prefix}.{i}.{hf_module}.{param}"] = tensor
@@ -262,6 +189,10 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
                 [sd[p + ".weight"] for p in parts], dim=0
             ).t()
             out[f"{prefix}.{i}.attn.c_attn.bias"] = torch.cat([sd[p + ".bias"] for p in parts])
+    for i in range(args.n_layers if fused else 0):
+        for hf_module, parts in fused.items():
+            out[f"{prefix}.{i}.{hf_module}.weight"] = torch.cat(
+                [sd[f"layers.{i}.{p}.weight"] for p in parts], dim=0)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -273,9 +204,10 @@ def from_hf_state_dict(
     Raises KeyError naming any tensor that does not belong to the model `args` describes.
     """
     gpt2 = args.arch == "gpt2"
-    top, layer_map = (_GPT2_TOP, _GPT2_LAYER) if gpt2 else (_LLAMA_TOP, _LLAMA_LAYER)
+    top, layers = (_GPT2_TOP, _GPT2_LAYER) if gpt2 else (_LLAMA_TOP, layer_map(args))
     rev_top = {v: k for k, v in top.items()}
-    rev_layer = {v: k for k, v in layer_map.items()}
+    rev_layer = {v: k for k, v in layers.items()}
+    fused_mods = fused_map(args)
     sd: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
     for key, tensor in hf_sd.items():
@@ -291,10 +223,14 @@ def from_hf_state_dict(
             r"model\.layers\.(\d+)\.(.+)\.(weight|bias)"
         )
         m = re.fullmatch(pattern, name)
-        if m is None or (m.group(2) not in rev_layer and m.group(2) != "attn.c_attn"):
+        if m is None or (m.group(2) not in rev_layer and m.group(2) != "attn.c_attn"
+                         and m.group(2) not in fused_mods):
             unknown.append(key)
             continue
         i, hf_module, param = int(m.group(1)), m.group(2), m.group(3)
+        if hf_module in fused_mods:
+            _split_fused(sd, tensor, i, param, fused_mods[hf_module], args)
+            continue
         if gpt2 and hf_module == "attn.c_attn":
             fused = tensor.t() if param == "weight" else tensor
             for w, part in zip(("wq", "wk", "wv"), fused.chunk(3, dim=0)):
@@ -309,6 +245,21 @@ def from_hf_state_dict(
     if args.tie_embeddings and "tok_embeddings.weight" in sd:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     return sd
+
+
+def _split_fused(sd: dict[str, torch.Tensor], tensor: torch.Tensor, layer: int, param: str,
+                 parts: tuple[str, ...], args: ModelArgs) -> None:
+    """A fused projection (Phi-3 qkv_proj, gate_up_proj) -> our separate ones."""
+    sizes = {"attention.wq": args.n_heads * args.head_dim,
+             "attention.wk": args.kv_heads * args.head_dim,
+             "attention.wv": args.kv_heads * args.head_dim,
+             "feed_forward.w1": args.hidden_dim, "feed_forward.w3": args.hidden_dim}
+    split = [sizes[p] for p in parts]
+    if tensor.shape[0] != sum(split):
+        raise KeyError(f"layer {layer}: fused tensor of {tensor.shape[0]} rows, the config "
+                       f"says {sum(split)} ({' + '.join(map(str, split))})")
+    for part, piece in zip(parts, tensor.split(split, dim=0), strict=True):
+        sd[f"layers.{layer}.{part}.{param}"] = piece
 
 
 def load_state_dict_checked(model: Transformer, sd: dict[str, torch.Tensor], source: str) -> None:
@@ -394,7 +345,8 @@ def load_hf_checkpoint(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> tuple[Transformer, ModelArgs]:
-    """Load a HF Llama or GPT-2 safetensors checkpoint into our model.
+    """Load a HF safetensors checkpoint of a supported family (see `SUPPORTED_MODEL_TYPES`)
+    into our model.
 
     `dtype=None` keeps the dtype the weights are stored in.
     """
@@ -445,7 +397,9 @@ def save_hf_checkpoint(
     tokenizer_file: str | os.PathLike | None = None,
 ) -> Path:
     """Write `config.json` and safetensors weights (sharded with an index when over
-    `max_shard_bytes`) that `transformers` loads with `from_pretrained`.
+    `max_shard_bytes`) that `transformers` loads with `from_pretrained`. `tokenizer_file` is
+    copied as `tokenizer.json`, with the `TOKENIZER_COMPANIONS` found next to it (the chat
+    template lives in `tokenizer_config.json` or `chat_template.jinja`).
 
     Written to a temporary directory next to `directory`, then renamed into place, so a crash
     never leaves a complete-looking checkpoint. `directory` must not exist yet.
@@ -481,6 +435,11 @@ def save_hf_checkpoint(
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+            # The tokenizer's companions (chat template, special tokens) travel with it.
+            for name in TOKENIZER_COMPANIONS:
+                companion = Path(tokenizer_file).parent / name
+                if companion.is_file():
+                    shutil.copyfile(companion, tmp / name)
         honour_umask(tmp)  # safetensors writes 0600 files
         os.replace(tmp, directory)
     except BaseException:
@@ -493,5 +452,5 @@ def save_hf_checkpoint(
 __all__ = [
     "model_args_from_hf_config", "hf_config_from_model_args", "to_hf_state_dict",
     "from_hf_state_dict", "load_state_dict_checked", "read_hf_config",
-    "read_hf_weights", "load_hf_checkpoint", "save_hf_checkpoint",
+    "read_hf_weights", "load_hf_checkpoint", "save_hf_checkpoint", "SUPPORTED_MODEL_TYPES",
 ]

@@ -9,8 +9,16 @@ import torch
 from scaletrain.models.args import RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Per-pair inverse frequencies, with Llama-3.1 frequency-dependent scaling when given."""
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                        long: bool = False) -> torch.Tensor:
+    """Per-pair inverse frequencies, with Llama-3.1 frequency-dependent scaling or LongRoPE
+    (short factors; the long ones with `long`) when given."""
+    if scaling is not None and scaling.kind == "longrope":
+        # In fp32 as transformers computes it, so long contexts rotate identically.
+        ext = torch.tensor(scaling.long_factor if long else scaling.short_factor,
+                           dtype=torch.float32)
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (ext * theta ** exponent)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
@@ -28,12 +36,15 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (*positions.shape, head_dim) for the given absolute positions
-    (1-D positions shared by every row, or one row of positions per sequence)."""
+    (1-D positions shared by every row, or one row of positions per sequence), times `scale`
+    (LongRoPE's attention factor)."""
     angles = positions.float()[..., None] * inv_freq.float()
     emb = torch.cat((angles, angles), dim=-1)
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

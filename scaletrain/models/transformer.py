@@ -1,4 +1,6 @@
-"""A decoder-only transformer: Llama-style by default, GPT-2-style with `arch="gpt2"`.
+"""A decoder-only transformer: Llama-style by default, GPT-2-style with `arch="gpt2"`; the
+other RoPE families (Qwen, Mistral, Phi-3, Gemma 2) are the same block with the differences
+`ModelArgs` states (see `models/layers.py`).
 
 Plain `nn.Module`s with no distributed code. Build on the meta device for large models,
 then `to_empty(device=...)` and `init_weights()`.
@@ -10,30 +12,17 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.args import ModelArgs
+from scaletrain.models.layers import (  # noqa: F401  (FeedForward, make_norm: old import path)
+    FeedForward,
+    RMSNorm,
+    attend,
+    make_mlp,
+    make_norm,
+)
 from scaletrain.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
-def make_norm(args: ModelArgs) -> nn.Module:
-    if args.arch == "gpt2":
-        return nn.LayerNorm(args.dim, eps=args.norm_eps)
-    return RMSNorm(args.dim, args.norm_eps)
 
 
 class KVCache(nn.Module):
@@ -56,14 +45,23 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Grouped-query attention; per family: q/k/v biases, per-head q/k norms, a sliding window
+    (this layer's, see `ModelArgs.is_sliding`), soft-capped logits and the query scale."""
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         bias = args.has_bias
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=bias)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        qkv_bias = bias or args.qkv_bias
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=bias)
+        self.q_norm = make_norm(args, self.head_dim) if args.qk_norm else None
+        self.k_norm = make_norm(args, self.head_dim) if args.qk_norm else None
+        self.scale = args.attn_scale
+        self.window = args.sliding_window if args.is_sliding(layer_id) else None
+        self.softcap = args.attn_softcap
         self.use_rope = args.arch == "llama"
         self.cache: KVCache | None = None
         # Optional replacement for causal SDPA in training (q, k, v) -> out, all shaped
@@ -75,8 +73,11 @@ class Attention(nn.Module):
         """`mask`: optional boolean (batch, 1, seq, keys) attention mask (True = attend) that
         replaces the causal mask (packed segments; a left-padded batch, also with a KV cache)."""
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:  # (batch, seq, heads, head_dim): TP shards dim 2
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         if self.use_rope:
             assert rope is not None
@@ -85,36 +86,12 @@ class Attention(nn.Module):
             k, v = self.cache.update(start_pos, k, v)
         # Grouped-query attention: SDPA shares each K/V head among n_heads / n_kv_heads query
         # heads itself, without materializing repeated K/V.
-        gqa = self.n_heads != self.n_kv_heads
-        if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif self.attention_fn is not None and self.cache is None:
+        if mask is None and self.attention_fn is not None and self.cache is None:
             out = self.attention_fn(q, k, v)
-        elif start_pos == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # decoding: query i sits at absolute position start_pos + i
-            keys = torch.arange(k.shape[2], device=x.device)
-            queries = torch.arange(start_pos, start_pos + seqlen, device=x.device)
-            mask = keys[None, :] <= queries[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = attend(q, k, v, scale=self.scale, start_pos=start_pos, mask=mask,
+                         window=self.window, softcap=self.softcap)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU (`w2(silu(w1 x) * w3 x)`) for Llama; GELU MLP (`w2(gelu(w1 x))`) for GPT-2."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        hidden, bias = args.hidden_dim, args.has_bias
-        self.gated = args.arch == "llama"
-        self.w1 = nn.Linear(args.dim, hidden, bias=bias)
-        self.w2 = nn.Linear(hidden, args.dim, bias=bias)
-        self.w3 = nn.Linear(args.dim, hidden, bias=False) if self.gated else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
 class TransformerBlock(nn.Module):
@@ -122,14 +99,23 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(args)
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer_id)
         self.ffn_norm = make_norm(args)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = make_mlp(args)
+        # Gemma 2 normalizes the attention and MLP outputs too, before the residual add.
+        self.post_attention_norm = make_norm(args) if args.post_norms else None
+        self.post_ffn_norm = make_norm(args) if args.post_norms else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, start_pos, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), rope, start_pos, mask=mask)
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
+        h = x + a
+        m = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            m = self.post_ffn_norm(m)
+        return h + m
 
 
 class Transformer(nn.Module):
@@ -190,7 +176,13 @@ class Transformer(nn.Module):
         hidden state), the listed layers, then norm and head (when `head`). Pipeline stages
         use it on a model whose other parts were removed."""
         h = self._trunk(x, layer_ids, embed, start_pos, positions, segment_ids, key_mask)
-        return self.output(self.norm(h)) if head else h
+        return self.logits(h) if head else h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and (Gemma 2) the final logit soft-cap of hidden states."""
+        logits = self.output(self.norm(h))
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _trunk(self, x: torch.Tensor, layer_ids: Iterable[str], embed: bool, start_pos: int,
                positions: torch.Tensor | None,
@@ -214,6 +206,8 @@ class Transformer(nn.Module):
             if key_mask is not None:
                 mask = padded_causal_mask(key_mask, start_pos, seqlen)
         h = self.tok_embeddings(x) if embed else x
+        if embed and self.args.embed_scale:  # Gemma: sqrt(dim), rounded to the hidden dtype
+            h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
         rope = None
         if self.pos_embeddings is not None:
             if embed:
@@ -221,11 +215,24 @@ class Transformer(nn.Module):
         else:
             if self.inv_freq.dtype != torch.float32:  # `.to(bf16)` rounded them: recompute
                 self.reset_buffers()
-            cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+            cos, sin = self._rope_tables(positions, h.dtype)
             rope = (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
         for layer_id in layer_ids:  # mask by keyword: TP's input plans cover positional inputs
             h = self.layers[layer_id](h, rope, start_pos, mask=mask)
         return h
+
+    def _rope_tables(self, positions: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for `positions`; LongRoPE switches to its long factors for the whole pass
+        once it reaches beyond the original context (as transformers does)."""
+        s = self.args.rope_scaling
+        if s is None or s.kind != "longrope":
+            return rope_cos_sin(self.inv_freq, positions, dtype)
+        inv_freq = self.inv_freq
+        if int(positions.max()) + 1 > s.original_max_seq_len:
+            inv_freq = inverse_frequencies(self.args.head_dim, self.args.rope_theta, s,
+                                           long=True).to(positions.device)
+        return rope_cos_sin(inv_freq, positions, dtype, s.attention_factor)
 
     # --- initialization -------------------------------------------------------------------
     def reset_buffers(self) -> None:
@@ -259,7 +266,8 @@ class Transformer(nn.Module):
                 if module.bias is not None:
                     plan.append((f"{name}.bias", "zeros", 0.0))
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
-                plan.append((f"{name}.weight", "ones", 0.0))
+                unit = getattr(module, "unit_offset", False)
+                plan.append((f"{name}.weight", "zeros" if unit else "ones", 0.0))
                 if getattr(module, "bias", None) is not None:
                     plan.append((f"{name}.bias", "zeros", 0.0))
         return plan

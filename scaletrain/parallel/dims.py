@@ -101,6 +101,8 @@ class ParallelDims:
         if self.cp > 1 and seq_len % (2 * self.cp):
             out.append(f"data.seq_len ({seq_len}) must be divisible by 2 x parallel.cp "
                        f"({2 * self.cp}) for load-balanced context parallelism")
+        if self.cp > 1:
+            out.extend(cp_attention_problems(args, seq_len))
         stages = self.pp * pp_virtual_stages
         if self.pp > 1 and args.n_layers < stages:
             out.append(f"model.n_layers ({args.n_layers}) must be at least parallel.pp x "
@@ -113,3 +115,20 @@ class ParallelDims:
 
 def _describe(degrees: dict[str, int]) -> str:
     return " x ".join(f"{k}={v}" for k, v in degrees.items() if v != 1) or "all 1"
+
+
+def cp_attention_problems(args: ModelArgs, seq_len: int) -> list[str]:
+    """What the ring attention of context parallelism cannot compute for this model: it is
+    plain causal softmax attention scaled by 1 / sqrt(head_dim)."""
+    out = []
+    if any(args.attention_span(i, seq_len) < seq_len for i in range(args.n_layers)):
+        out.append(f"parallel.cp > 1 does not support sliding-window attention shorter than "
+                   f"the sequence (window {args.sliding_window} < data.seq_len {seq_len}); "
+                   "use parallel.cp 1 or a seq_len within the window")
+    if args.attn_softcap is not None:
+        out.append("parallel.cp > 1 does not support soft-capped attention logits "
+                   "(Gemma 2); use parallel.cp 1")
+    if args.query_pre_attn_scalar not in (None, float(args.head_dim)):
+        out.append("parallel.cp > 1 needs the attention scale 1/sqrt(head_dim) "
+                   f"(query_pre_attn_scalar is {args.query_pre_attn_scalar}); use parallel.cp 1")
+    return out

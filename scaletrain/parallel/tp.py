@@ -66,6 +66,26 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
+        plan.update(_family_plan(block, sequence_parallel))
         parallelize_module(block, tp_mesh, plan)
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)",
              tp_mesh.size(), sequence_parallel, loss_parallel)
+
+
+def _family_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    """Plans for the parameters some families add to the block (q/k/v biases are sharded with
+    their ColwiseParallel weights).
+
+    Qwen3's per-head q/k norms see (batch, seq, local heads, head_dim): their weights are
+    replicated DTensors and the input is declared sharded over heads (dim 2), so each weight's
+    gradient is summed over the heads of every rank. Gemma 2's post-norms act on the output of
+    a row-wise layer: sharded over the sequence under sequence parallelism, whole otherwise.
+    """
+    plan: dict[str, object] = {}
+    if getattr(block.attention, "q_norm", None) is not None:
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if sequence_parallel and getattr(block, "post_attention_norm", None) is not None:
+        plan["post_attention_norm"] = SequenceParallel(use_local_output=True)
+        plan["post_ffn_norm"] = SequenceParallel(use_local_output=True)
+    return plan

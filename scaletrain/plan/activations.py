@@ -18,6 +18,13 @@ Llama block (flash SDPA: no s x s scores; true for the CPU flash kernel and CUDA
 - once per model: the token ids (8 B each), the RoPE tables (2 s d r, shared by all layers), the
   final norm and head input, and the loss's fp32 log-softmax (4 T V) with int64 targets.
 
+Family extras (`ModelArgs`): Gemma 2's post-norms are two more RMSNorms; Qwen3's q/k norms keep
+their fp32 input and rstd over (T, heads, d); soft-capped attention (Gemma 2) is computed
+explicitly and keeps the tanh of the s x s scores and the fp32 and cast probabilities, K/V
+repeated to every query head and the mask, instead of the log-sum-exp; capped output logits
+keep their tanh output. A sliding window runs in SDPA with a mask and keeps what the flash
+kernel keeps.
+
 GPT-2 block: LayerNorm keeps its input plus fp32 mean and rstd (r Th + 8T), GELU keeps its input,
 w2 its output (2 c T f), learned positions keep the position ids.
 
@@ -92,7 +99,17 @@ def _attention_core(args: ModelArgs, spec: ActivationSpec) -> int:
     q_and_out = 2 * c * spec.tokens * a * d
     k_and_v = 2 * c * kv_tokens * g * d
     lse = 4 * spec.mbs * a * (spec.seq_len // spec.cp)
-    return q_and_out + k_and_v + lse
+    if args.attn_softcap is not None:  # explicit attention: s x s scores instead of the lse,
+        # K/V repeated to every query head, the boolean mask
+        s_q, s_k = spec.seq_len // spec.cp, kv_tokens // spec.mbs
+        per_score = c + 4 + (0 if c == 4 else c)  # tanh output, fp32 softmax, its cast
+        lse = per_score * spec.mbs * a * s_q * s_k + s_q * s_k
+        k_and_v = 2 * c * kv_tokens * a * d
+    qk_norms = 0
+    if args.qk_norm:
+        per = 2 if spec.kernels == "cpu" else 1  # fp32 input (+ x * rstd on CPU), and rstd
+        qk_norms = (4 * per * spec.tokens * d + 4 * spec.tokens) * (a + g)
+    return q_and_out + k_and_v + lse + qk_norms
 
 
 def _mlp(args: ModelArgs, spec: ActivationSpec) -> int:
@@ -105,7 +122,7 @@ def plain_layer(args: ModelArgs, spec: ActivationSpec) -> dict[str, int]:
     """Bytes one block without recomputation keeps, by component."""
     n_mlp_in = 1 if args.arch == "gpt2" else 2
     return {
-        "norms": 2 * _norm(args, spec),
+        "norms": (4 if args.post_norms else 2) * _norm(args, spec),
         "attention": _norm_output(args, spec, 3) + _attention_core(args, spec),
         "mlp": _norm_output(args, spec, n_mlp_in) + _mlp(args, spec),
     }
@@ -185,6 +202,8 @@ def activation_bytes(args: ModelArgs, spec: ActivationSpec, layer_indices: range
     if last_stage:
         head = _norm(args, spec) + _norm_output(args, spec, 1)
         loss = 4 * t_ids * args.vocab_size // spec.tp + 8 * t_ids + 4
+        if args.final_softcap is not None:  # tanh keeps its output: the capped logits
+            head += DTYPE_BYTES[spec.compute_dtype] * t_ids * args.vocab_size // spec.tp
     recompute = 0
     if spec.recompute != "none" and len(indices):
         # The largest checkpointed region is rebuilt during its backward.

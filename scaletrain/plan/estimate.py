@@ -15,7 +15,7 @@ from scaletrain.plan.activations import (
     logits_buffer_bytes,
 )
 from scaletrain.plan.comm import comm_bytes
-from scaletrain.plan.flops import flops_per_token
+from scaletrain.plan.flops import attention_forward_flops, flops_per_token
 from scaletrain.plan.memory import (
     GradConvention,
     layer_range,
@@ -215,7 +215,7 @@ def hardware_flops_per_token(args: ModelArgs, lay: Layout) -> float:
     if lay.recompute == "none":
         return model
     c = count_params(args)
-    attn_core = 4 * args.n_heads * args.head_dim * lay.seq_len
+    attn_core = attention_forward_flops(args, lay.seq_len) / args.n_layers  # layer average
     layer_fwd = 2 * (c.attention + c.mlp) / args.n_layers + attn_core
     attn_fwd = 2 * c.attention / args.n_layers + attn_core
     if lay.recompute == "full":

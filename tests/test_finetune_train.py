@@ -187,10 +187,10 @@ def test_bad_inputs_get_clear_messages(bases: dict[str, Path], tmp_path: Path,
     long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "the movie " * 40, "response": "x"}]
                        * 3)
     assert "long.jsonl:1: the example has" in fails(data=long)
-    odd = tmp_path / "mistral"
+    odd = tmp_path / "mamba"
     odd.mkdir()
-    (odd / "config.json").write_text(json.dumps({"model_type": "mistral"}))
-    assert "unsupported Hugging Face model_type 'mistral'" in fails(base=odd)
+    (odd / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    assert "unsupported Hugging Face model_type 'mamba'" in fails(base=odd)
     # a label set that does not match the head of the run being resumed
     run_ft(tmp_path / "cls", bases["native"], bases["cls"], "full", "classification",
            "--training.steps", "1")

@@ -27,7 +27,7 @@ from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.loss import count_valid, cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
-from scaletrain.train.metrics import MetricsLogger, StepMetrics, peak_memory_gib
+from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
 from scaletrain.train.optim import build_optimizer
 
 log = logging.getLogger("scaletrain.train")
@@ -98,6 +98,7 @@ class Trainer:
         # This rank's place among the data-parallel ranks (the parallelism layer sets them).
         self.dp_rank, self.dp_size = self.par.dp_rank, self.par.dp_size
         self._build_data()
+        self.mem_baseline = MemoryBaseline(self.device)  # peaks are reported above it
         self.model_args = self._model_args()
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -364,15 +365,12 @@ class Trainer:
                 self.step += 1
                 prof.step()
                 result.losses.append(loss)
-                tps = tokens_per_step / step_time
-                achieved = self.flops_per_token * tps
-                metrics.log_step(StepMetrics(
+                metrics.log_step(step_metrics(
                     step=self.step, loss=loss, lr=self.schedule.lr_at(self.step - 1),
-                    grad_norm=grad_norm, tokens_per_s=tps, tflops=achieved / 1e12,
-                    mfu=None if self.peak_flops is None else achieved / self.peak_flops,
-                    peak_mem_gib=peak_memory_gib(self.device), step_time_s=step_time,
-                    data_wait_s=data_wait,
-                ))
+                    grad_norm=grad_norm, tokens=tokens_per_step, step_time_s=step_time,
+                    data_wait_s=data_wait, world_size=self.par.dims.world_size,
+                    flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
+                    baseline=self.mem_baseline))
                 last = self.step == cfg.training.steps
                 if cfg.training.eval_interval and self.step % cfg.training.eval_interval == 0 \
                         and not last:

@@ -58,7 +58,7 @@ def _dry_run(cfg) -> int:
     from scaletrain.commands.plan import format_plan
     from scaletrain.plan.estimate import PlanError
     from scaletrain.plan.from_config import plan_config
-    from scaletrain.train.trainer import resolve_device
+    from scaletrain.runtime import resolve_device
 
     try:
         plan, device = plan_config(cfg, resolve_device(cfg.training.device))

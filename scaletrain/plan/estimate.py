@@ -297,7 +297,7 @@ def estimate_for_config(cfg: Any) -> dict[str, Any]:
     """The plan of a training `Config` as JSON-ready data (the profiler's OOM summary uses it;
     `scaletrain train --dry-run` prints the same plan)."""
     from scaletrain.plan.from_config import plan_config
-    from scaletrain.train.trainer import resolve_device
+    from scaletrain.runtime import resolve_device
 
     plan, device = plan_config(cfg, resolve_device(cfg.training.device))
     out = plan.to_json()

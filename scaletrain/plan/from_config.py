@@ -18,7 +18,7 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
     fp32 parameters keeps fp32 weights, bf16 parameters get fp32 master weights and fp32
     gradients at the optimizer step (the `playbook` convention).
     """
-    from scaletrain.train.precision import resolve_dtype
+    from scaletrain.runtime import resolve_dtype
 
     par = cfg.parallel
     dims = check_dims(world_size, pp=par.pp, dp_replicate=par.dp_replicate,

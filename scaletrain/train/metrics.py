@@ -7,6 +7,7 @@ the world size (tensor, pipeline and context ranks share their data-parallel ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -97,10 +98,8 @@ class MemoryBaseline:
         if device.type == "cuda":
             self.bytes = torch.cuda.memory_allocated(device)
             return
-        try:
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to VmRSS
-        except OSError:
-            pass
         rss = _proc_status_kib("VmRSS")
         self.bytes = int((rss if rss is not None else _cpu_peak_gib() * 2**20) * 1024)
 

@@ -23,6 +23,7 @@ from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
 from scaletrain.profiling.capture import StepProfiler, phase
+from scaletrain.runtime import resolve_device
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.loss import count_valid, cross_entropy_sum
@@ -47,15 +48,6 @@ class TrainResult:
     checkpoint: Path | None = None
     sample: str | None = None
     wall_time_s: float = 0.0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"training.device is '{name}' but CUDA is not available; use 'cpu'")
-    return device
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -28,6 +28,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from scaletrain.parallel.feasibility import SINGLE_STAGE, schedule_problems  # noqa: F401
+
 log = logging.getLogger("scaletrain.parallel")
 
 SCHEDULES: dict[str, type] = {
@@ -38,24 +40,6 @@ SCHEDULES: dict[str, type] = {
     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
 }
-SINGLE_STAGE = ("GPipe", "1F1B")
-
-
-def schedule_problems(name: str, pp: int, virtual: int, microbatches: int) -> list[str]:
-    out = []
-    if name not in SCHEDULES:
-        out.append(f"parallel.pp_schedule '{name}' is unknown; choose one of "
-                   f"{', '.join(SCHEDULES)}")
-        return out
-    if name in SINGLE_STAGE and virtual != 1:
-        out.append(f"parallel.pp_schedule {name} runs one stage per rank: set "
-                   "parallel.pp_virtual_stages 1 or pick Interleaved1F1B / InterleavedZeroBubble")
-    if name == "ZBVZeroBubble" and virtual != 2:
-        out.append("parallel.pp_schedule ZBVZeroBubble needs parallel.pp_virtual_stages 2")
-    if name not in SINGLE_STAGE and name != "LoopedBFS" and microbatches % pp:
-        out.append(f"parallel.pp_schedule {name} needs the micro-batch count ({microbatches}) "
-                   f"to be a multiple of parallel.pp ({pp})")
-    return out
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:

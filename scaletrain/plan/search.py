@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, Plan, PlanError, estimate, layout_problems
+from scaletrain.plan.command import train_command
+from scaletrain.plan.estimate import (
+    Layout,
+    Plan,
+    PlanError,
+    estimate,
+    layout_problems,
+    trainer_problems,
+)
 from scaletrain.plan.hardware import Device
 
 RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
@@ -49,6 +57,8 @@ class Candidate:
     step_time_s: float
     mfu: float
     times: dict[str, float]
+    command: str = ""
+    """The `torchrun ... -m scaletrain train ...` line that runs this layout."""
 
     @property
     def layout(self) -> Layout:
@@ -63,8 +73,18 @@ class Candidate:
             "ga": lay.grad_accum, "recompute": lay.recompute,
             "memory_bytes_per_gpu": self.plan.peak_bytes, "step_time_s": self.step_time_s,
             "mfu": self.mfu, "bubble_fraction": self.plan.bubble_fraction,
-            "time_breakdown_s": self.times,
+            "tflops_per_gpu": self.tflops_per_gpu, "time_breakdown_s": self.times,
+            "data_parallel": lay.data_parallel, "fsdp_param_dtype": lay.fsdp_param_dtype,
+            "schedule": lay.schedule, "command": self.command,
         }
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Predicted achieved model TFLOP/s per GPU (the trainer's `tflops`)."""
+        lay = self.layout
+        tokens = (lay.gbs or lay.mbs * lay.dims.dp) * lay.seq_len
+        return self.plan.flops_per_token * tokens / (self.step_time_s * lay.dims.world_size) \
+            / 1e12
 
 
 def _bandwidth(cluster: Cluster, span: int) -> float:
@@ -119,7 +139,7 @@ def _model_parallel_ladder(args: ModelArgs, cluster: Cluster) -> list[tuple[int,
 
 def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                base: Layout | None = None, max_cp: int = 32,
-               max_zero: int = 3) -> list[Candidate]:
+               max_zero: int = 3, model: str = "MODEL") -> list[Candidate]:
     """Every layout the search considers, evaluated (fitting or not).
 
     Context parallel is added (2, 4, ... up to `max_cp`) only when no layout without it fits:
@@ -144,7 +164,7 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                     range(max_zero + 1), ("none", "selective", "full"), (1, 2, 4, 8, 16),
                     (1, 2, 4)):
                 cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp, zero,
-                                 recompute, mbs, vpp)
+                                 recompute, mbs, vpp, model)
                 if cand is not None:
                     out.append(cand)
         if any(c.fits for c in out):
@@ -154,7 +174,7 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 
 def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tokens: int,
               tp: int, cp: int, pp: int, dp: int, zero: int, recompute: str, mbs: int,
-              vpp: int) -> Candidate | None:
+              vpp: int, model: str = "MODEL") -> Candidate | None:
     if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp):
         return None
     ga = gbs // (mbs * dp)
@@ -162,16 +182,22 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
         return None
     dims = ParallelDims(pp=pp, dp_replicate=dp if zero == 0 else 1,
                         dp_shard=1 if zero == 0 else dp, cp=cp, tp=tp)
+    # What the trainer runs: autocast over fp32 parameters; FSDP gathers them in the compute
+    # dtype (no autocast copies, half the all-gather bytes).
+    fsdp_dtype = "bf16" if zero >= 2 and base.precision == "bf16" else "fp32"
     lay = base.replace(dims=dims, mbs=mbs, seq_len=base.seq_len, gbs=gbs, zero=zero,
-                       recompute=recompute, vpp=vpp,
-                       schedule="Interleaved1F1B" if vpp > 1 else base.schedule)
-    if layout_problems(args, lay):
-        return None
+                       recompute=recompute, vpp=vpp, param_dtype=base.param_dtype or "fp32",
+                       fsdp_param_dtype=fsdp_dtype,
+                       schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
+    if layout_problems(args, lay) or trainer_problems(args, lay):
+        return None  # never propose what the trainer refuses
     plan = estimate(args, lay)
     t, times = step_time(plan, cluster, gbs_tokens)
     peak = cluster.device.peak_tflops[lay.precision] * 1e12
     mfu = plan.flops_per_token * gbs_tokens / (t * cluster.gpus * peak)
-    return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times)
+    return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times,
+                     command=train_command(model, args, lay, cluster.gpus,
+                                           cluster.gpus_per_node))
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -182,12 +208,13 @@ def rank_key(c: Candidate) -> tuple:
 
 
 def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
-           base: Layout | None = None,
-           max_zero: int = 3) -> tuple[list[Candidate], list[Candidate]]:
+           base: Layout | None = None, max_zero: int = 3,
+           model: str = "MODEL") -> tuple[list[Candidate], list[Candidate]]:
     """(fitting layouts best first, all evaluated layouts). `max_zero` 1 restricts the search to
-    Megatron-style layouts (sharded optimizer, replicated weights)."""
+    replicated weights (DDP, ZeRO-1). Only layouts the trainer runs are evaluated; `model` is
+    the name (preset or Hugging Face config path) the commands train."""
     base = (base or Layout()).replace(seq_len=seq_len)
-    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero)
+    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model)
     fitting = sorted((c for c in every if c.fits), key=rank_key)
     return fitting, every
 

@@ -65,7 +65,8 @@ def test_small_model_stays_data_parallel() -> None:
     fitting, _ = _best("llama3.2-1b", 8, 4096, M // 2)
     best = fitting[0].layout
     assert best.dims.dp == 8 and best.dims.tp == 1 and best.recompute == "none"
-    assert best.zero in (0, 1)  # ZeRO-1 frees memory at no cost; ZeRO-3 only when needed
+    # Sharding only as far as it pays (here for a larger micro-batch); ties go to the simpler.
+    assert best.zero < 3
 
 
 def test_cli_search_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:

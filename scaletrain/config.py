@@ -249,7 +249,9 @@ def check(cfg: Config) -> Config:
 
 _DESCRIPTIONS = {
     "scaletrain train": "Train a model. `--config NAME_OR_TOML` picks a preset (default: debug); "
-    "`--dry-run` prints the plan (memory, FLOPs) and whether it fits, and builds nothing.",
+    "`--dry-run [--json]` plans exactly what train would run (memory, FLOPs, communication; "
+    "--json as `plan --json`) and builds nothing: exit 0 if it fits, 3 if not, 2 for a config "
+    "error.",
     "scaletrain profile": "Profile a few training steps, then diagnose them. `--config "
     "NAME_OR_TOML` picks a preset (default: debug).",
     "scaletrain finetune": "Fine-tune a model (`--base`, `--method`, `--task`, `--data`; see "

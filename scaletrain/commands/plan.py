@@ -151,7 +151,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         f"zero={lay.zero}  mbs={lay.mbs} ga={lay.grad_accum} seq={lay.seq_len}  "
         f"{lay.precision} (params {lay.stored_dtype}"
         f"{', grads ' + lay.grad_convention if lay.stored_dtype != 'fp32' else ''})  "
-        f"recompute={lay.recompute}",
+        f"recompute={_recompute_label(lay)}",
         f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
         f"(pipeline stage {plan.stage})",
         *_finetune_lines(plan),
@@ -180,6 +180,16 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         lines += ["", "scaletrain train cannot run this layout:",
                   *(f"  - {p}" for p in plan.trainer_problems)]
     return "\n".join(lines)
+
+
+def _recompute_label(lay: Layout) -> str:
+    """Our `selective` is block-level (every n-th block, or its attention part), not
+    Megatron's selective recomputation of the core attention only: say which."""
+    if lay.recompute != "selective":
+        return lay.recompute
+    what = "block" if lay.scope == "block" else "attention part of the block"
+    nth = {1: "every", 2: "every 2nd", 3: "every 3rd"}.get(lay.every, f"every {lay.every}th")
+    return f"selective ({what}, {nth} block; not Megatron's core-attention selective)"
 
 
 def _finetune_lines(plan: Plan) -> list[str]:

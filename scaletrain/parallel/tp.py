@@ -4,7 +4,10 @@ Per block: Q/K/V and gate/up projections column-wise (each rank owns a slice of 
 of the hidden units), output and down projections row-wise (partial sums reduced). With
 sequence parallelism the norms and the residual stream between blocks are sharded along the
 sequence: the all-reduce after a row-wise layer becomes a reduce-scatter and the input of the
-next column-wise layer an all-gather (same volume, 1/tp of the activation memory).
+next column-wise layer an all-gather (together the same bytes as the all-reduce). The norms and
+the residual stream then take 1/tp of their memory, but DTensor's column-wise layers save their
+all-gathered (full-sequence) input for backward, so the activation memory is not 1/tp overall
+(`plan/activations.py` counts what is saved).
 The embedding is vocabulary-parallel (row-wise over vocabulary rows); the head is column-wise
 over the vocabulary and, with `loss_parallel`, its logits stay sharded: the cross-entropy is
 computed on the shards and the full logits are never gathered.

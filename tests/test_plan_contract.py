@@ -111,8 +111,8 @@ def test_search_proposes_only_what_the_trainer_runs_and_commands_reproduce_it() 
         fitting, every = search(args, cluster, 1024, 1024 * 256, model=model)
         assert fitting
         assert all(not c.plan.trainer_problems for c in every)
-        if args.arch == "gpt2":  # no tensor parallelism for GPT-2 in the trainer
-            assert all(c.layout.dims.tp == 1 for c in every)
+        if args.arch == "gpt2":  # GPT-2 runs tensor parallel without sequence parallelism
+            assert all(not c.layout.sequence_parallel for c in every)
         for c in fitting[:3]:
             argv = shlex.split(c.command)
             assert argv[:2] == ["torchrun", "--nnodes"] and "scaletrain" in argv

@@ -51,6 +51,8 @@ class RunLayout:
     pp_microbatches: int | None = None
     cpu_offload: bool = False
     """`parallel.cpu_offload` (FSDP's host-memory offload)."""
+    sequence_parallel: bool = True
+    """`parallel.sequence_parallel` (matters with tensor parallelism)."""
     precision: str = "fp32"
     """The autocast dtype: fp32, bf16 or fp16."""
     param_dtype: str = "fp32"
@@ -93,9 +95,13 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
             and d.tp == 1 and d.pp == 1 and d.cp == 1:
         out.append(f"parallel.data_parallel {lay.mode} shards over parallel.dp_shard, which "
                    "is 1; set --parallel.dp_shard -1 (or use ddp/zero1 for pure replicas)")
-    if (d.tp > 1 or d.cp > 1) and args.arch != "llama":
-        out.append(f"tensor/context parallelism is not implemented for arch '{args.arch}' "
-                   "(only 'llama'); use data or pipeline parallelism")
+    if d.cp > 1 and args.arch != "llama":
+        out.append(f"context parallelism is not implemented for arch '{args.arch}' (only "
+                   "'llama'); use data, tensor or pipeline parallelism")
+    if d.tp > 1 and args.arch != "llama" and lay.sequence_parallel:
+        out.append(f"sequence parallelism is not implemented for arch '{args.arch}' (its "
+                   "learned positions are added to the whole sequence); set "
+                   "parallel.sequence_parallel false for tensor parallelism")
     if d.pp > 1:
         micro = lay.pp_microbatches or lay.grad_accum
         out += schedule_problems(lay.pp_schedule, d.pp, lay.pp_virtual_stages, micro)

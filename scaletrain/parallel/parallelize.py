@@ -92,7 +92,8 @@ class Parallelism:
         return layout_problems(args, RunLayout(
             dims=self.dims, mode=self.mode, seq_len=seq_len, grad_accum=grad_accum,
             pp_schedule=cfg.pp_schedule, pp_virtual_stages=cfg.pp_virtual_stages,
-            pp_microbatches=cfg.pp_microbatches, cpu_offload=cfg.cpu_offload))
+            pp_microbatches=cfg.pp_microbatches, cpu_offload=cfg.cpu_offload,
+            sequence_parallel=cfg.sequence_parallel))
 
     def validate(self, args: ModelArgs, seq_len: int, grad_accum: int) -> None:
         problems = self.problems(args, seq_len, grad_accum)

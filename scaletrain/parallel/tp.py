@@ -19,7 +19,7 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -48,6 +48,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if getattr(model, "pos_embeddings", None) is not None:
+        _replicate(model.pos_embeddings, tp_mesh)
+    if model.args.arch != "llama" and not sequence_parallel and model.output is not None:
+        _replicate(model.norm, tp_mesh)
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Both are sharded over the vocabulary (Shard(0) of a (vocab, dim) weight), so the head
         # can share the embedding's DTensor again (parallelize_module distributed each apart).
@@ -64,11 +68,33 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
                                                desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        if block.feed_forward.w3 is not None:  # GPT-2's GELU MLP has no gate
+            plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+        if model.args.arch != "llama" and not sequence_parallel:
+            # LayerNorm biases would otherwise share the optimizer's no-decay group, as plain
+            # tensors, with the DTensor biases of the projections.
+            _replicate(block.attention_norm, tp_mesh)
+            _replicate(block.ffn_norm, tp_mesh)
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)",
              tp_mesh.size(), sequence_parallel, loss_parallel)
+
+
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """`module`'s parameters as replicated DTensors, taking and returning plain tensors (so the
+    optimizer and clipping see one kind of parameter). Used for GPT-2's learned position table,
+    which is added to the whole (replicated) embedding output (hence GPT-2 runs tensor
+    parallel without sequence parallelism), and its LayerNorms."""
+
+    def to_dtensor(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                     for t in inputs)
+
+    def to_local(_: nn.Module, out: DTensor, __: DeviceMesh) -> object:
+        return out.to_local()
+
+    distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)

@@ -107,7 +107,8 @@ class Layout:
             dims=self.dims, mode=self.data_parallel, seq_len=self.seq_len,
             grad_accum=self.grad_accum, pp_schedule=self.schedule,
             pp_virtual_stages=self.vpp, pp_microbatches=self.pp_microbatches,
-            cpu_offload=self.cpu_offload, precision=self.precision,
+            cpu_offload=self.cpu_offload, sequence_parallel=self.sequence_parallel,
+            precision=self.precision,
             param_dtype=self.stored_dtype, optimizer_offload=self.offload)
 
     def replace(self, **changes: Any) -> Layout:

@@ -254,6 +254,7 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
     fsdp_dtype = "bf16" if zero >= 2 and base.precision == "bf16" else "fp32"
     lay = base.replace(dims=dims, mbs=mbs, seq_len=base.seq_len, gbs=gbs, zero=zero,
                        recompute=recompute, vpp=vpp, param_dtype=base.param_dtype or "fp32",
+                       sequence_parallel=base.sequence_parallel and args.arch == "llama",
                        fsdp_param_dtype=fsdp_dtype,
                        schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
     if layout_problems(args, lay) or trainer_problems(args, lay):

@@ -108,9 +108,6 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
         if micro != lay.grad_accum:
             out.append(f"parallel.pp_microbatches ({micro}) must equal the accumulation steps "
                        f"({lay.grad_accum}): the micro-batches of a step are the pipeline's")
-        if d.cp > 1:
-            out.append("pipeline x context parallelism is not implemented; set parallel.cp 1 "
-                       "(or parallel.pp 1)")
     if lay.cpu_offload and lay.mode not in ("zero2", "zero3"):
         out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")
     if d.world_size > 1:

@@ -149,7 +149,9 @@ class Parallelism:
         apply_compile(model, compile_cfg)
         # Pipeline stages are views over the rank's model; each is its own FSDP root.
         shards = d.tp if d.tp > 1 and cfg.sequence_parallel else 1
-        self.stage_modules = [StageModule(model, spec, shards) for spec in self.stage_specs]
+        cp_of_stage = (self.cp_rank, d.cp, cfg.cp_load_balance) if d.cp > 1 else None
+        self.stage_modules = [StageModule(model, spec, shards, cp_of_stage)
+                              for spec in self.stage_specs]
         if d.dp_replicate * d.dp_shard * d.cp > 1:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flattened dim.*")
@@ -252,6 +254,7 @@ class Parallelism:
         return float(loss_sum) / n_valid
 
     def _pipeline_step(self, batches: list[Batch], n_valid: float) -> float:
+        batches = [self.shard_batch(x, y)[:2] for x, y in batches]  # context parallel
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         self.pipe_loss.n_valid = n_valid
@@ -324,6 +327,7 @@ class Parallelism:
         with self.loss_context():
             for x, y in batches:
                 x, y = x.to(self.device), y.to(self.device)
+                x, y, _ = self.shard_batch(x, y)
                 h: torch.Tensor | None = None
                 for sid in range(n_stages):
                     if sid not in mine:
@@ -344,6 +348,8 @@ class Parallelism:
                             dist.send(h, dst=owner[sid + 1], group=group)
                 count += (y != -100).sum().double()
         self.all_reduce(total, "pp")  # only the last stage has the loss
+        self.all_reduce(total, "cp")  # each context-parallel rank has its tokens' part
+        self.all_reduce(count, "cp")
         return float(total / count.clamp(min=1))
 
 

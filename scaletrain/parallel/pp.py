@@ -90,11 +90,15 @@ def prune_for_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int,
 class StageModule(nn.Module):
     """One pipeline stage: a view over the rank's (pruned) model running some of its layers."""
 
-    def __init__(self, model: nn.Module, spec: StageSpec, seq_shards: int = 1) -> None:
+    def __init__(self, model: nn.Module, spec: StageSpec, seq_shards: int = 1,
+                 cp: tuple[int, int, bool] | None = None) -> None:
         super().__init__()
         # Under sequence parallelism the hidden state between stages is this rank's slice of
         # the sequence: RoPE positions must span the full length.
         self.seq_shards = seq_shards
+        # Under context parallelism (rank, degree, load balance) the stage sees this rank's
+        # chunks of the sequence, at their absolute positions.
+        self.cp = cp
         object.__setattr__(self, "_model", model)  # not a child: its names stay the model's
         self.spec = spec
         self.layers = nn.ModuleDict({i: model.layers[i] for i in spec.layers})
@@ -105,7 +109,13 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq_len = x.shape[1] * (1 if self.spec.embed else self.seq_shards)
-        positions = torch.arange(seq_len, device=x.device)
+        if self.cp is not None:
+            from scaletrain.parallel.cp import local_positions
+
+            rank, degree, balance = self.cp
+            positions = local_positions(seq_len * degree, rank, degree, balance, x.device)
+        else:
+            positions = torch.arange(seq_len, device=x.device)
         return self._model.forward_part(x, self.spec.layers, embed=self.spec.embed,
                                         head=self.spec.head, positions=positions)
 

@@ -87,6 +87,7 @@ LAYOUTS_4 = [
     ("pp-x-fsdp", ["--parallel.pp", "2"], 2, 2),
     ("fsdp-x-cp", ["--parallel.cp", "2"], 2, 1),
     ("pp-x-tp", ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.dp_shard", "1"], 1, 2),
+    ("pp-x-cp", ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.dp_shard", "1"], 1, 2),
     ("zero3-4", ["--parallel.data_parallel", "zero3"], 4, 1),
 ]
 

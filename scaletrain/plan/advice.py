@@ -100,13 +100,36 @@ def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
     return sorted(out, key=lambda a: a.plan.peak_bytes)[:limit]
 
 
+def combine(plan: Plan, budget_bytes: float, steps: int = 4) -> list[Advice]:
+    """Changes applied one after another, each time the one that saves the most, until the
+    plan fits (or `steps` changes); empty when even that does not make it fit."""
+    chosen: list[Advice] = []
+    current = plan
+    for _ in range(steps):
+        found = advise(current, budget_bytes, limit=50)
+        if not found:
+            return []
+        fitting = [a for a in found if a.plan.peak_bytes <= budget_bytes]
+        best = fitting[0] if fitting else min(found, key=lambda a: a.plan.peak_bytes)
+        chosen.append(best)
+        current = best.plan
+        if current.peak_bytes <= budget_bytes:
+            return chosen
+    return []
+
+
 def advice_lines(plan: Plan, budget_bytes: float) -> list[str]:
     """The advice as text for `plan` and `train --dry-run`."""
     found = advise(plan, budget_bytes)
-    if not found:
-        return ["no single change makes it fit: add devices, shorten the sequence or use a "
-                "smaller model"]
-    fits = found[0].plan.peak_bytes <= budget_bytes
-    head = ("to make it fit, change one of (cheapest first):" if fits else
-            "no single change makes it fit; the ones that save the most (combine them):")
-    return ["", head, *(f"  {a.describe()}" for a in found)]
+    if found and found[0].plan.peak_bytes <= budget_bytes:
+        return ["", "to make it fit, change one of (cheapest first):",
+                *(f"  {a.describe()}" for a in found)]
+    steps = combine(plan, budget_bytes)
+    if steps:
+        return ["", "no single change makes it fit; these together do (in this order):",
+                *(f"  {a.describe()}" for a in steps)]
+    lines = ["", "no change the trainer offers makes it fit on this many devices: add devices, "
+             "shorten the sequence or use a smaller model"]
+    if found:
+        lines += ["the single changes that save the most:", *(f"  {a.describe()}" for a in found)]
+    return lines

@@ -163,10 +163,13 @@ def resolve_batch(t: TrainingConfig, dp: int) -> tuple[int, int]:
 def validate(cfg: Config) -> list[str]:
     """Every problem in `cfg`, each one sentence naming the field and the fix."""
     errors: list[str] = []
-    if cfg.model.name not in PRESETS:
+    from scaletrain.models.source import is_hf_config_path
+
+    if cfg.model.name not in PRESETS and not is_hf_config_path(cfg.model.name):
         near = difflib.get_close_matches(cfg.model.name, PRESETS, n=1)
         hint = f" Did you mean '{near[0]}'?" if near else ""
-        errors.append(f"model.name: unknown preset '{cfg.model.name}'.{hint}")
+        errors.append(f"model.name: unknown preset '{cfg.model.name}'.{hint} (or give the "
+                      "path of a Hugging Face config.json or model folder)")
     else:
         try:
             args = cfg.model.to_model_args()
@@ -246,7 +249,9 @@ def check(cfg: Config) -> Config:
 
 _DESCRIPTIONS = {
     "scaletrain train": "Train a model. `--config NAME_OR_TOML` picks a preset (default: debug); "
-    "`--dry-run` prints the plan (memory, FLOPs) and whether it fits, and builds nothing.",
+    "`--dry-run [--json]` plans exactly what train would run (memory, FLOPs, communication; "
+    "--json as `plan --json`) and builds nothing: exit 0 if it fits, 3 if not, 2 for a config "
+    "error.",
     "scaletrain profile": "Profile a few training steps, then diagnose them. `--config "
     "NAME_OR_TOML` picks a preset (default: debug).",
     "scaletrain finetune": "Fine-tune a model (`--base`, `--method`, `--task`, `--data`; see "

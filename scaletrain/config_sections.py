@@ -8,13 +8,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from scaletrain.models.args import ModelArgs, get_preset
+from scaletrain.models.args import ModelArgs
 
 
 @dataclass
 class ModelConfig:
     name: str = "debug"
-    """Model preset (see `scaletrain models`)."""
+    """Model preset (see `scaletrain models`), or a Hugging Face config.json (or its folder)
+    whose dimensions to use."""
     dim: int | None = None
     """Override the preset's hidden size."""
     n_layers: int | None = None
@@ -36,7 +37,9 @@ class ModelConfig:
 
     def to_model_args(self) -> ModelArgs:
         """The preset with the non-None overrides applied."""
-        base = get_preset(self.name)
+        from scaletrain.models.source import load_model_args
+
+        base = load_model_args(self.name)
         overrides = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)

@@ -39,20 +39,22 @@ def test_every_fitting_layout_fits_and_respects_the_procedure() -> None:
     assert times[0] <= min(times) * 1.005
 
 
-def test_llama3_70b_on_eight_nodes_uses_tensor_parallel_in_the_node() -> None:
+def test_llama3_70b_on_eight_nodes_shards_or_splits_the_model() -> None:
     fitting, _ = _best("llama3-70b", 64, 8192, 4 * M)
     best = fitting[0].layout
-    assert best.dims.tp == 8 and best.dims.cp == 1
-    # Megatron-style (no ZeRO-3): tensor parallel in the node, pipeline across nodes.
-    fitting, _ = _best("llama3-70b", 64, 8192, 4 * M, max_zero=1)
-    best = fitting[0].layout
-    assert best.dims.tp == 8 and best.dims.pp > 1 and best.dims.cp == 1
+    assert best.dims.cp == 1 and (best.zero == 3 or best.dims.tp * best.dims.pp > 1)
+    # ZeRO-0/1 with tensor or pipeline parallelism is refused by the trainer, so a search limited
+    # to replicated weights evaluates model parallelism only without data parallelism.
+    args = get_preset("llama3-70b")
+    fitting, every = search(args, Cluster(H100, 64), 8192, 4 * M, max_zero=1)
+    assert every and all(c.layout.dims.tp == c.layout.dims.pp == 1 for c in every
+                         if c.layout.dims.dp > 1)
+    assert all(not c.plan.trainer_problems for c in every)
 
 
 def test_llama3_405b_context_parallel_only_for_long_sequences() -> None:
-    short, _ = _best("llama3.1-405b", 2048, 8192, 16 * M, max_zero=1)
+    short, _ = _best("llama3.1-405b", 2048, 8192, 16 * M)
     assert short[0].layout.dims.cp == 1
-    assert short[0].layout.dims.tp == 8 and short[0].layout.dims.pp >= 4
     long, _ = _best("llama3.1-405b", 2048, 131072, 16 * M)
     assert long[0].layout.dims.cp > 1 and long[0].layout.dims.tp == 8
 
@@ -61,7 +63,8 @@ def test_small_model_stays_data_parallel() -> None:
     fitting, _ = _best("llama3.2-1b", 8, 4096, M // 2)
     best = fitting[0].layout
     assert best.dims.dp == 8 and best.dims.tp == 1 and best.recompute == "none"
-    assert best.zero in (0, 1)  # ZeRO-1 frees memory at no cost; ZeRO-3 only when needed
+    # Sharding only as far as it pays (here for a larger micro-batch); ties go to the simpler.
+    assert best.zero < 3
 
 
 def test_cli_search_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:

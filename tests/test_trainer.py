@@ -10,8 +10,8 @@ import torch
 from scaletrain.train.trainer import Trainer, TrainingDiverged
 from tests.trainer_helpers import tiny_config
 
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu",
-               "peak_mem_gib", "step_time_s", "data_wait_s"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device",
+               "tflops", "mfu", "peak_mem_gib", "mem_baseline_gib", "step_time_s", "data_wait_s"}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,9 @@ def test_training_writes_metrics_and_learns(tmp_path: Path, cache: Path) -> None
     assert all(set(m) == METRIC_KEYS for m in lines)
     assert lines[0]["mfu"] is None  # CPU: no peak-FLOPS entry
     assert all(m["tokens_per_s"] > 0 and m["tflops"] > 0 for m in lines)
+    # One process: the job is the device; memory is reported above the pre-model baseline.
+    assert all(m["tokens_per_s_per_device"] == m["tokens_per_s"] for m in lines)
+    assert all(0 < m["peak_mem_gib"] < m["mem_baseline_gib"] for m in lines)  # a tiny model
     assert math.isfinite(result.val_loss)
     assert (out / "config.toml").is_file()
     assert result.checkpoint is not None and (result.checkpoint / "meta.json").is_file()

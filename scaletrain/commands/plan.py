@@ -7,8 +7,9 @@ import dataclasses
 import json
 import sys
 
-from scaletrain.models.args import ModelArgs, get_preset
-from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate
+from scaletrain.models.args import ModelArgs
+from scaletrain.models.source import load_model_args
+from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate, plan_json
 from scaletrain.plan.finetune import METHODS, finetune_plan
 from scaletrain.plan.hardware import Device, get_device
 
@@ -23,7 +24,7 @@ def _positive(value: str) -> int:
 
 
 def _model(name: str, sets: list[str]) -> ModelArgs:
-    args = get_preset(name)
+    args = load_model_args(name)
     fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
     changes = {}
     for item in sets:
@@ -45,7 +46,8 @@ def _model(name: str, sets: list[str]) -> ModelArgs:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model preset (see `scaletrain models`)")
+    p.add_argument("--model", required=True, help="model preset (see `scaletrain models`), or a "
+                   "Hugging Face config.json or model folder")
     p.add_argument("--set", action="append", default=[], metavar="model.FIELD=VALUE",
                    help="override a model dimension (repeatable)")
     p.add_argument("--seq-len", type=_positive, required=True, help="tokens per sequence")
@@ -86,7 +88,17 @@ def _estimate_main(argv: list[str]) -> int:
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     p.add_argument("--every", type=_positive, default=2, help="selective: every n-th block")
     p.add_argument("--scope", choices=["block", "attention"], default="block")
-    p.add_argument("--offload", action="store_true", help="optimizer state and masters on CPU")
+    p.add_argument("--offload", action="store_true",
+                   help="one process: optimizer state and masters on CPU (optimizer.offload)")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="ZeRO-2/3: FSDP's offload of every sharded state (parallel.cpu_offload)")
+    p.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="ZeRO-2/3: dtype FSDP gathers parameters in (parallel.fsdp_param_dtype)")
+    p.add_argument("--dp-replicate", type=_positive, default=None,
+                   help="replicas among the --dp ranks (default: all of them for --zero 0, "
+                        "else 1; HSDP for ZeRO-2/3)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule (default 1F1B, "
+                   "Interleaved1F1B with --vpp > 1)")
     p.add_argument("--gpus", type=_positive, default=None, help="world size (default: product "
                                                                 "of the degrees)")
     ft = p.add_argument_group("fine-tuning (one device)")
@@ -101,11 +113,16 @@ def _estimate_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     args = _model(a.model, a.set)
     world = a.gpus or a.dp * a.tp * a.pp * a.cp
-    dp = {"dp_replicate": a.dp, "dp_shard": 1} if a.zero == 0 else {"dp_shard": a.dp}
-    dims = check_dims(world, pp=a.pp, cp=a.cp, tp=a.tp, **dp)
+    replicate = a.dp_replicate or (a.dp if a.zero == 0 else 1)
+    if a.dp % replicate:
+        raise PlanError(f"--dp-replicate ({replicate}) must divide --dp ({a.dp})")
+    dims = check_dims(world, pp=a.pp, cp=a.cp, tp=a.tp, dp_replicate=replicate,
+                      dp_shard=a.dp // replicate)
     lay = Layout(dims=dims, mbs=a.mbs, seq_len=a.seq_len, gbs=a.gbs, zero=a.zero,
                  sequence_parallel=a.sequence_parallel, vpp=a.vpp,
-                 schedule="Interleaved1F1B" if a.vpp > 1 else "1F1B", precision=a.precision,
+                 schedule=a.schedule or ("Interleaved1F1B" if a.vpp > 1 else "1F1B"),
+                 cpu_offload=a.cpu_offload, fsdp_param_dtype=a.fsdp_param_dtype,
+                 precision=a.precision,
                  param_dtype=a.param_dtype, grad_convention=a.grad_convention,
                  optimizer=a.optimizer, offload=a.offload, recompute=a.recompute,
                  every=a.every, scope=a.scope, kernels=a.kernels)
@@ -115,13 +132,13 @@ def _estimate_main(argv: list[str]) -> int:
                              freeze_first=a.freeze_first, num_labels=a.num_labels)
     device = _device(a.gpu, a.gpu_mem)
     if a.json:
-        out = plan.to_json()
-        if device is not None:
-            out["device"] = {"name": device.name, "memory_bytes": device.memory_bytes,
-                             "fits": plan.peak_bytes <= device.memory_bytes}
-        print(json.dumps(out, indent=2))
+        print(json.dumps(plan_json(plan, device), indent=2))
     else:
         print(format_plan(plan, device))
+        if device is not None and plan.peak_bytes > device.memory_bytes:
+            from scaletrain.plan.advice import advice_lines
+
+            print("\n".join(advice_lines(plan, device.memory_bytes)))
     return 0
 
 
@@ -134,7 +151,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         f"zero={lay.zero}  mbs={lay.mbs} ga={lay.grad_accum} seq={lay.seq_len}  "
         f"{lay.precision} (params {lay.stored_dtype}"
         f"{', grads ' + lay.grad_convention if lay.stored_dtype != 'fp32' else ''})  "
-        f"recompute={lay.recompute}",
+        f"recompute={_recompute_label(lay)}",
         f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
         f"(pipeline stage {plan.stage})",
         *_finetune_lines(plan),
@@ -159,7 +176,20 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
                      f"({plan.peak_bytes / device.memory_bytes:.0%} of memory)")
     comm = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in plan.comm_bytes_per_step.items() if v)
     lines += ["", f"communication per step (this rank): {comm or 'none'}"]
+    if plan.trainer_problems:
+        lines += ["", "scaletrain train cannot run this layout:",
+                  *(f"  - {p}" for p in plan.trainer_problems)]
     return "\n".join(lines)
+
+
+def _recompute_label(lay: Layout) -> str:
+    """Our `selective` is block-level (every n-th block, or its attention part), not
+    Megatron's selective recomputation of the core attention only: say which."""
+    if lay.recompute != "selective":
+        return lay.recompute
+    what = "block" if lay.scope == "block" else "attention part of the block"
+    nth = {1: "every", 2: "every 2nd", 3: "every 3rd"}.get(lay.every, f"every {lay.every}th")
+    return f"selective ({what}, {nth} block; not Megatron's core-attention selective)"
 
 
 def _finetune_lines(plan: Plan) -> list[str]:

@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
     cluster = Cluster(device, a.gpus, a.gpus_per_node, efficiency=a.efficiency)
     base = Layout(precision=a.precision, param_dtype=a.param_dtype,
                   grad_convention=a.grad_convention, optimizer=a.optimizer, kernels=a.kernels)
-    fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero)
+    fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero,
+                            model=a.model)
     if a.json:
         print(json.dumps([c.to_json() for c in fitting[:a.top]], indent=2))
         return 0 if fitting else 1
@@ -76,6 +77,9 @@ def main(argv: list[str]) -> int:
               f"{j['zero']:>4} {j['mbs']:>4} {j['ga']:>5} {j['recompute']:>9} "
               f"{j['memory_bytes_per_gpu'] / GIB:>8.1f} {j['step_time_s']:>8.2f} "
               f"{j['mfu']:>6.1%}  {_overhead(c)}")
+    print("\ncommands:")
+    for i, c in enumerate(fitting[:a.top], 1):
+        print(f"{i:>2} {c.command}")
     best = fitting[0]
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in best.times.items() if v > 0.005)
     print(f"\nwhy #1: fastest estimated step ({parts}); it fits with "

@@ -12,14 +12,17 @@ log = logging.getLogger("scaletrain")
 
 def main(argv: list[str]) -> int:
     dry_run = "--dry-run" in argv
-    argv = [a for a in argv if a != "--dry-run"]
+    as_json = dry_run and "--json" in argv
+    argv = [a for a in argv if a not in ("--dry-run", "--json" if dry_run else "--dry-run")]
     try:
         cfg = load_config(argv)
     except ConfigError as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 2
     if dry_run:
-        return _dry_run(cfg)
+        from scaletrain.commands.train_dry_run import dry_run as plan_run
+
+        return plan_run(cfg, as_json)
     from scaletrain.parallel.dims import ParallelDimsError
     from scaletrain.parallel.failure import DistributedFailure
     from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
@@ -53,22 +56,4 @@ def main(argv: list[str]) -> int:
         log.info("checkpoint: %s", result.checkpoint)
     if result.sample:
         log.info("sample (prompt\u2588continuation):\n%s", result.sample)
-    return 0
-
-
-def _dry_run(cfg) -> int:
-    """Print the plan of this config and whether it fits the device; build nothing."""
-    from scaletrain.commands.plan import format_plan
-    from scaletrain.plan.estimate import PlanError
-    from scaletrain.plan.from_config import plan_config
-    from scaletrain.train.trainer import resolve_device
-
-    try:
-        plan, device = plan_config(cfg, resolve_device(cfg.training.device))
-    except (ConfigError, PlanError) as e:
-        print(f"scaletrain train --dry-run: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(plan, device))
-    if device is None:
-        print("device: not in the device table; cannot say whether it fits")
     return 0

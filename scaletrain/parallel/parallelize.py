@@ -30,13 +30,13 @@ from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.ddp import apply_ddp
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
+from scaletrain.parallel.feasibility import RunLayout, layout_problems, resolve_mode
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.mesh import ParallelMesh, env_world, init_process_group
 from scaletrain.parallel.pp import (
     StageModule,
     build_schedule,
     prune_for_stages,
-    schedule_problems,
 )
 from scaletrain.parallel.tp import apply_tp
 
@@ -51,12 +51,6 @@ def clean_name(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
-
-
-def resolve_mode(cfg: ParallelConfig, dims: ParallelDims) -> str:
-    if cfg.data_parallel != "auto":
-        return cfg.data_parallel
-    return "zero3" if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 else "ddp"
 
 
 class PipelineLoss:
@@ -86,7 +80,7 @@ class Parallelism:
         self.dims = ParallelDims.resolve(world, pp=cfg.pp, dp_replicate=cfg.dp_replicate,
                                          dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp)
         self.enabled = world > 1
-        self.mode = resolve_mode(cfg, self.dims)
+        self.mode = resolve_mode(cfg.data_parallel, self.dims)
         self.mesh: ParallelMesh | None = None
         self.dp_rank, self.dp_size = 0, 1
         self.cp_rank, self.pp_rank = 0, 0
@@ -96,29 +90,14 @@ class Parallelism:
 
     # --- validation and start-up -----------------------------------------------------------
     def problems(self, args: ModelArgs, seq_len: int, grad_accum: int) -> list[str]:
-        """Everything wrong with this layout for this model, before any process-group work."""
-        d, cfg = self.dims, self.cfg
-        out = d.model_problems(args, seq_len, cfg.pp_virtual_stages)
-        if self.mode in ("ddp", "zero1") and (d.tp > 1 or d.pp > 1):
-            out.append(f"parallel.data_parallel {self.mode} combines with context parallelism "
-                       "only; use zero2 or zero3 with tensor or pipeline parallelism")
-        if self.mode in ("zero2", "zero3") and d.dp_shard == 1 and d.dp_replicate > 1 \
-                and d.tp == 1 and d.pp == 1 and d.cp == 1:
-            out.append(f"parallel.data_parallel {self.mode} shards over parallel.dp_shard, which "
-                       "is 1; set --parallel.dp_shard -1 (or use ddp/zero1 for pure replicas)")
-        if (d.tp > 1 or d.cp > 1) and args.arch != "llama":
-            out.append(f"tensor/context parallelism needs arch 'llama' (model has {args.arch})")
-        if d.pp > 1:
-            micro = cfg.pp_microbatches or grad_accum
-            out += schedule_problems(cfg.pp_schedule, d.pp, cfg.pp_virtual_stages, micro)
-            if micro != grad_accum:
-                out.append(f"parallel.pp_microbatches ({micro}) must equal the accumulation steps "
-                           f"({grad_accum}): the micro-batches of a step are the pipeline's")
-            if d.cp > 1:
-                out.append("pipeline x context parallelism is not supported; set parallel.cp 1")
-        if self.cfg.cpu_offload and self.mode not in ("zero2", "zero3"):
-            out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")
-        return out
+        """Everything wrong with this layout for this model, before any process-group work
+        (the feasibility check the planner and the search ask too)."""
+        cfg = self.cfg
+        return layout_problems(args, RunLayout(
+            dims=self.dims, mode=self.mode, seq_len=seq_len, grad_accum=grad_accum,
+            pp_schedule=cfg.pp_schedule, pp_virtual_stages=cfg.pp_virtual_stages,
+            pp_microbatches=cfg.pp_microbatches, cpu_offload=cfg.cpu_offload,
+            sequence_parallel=cfg.sequence_parallel))
 
     def validate(self, args: ModelArgs, seq_len: int, grad_accum: int) -> None:
         problems = self.problems(args, seq_len, grad_accum)
@@ -190,7 +169,9 @@ class Parallelism:
         apply_compile(model, compile_cfg)
         # Pipeline stages are views over the rank's model; each is its own FSDP root.
         shards = d.tp if d.tp > 1 and cfg.sequence_parallel else 1
-        self.stage_modules = [StageModule(model, spec, shards) for spec in self.stage_specs]
+        cp_of_stage = (self.cp_rank, d.cp, cfg.cp_load_balance) if d.cp > 1 else None
+        self.stage_modules = [StageModule(model, spec, shards, cp_of_stage)
+                              for spec in self.stage_specs]
         if d.dp_replicate * d.dp_shard * d.cp > 1:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flattened dim.*")
@@ -284,6 +265,7 @@ class Parallelism:
                                   scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """One schedule step over the micro-batches; this rank's sum of token losses (zero
         outside the last stage)."""
+        batches = [self.shard_batch(x, y)[:2] for x, y in batches]  # context parallel
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         self.pipe_loss.n_valid, self.pipe_loss.scale, self.pipe_loss.sums = n_valid, scale, []
@@ -303,8 +285,10 @@ class Parallelism:
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward-only pass of one batch through the stages in order, with point-to-point
         hand-overs (torch's schedule `eval` runs backward actions for multi-stage schedules).
-        Returns (token-loss sum, valid-token count), both zero outside the last stage."""
+        Returns (token-loss sum, valid-token count) of this rank's context-parallel share, both
+        zero outside the last stage."""
         assert self.mesh is not None
+        x, y, _ = self.shard_batch(x, y)  # context parallel: this rank's chunks
         group = self.mesh.group("pp")
         n_stages = self.dims.pp * len(self.stage_modules)
         owner = {sid: dist.get_global_rank(group, r) for r in range(self.dims.pp)

@@ -29,6 +29,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from scaletrain.parallel.feasibility import SINGLE_STAGE, schedule_problems  # noqa: F401
+
 log = logging.getLogger("scaletrain.parallel")
 
 SCHEDULES: dict[str, type] = {
@@ -39,24 +41,6 @@ SCHEDULES: dict[str, type] = {
     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
 }
-SINGLE_STAGE = ("GPipe", "1F1B")
-
-
-def schedule_problems(name: str, pp: int, virtual: int, microbatches: int) -> list[str]:
-    out = []
-    if name not in SCHEDULES:
-        out.append(f"parallel.pp_schedule '{name}' is unknown; choose one of "
-                   f"{', '.join(SCHEDULES)}")
-        return out
-    if name in SINGLE_STAGE and virtual != 1:
-        out.append(f"parallel.pp_schedule {name} runs one stage per rank: set "
-                   "parallel.pp_virtual_stages 1 or pick Interleaved1F1B / InterleavedZeroBubble")
-    if name == "ZBVZeroBubble" and virtual != 2:
-        out.append("parallel.pp_schedule ZBVZeroBubble needs parallel.pp_virtual_stages 2")
-    if name not in SINGLE_STAGE and name != "LoopedBFS" and microbatches % pp:
-        out.append(f"parallel.pp_schedule {name} needs the micro-batch count ({microbatches}) "
-                   f"to be a multiple of parallel.pp ({pp})")
-    return out
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -107,7 +91,8 @@ def prune_for_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int,
 class StageModule(nn.Module):
     """One pipeline stage: a view over the rank's (pruned) model running some of its layers."""
 
-    def __init__(self, model: nn.Module, spec: StageSpec, seq_shards: int = 1) -> None:
+    def __init__(self, model: nn.Module, spec: StageSpec, seq_shards: int = 1,
+                 cp: tuple[int, int, bool] | None = None) -> None:
         super().__init__()
         # Under sequence parallelism the hidden state between stages is this rank's slice of
         # the sequence: RoPE positions must span the full length.
@@ -115,6 +100,9 @@ class StageModule(nn.Module):
         # The run's autocast, entered around each stage forward (the schedule runs backward
         # outside it): set by `Parallelism.attach_pipeline`.
         self.autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        # Under context parallelism (rank, degree, load balance) the stage sees this rank's
+        # chunks of the sequence, at their absolute positions.
+        self.cp = cp
         object.__setattr__(self, "_model", model)  # not a child: its names stay the model's
         self.spec = spec
         self.layers = nn.ModuleDict({i: model.layers[i] for i in spec.layers})
@@ -125,7 +113,13 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq_len = x.shape[1] * (1 if self.spec.embed else self.seq_shards)
-        positions = torch.arange(seq_len, device=x.device)
+        if self.cp is not None:
+            from scaletrain.parallel.cp import local_positions
+
+            rank, degree, balance = self.cp
+            positions = local_positions(seq_len * degree, rank, degree, balance, x.device)
+        else:
+            positions = torch.arange(seq_len, device=x.device)
         with self.autocast():
             return self._model.forward_part(x, self.spec.layers, embed=self.spec.embed,
                                             head=self.spec.head, positions=positions)

@@ -4,7 +4,10 @@ Per block: Q/K/V and gate/up projections column-wise (each rank owns a slice of 
 of the hidden units), output and down projections row-wise (partial sums reduced). With
 sequence parallelism the norms and the residual stream between blocks are sharded along the
 sequence: the all-reduce after a row-wise layer becomes a reduce-scatter and the input of the
-next column-wise layer an all-gather (same volume, 1/tp of the activation memory).
+next column-wise layer an all-gather (together the same bytes as the all-reduce). The norms and
+the residual stream then take 1/tp of their memory, but DTensor's column-wise layers save their
+all-gathered (full-sequence) input for backward, so the activation memory is not 1/tp overall
+(`plan/activations.py` counts what is saved).
 The embedding is vocabulary-parallel (row-wise over vocabulary rows); the head is column-wise
 over the vocabulary and, with `loss_parallel`, its logits stay sharded: the cross-entropy is
 computed on the shards and the full logits are never gathered.
@@ -16,7 +19,7 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -45,6 +48,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if getattr(model, "pos_embeddings", None) is not None:
+        _replicate(model.pos_embeddings, tp_mesh)
+    if model.args.arch != "llama" and not sequence_parallel and model.output is not None:
+        _replicate(model.norm, tp_mesh)
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Both are sharded over the vocabulary (Shard(0) of a (vocab, dim) weight), so the head
         # can share the embedding's DTensor again (parallelize_module distributed each apart).
@@ -61,13 +68,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
                                                desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        if block.feed_forward.w3 is not None:  # GPT-2's GELU MLP has no gate
+            plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         plan.update(_family_plan(block, sequence_parallel))
         parallelize_module(block, tp_mesh, plan)
+        if model.args.arch != "llama" and not sequence_parallel:
+            # LayerNorm biases would otherwise share the optimizer's no-decay group, as plain
+            # tensors, with the DTensor biases of the projections.
+            _replicate(block.attention_norm, tp_mesh)
+            _replicate(block.ffn_norm, tp_mesh)
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)",
              tp_mesh.size(), sequence_parallel, loss_parallel)
 
@@ -89,3 +102,19 @@ def _family_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]
         plan["post_attention_norm"] = SequenceParallel(use_local_output=True)
         plan["post_ffn_norm"] = SequenceParallel(use_local_output=True)
     return plan
+
+
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """`module`'s parameters as replicated DTensors, taking and returning plain tensors (so the
+    optimizer and clipping see one kind of parameter). Used for GPT-2's learned position table,
+    which is added to the whole (replicated) embedding output (hence GPT-2 runs tensor
+    parallel without sequence parallelism), and its LayerNorms."""
+
+    def to_dtensor(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                     for t in inputs)
+
+    def to_local(_: nn.Module, out: DTensor, __: DeviceMesh) -> object:
+        return out.to_local()
+
+    distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)

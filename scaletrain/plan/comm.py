@@ -4,13 +4,16 @@ Volumes are what a ring algorithm moves through each rank: an all-reduce of S by
 ranks 2 (n-1)/n S, an all-gather or reduce-scatter (n-1)/n S (of the full size S), a pipeline
 send the tensor itself.
 
-- data parallel (over dp x cp ranks, which share the parameters): DDP all-reduces gradients once
-  per step (no sync during accumulation); ZeRO-1/2 reduce-scatter gradients and all-gather the
-  updated weights once per step; ZeRO-3 (FSDP) all-gathers weights in forward and backward and
-  reduce-scatters gradients for every micro-batch.
-- tensor parallel: per layer and micro-batch two collectives of the (b s h) activation in
-  forward and two in backward (all-reduces, or all-gather + reduce-scatter pairs with sequence
-  parallel: the same volume); full recomputation repeats the forward ones.
+- data parallel (over dp x cp ranks, which share the parameters), as the trainer runs it: DDP
+  all-reduces gradients once per step (no sync during accumulation); ZeRO-1 (DDP +
+  ZeroRedundancyOptimizer) does the same and then all-gathers the updated weight shards; FSDP's
+  ZeRO-2 all-gathers weights in forward only (they stay gathered until backward), ZeRO-3 in
+  forward and backward, and both reduce-scatter gradients for every micro-batch. The gathers
+  move `fsdp_param_dtype` bytes.
+- tensor parallel: per layer and micro-batch two all-reduces of the (b s h) activation in
+  forward and two in backward; with sequence parallelism each becomes an all-gather plus a
+  reduce-scatter, which move the same bytes as the all-reduce (ring all-reduce =
+  reduce-scatter + all-gather). Full recomputation repeats the forward ones.
 - context parallel (all-gather KV): keys and values gathered in forward, their gradients
   reduce-scattered in backward, per layer and micro-batch.
 - pipeline: each micro-batch sends its activation forward and its gradient back, once per
@@ -45,12 +48,18 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
     if n > 1:
         if lay.zero == 0:
             v = {"all_reduce": 2 * _ring(n) * stage_params * grad_wire}
-        elif lay.zero in (1, 2):
-            v = {"reduce_scatter": _ring(n) * stage_params * grad_wire,
+        elif lay.zero == 1 or not lay.fsdp:
+            v = {"all_reduce": 2 * _ring(n) * stage_params * grad_wire,
                  "all_gather": _ring(n) * stage_params * w_bytes}
         else:
-            v = {"all_gather": 2 * m * _ring(n) * stage_params * w_bytes,
-                 "reduce_scatter": m * _ring(n) * stage_params * grad_wire}
+            gather = DTYPE_BYTES[lay.fsdp_param_dtype]
+            k = lay.shard_group  # HSDP: gathers inside the shard group only
+            v = {"all_gather": (2 if lay.zero == 3 else 1) * m * _ring(k) * stage_params
+                 * gather,
+                 "reduce_scatter": m * _ring(k) * stage_params * grad_wire}
+            if dims.dp_replicate > 1:  # HSDP: the shards are all-reduced across replicas
+                v["all_reduce"] = m * 2 * _ring(dims.dp_replicate) * stage_params / k \
+                    * grad_wire
         for k, x in v.items():
             kinds[k] += x
             by_dim["dp"] += x
@@ -58,12 +67,11 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
     if dims.tp > 1:
         per_collective = _ring(dims.tp) * tokens * args.dim * c
         count = 4 + (2 if lay.recompute == "full" else 0)
+        total = layers * m * count * 2 * per_collective  # an all-reduce is 2 x (n-1)/n S
         if lay.sequence_parallel:
-            total = layers * m * count * per_collective
             kinds["all_gather"] += total / 2
             kinds["reduce_scatter"] += total / 2
         else:
-            total = layers * m * count * 2 * per_collective
             kinds["all_reduce"] += total
         by_dim["tp"] += total
     if dims.cp > 1:

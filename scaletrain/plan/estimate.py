@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from scaletrain.models.args import ModelArgs, count_params
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
+from scaletrain.parallel.feasibility import RunLayout, mode_for_zero
+from scaletrain.parallel.feasibility import layout_problems as run_problems
 from scaletrain.plan.activations import (
     DTYPE_BYTES,
     ActivationSpec,
@@ -26,7 +28,8 @@ from scaletrain.plan.memory import (
 )
 
 DDP_BUCKET_BYTES = 25 * 2**20
-Schedule = Literal["1F1B", "GPipe", "Interleaved1F1B"]
+Schedule = str
+"""A pipeline schedule name (`parallel.feasibility.SCHEDULE_NAMES`)."""
 
 
 class PlanError(ValueError):
@@ -53,6 +56,14 @@ class Layout:
     grad_convention: GradConvention = "playbook"
     optimizer: str = "adamw"
     offload: bool = False
+    """Optimizer state and master weights in host memory (one process: `optimizer.offload`)."""
+    cpu_offload: bool = False
+    """FSDP's offload (`parallel.cpu_offload`, ZeRO-2/3): sharded weights, gradients and
+    optimizer state in host memory; the device keeps the gathered blocks."""
+    fsdp_param_dtype: str = "fp32"
+    """ZeRO-2/3: dtype FSDP gathers the fp32 shards in (`parallel.fsdp_param_dtype`); bf16
+    needs no autocast weight copies and halves the all-gathers."""
+    pp_microbatches: int | None = None
     recompute: Literal["none", "selective", "full"] = "none"
     every: int = 2
     scope: Literal["block", "attention"] = "block"
@@ -73,8 +84,32 @@ class Layout:
 
     @property
     def shard_group(self) -> int:
-        """Ranks that share (and shard, under ZeRO) the same parameters: dp_shard x cp."""
-        return self.dims.dp_shard * self.dims.cp
+        """Ranks that shard the model state under ZeRO: FSDP (ZeRO-2/3) shards over
+        dp_shard x cp (replicating across dp_replicate: HSDP); ZeRO-1 shards the optimizer over
+        every data-parallel and context-parallel rank."""
+        if self.zero >= 2:
+            return self.dims.dp_shard * self.dims.cp
+        return self.dims.dp * self.dims.cp
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards this layout (ZeRO-2/3 over more than one rank)."""
+        return self.zero >= 2 and self.shard_group > 1
+
+    @property
+    def data_parallel(self) -> str:
+        """The trainer's `parallel.data_parallel` mode that runs this layout."""
+        return mode_for_zero(self.zero, self.dims)
+
+    def run_layout(self) -> RunLayout:
+        """This layout as the trainer's feasibility check sees it."""
+        return RunLayout(
+            dims=self.dims, mode=self.data_parallel, seq_len=self.seq_len,
+            grad_accum=self.grad_accum, pp_schedule=self.schedule,
+            pp_virtual_stages=self.vpp, pp_microbatches=self.pp_microbatches,
+            cpu_offload=self.cpu_offload, sequence_parallel=self.sequence_parallel,
+            precision=self.precision,
+            param_dtype=self.stored_dtype, optimizer_offload=self.offload)
 
     def replace(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -101,7 +136,15 @@ def layout_problems(args: ModelArgs, lay: Layout) -> list[str]:
     if lay.seq_len > args.max_seq_len:
         out.append(f"seq_len ({lay.seq_len}) exceeds the model's max_seq_len "
                    f"({args.max_seq_len}); pass --set model.max_seq_len={lay.seq_len}")
+    if lay.fsdp_param_dtype not in ("fp32", "bf16"):
+        out.append(f"fsdp_param_dtype must be fp32 or bf16 (got {lay.fsdp_param_dtype})")
     return out
+
+
+def trainer_problems(args: ModelArgs, lay: Layout) -> list[str]:
+    """Why `scaletrain train` cannot run `lay` (the trainer's own feasibility check); empty when
+    it can. The planner still estimates such layouts; the search never proposes them."""
+    return run_problems(args, lay.run_layout())
 
 
 @dataclass
@@ -122,6 +165,8 @@ class Plan:
     comm_bytes_by_dim: dict[str, int]
     activation_breakdown: dict[str, int]
     cpu_offload_bytes: int = 0
+    trainer_problems: list[str] = field(default_factory=list)
+    """Why `scaletrain train` cannot run this layout (empty: it can)."""
     finetune: dict[str, Any] | None = None
     """Set by `plan.finetune.finetune_plan`: method, trainable and total parameters."""
 
@@ -139,8 +184,10 @@ class Plan:
                 "ga": lay.grad_accum, "seq_len": lay.seq_len, "vpp": lay.vpp,
                 "sequence_parallel": lay.sequence_parallel, "precision": lay.precision,
                 "param_dtype": lay.stored_dtype, "grad_convention": lay.grad_convention,
-                "optimizer": lay.optimizer, "offload": lay.offload, "recompute": lay.recompute,
-                "schedule": lay.schedule,
+                "optimizer": lay.optimizer, "offload": lay.offload,
+                "data_parallel": lay.data_parallel, "cpu_offload": lay.cpu_offload,
+                "fsdp_param_dtype": lay.fsdp_param_dtype, "recompute": lay.recompute,
+                "every": lay.every, "scope": lay.scope, "schedule": lay.schedule,
             },
             "params": self.params,
             "params_per_rank": self.params_per_rank,
@@ -150,6 +197,8 @@ class Plan:
             "memory_bytes": self.memory_bytes,
             "activation_bytes": self.activation_breakdown,
             "cpu_offload_bytes": self.cpu_offload_bytes,
+            "trainer_runs": not self.trainer_problems,
+            "trainer_problems": self.trainer_problems,
             "bubble_fraction": self.bubble_fraction,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_bytes_by_dim": self.comm_bytes_by_dim,
@@ -171,6 +220,7 @@ def peak_bytes(mem: dict[str, int], grad_accum: int) -> int:
     """
     states = mem["weights"] + mem["master_weights"] + mem["optimizer"] + mem["comm_buffers"]
     forward = (states + mem["activations"] + mem["logits_loss"] + mem["cast_weights"]
+               + mem.get("gathered_weights", 0)
                + (mem["gradients"] if grad_accum > 1 else 0))
     return max(forward, states + mem["gradients"])
 
@@ -241,8 +291,13 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
     best: Plan | None = None
     for stage in stages:
         sp = stage_params(args, dims.pp, dims.tp, stage, lay.vpp)
-        states = sharded_state(per_param, sp.total, lay.zero, lay.shard_group)
+        # FSDP2 (the trainer's ZeRO-2 and ZeRO-3) keeps the weights sharded at rest too.
+        zero = 3 if lay.fsdp else lay.zero
+        states = sharded_state(per_param, sp.total, zero, lay.shard_group)
         offloaded = offload_states(states, lay.offload)
+        if lay.cpu_offload and lay.fsdp:  # FSDP's offload: every sharded state to the host
+            offloaded += int(sum(states.values()))
+            states = dict.fromkeys(states, 0.0)
         act = activation_bytes(args, spec, layer_range(args, dims.pp, stage, lay.vpp),
                                first_stage=stage == 0, last_stage=stage == dims.pp - 1)
         flight = in_flight(dims.pp, stage, m, lay.vpp, lay.schedule)
@@ -251,12 +306,19 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         mem = {k: int(v) for k, v in states.items()}
         mem["activations"] = activations
         mem["logits_loss"] = logits_buffer_bytes(args, spec) if stage == dims.pp - 1 else 0
-        mem["cast_weights"] = sp.total * c if lay.stored_dtype == "fp32" and c < 4 else 0
         w = per_param.weights
-        if lay.zero == 3 and lay.shard_group > 1:
-            # FSDP: the unsharded block being computed and the prefetched next one, plus the
+        gathered = DTYPE_BYTES[lay.fsdp_param_dtype] if lay.fsdp else w
+        # Autocast keeps a 16-bit copy of every fp32 weight it used until backward; FSDP
+        # gathering in bf16 hands it 16-bit weights already.
+        cast = lay.stored_dtype == "fp32" and c < 4 and gathered == 4
+        mem["cast_weights"] = sp.total * c if cast else 0
+        # ZeRO-2 under FSDP (reshard_after_forward=False): every block stays gathered from its
+        # forward to its backward.
+        mem["gathered_weights"] = int(sp.total * gathered) if lay.fsdp and lay.zero == 2 else 0
+        if lay.fsdp:
+            # The unsharded block being computed and the prefetched next one, plus the
             # unsharded gradients of one block before its reduce-scatter.
-            mem["comm_buffers"] = int(sp.per_layer * (2 * w + per_param.gradients))
+            mem["comm_buffers"] = int(sp.per_layer * (2 * gathered + gathered))
         elif dims.dp > 1 or dims.cp > 1:
             mem["comm_buffers"] = 2 * DDP_BUCKET_BYTES
         else:
@@ -272,7 +334,7 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
             activation_breakdown={**act.layers, "embedding": act.embedding,
                                   "rope_tables": act.rope_tables, "head": act.head,
                                   "loss": act.loss, "recompute": act.recompute},
-            cpu_offload_bytes=offloaded,
+            cpu_offload_bytes=offloaded, trainer_problems=trainer_problems(args, lay),
         )
         if best is None or plan.peak_bytes > best.peak_bytes:
             best = plan
@@ -293,15 +355,20 @@ def check_dims(world_size: int, **degrees: int) -> ParallelDims:
         raise PlanError(str(e)) from None
 
 
-def estimate_for_config(cfg: Any) -> dict[str, Any]:
-    """The plan of a training `Config` as JSON-ready data (the profiler's OOM summary uses it;
-    `scaletrain train --dry-run` prints the same plan)."""
-    from scaletrain.plan.from_config import plan_config
-    from scaletrain.train.trainer import resolve_device
-
-    plan, device = plan_config(cfg, resolve_device(cfg.training.device))
+def plan_json(plan: Plan, device: Any = None) -> dict[str, Any]:
+    """The JSON of `plan --json` and `train --dry-run --json` (one function, one format)."""
     out = plan.to_json()
     if device is not None:
         out["device"] = {"name": device.name, "memory_bytes": device.memory_bytes,
                          "fits": plan.peak_bytes <= device.memory_bytes}
     return out
+
+
+def estimate_for_config(cfg: Any) -> dict[str, Any]:
+    """The plan of a training `Config` as JSON-ready data (the profiler's OOM summary uses it;
+    `scaletrain train --dry-run --json` prints the same)."""
+    from scaletrain.plan.from_config import plan_config
+    from scaletrain.runtime import resolve_device
+
+    plan, device = plan_config(cfg, resolve_device(cfg.training.device))
+    return plan_json(plan, device)

@@ -7,34 +7,35 @@ import os
 import torch
 
 from scaletrain.config import Config, resolve_batch
+from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
 from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate
 from scaletrain.plan.hardware import Device, match_device
 
 
 def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> Layout:
-    """The Layout the trainer will run: same ParallelDims, batch, precision and recompute.
-
-    Data-parallel sharding (dp_shard > 1) is FSDP2's fully_shard, i.e. ZeRO-3; autocast over
-    fp32 parameters keeps fp32 weights, bf16 parameters get fp32 master weights and fp32
-    gradients at the optimizer step (the `playbook` convention).
-    """
-    from scaletrain.train.precision import resolve_dtype
+    """The Layout the trainer will run: the same ParallelDims, batch, data-parallel mode (DDP,
+    ZeRO-1, FSDP's ZeRO-2/3), FSDP parameter dtype and offload, precision, parameter dtype,
+    optimizer offload, recomputation and pipeline schedule."""
+    from scaletrain.runtime import resolve_dtype
 
     par = cfg.parallel
     dims = check_dims(world_size, pp=par.pp, dp_replicate=par.dp_replicate,
                       dp_shard=par.dp_shard, cp=par.cp, tp=par.tp)
     gbs, _ = resolve_batch(cfg.training, dims.dp)
     dtype = resolve_dtype(cfg.precision, device)
-    vpp = max(1, getattr(par, "pp_virtual_stages", 1))
+    mode = resolve_mode(par.data_parallel, dims)
+    distributed = dims.world_size > 1
     ac = cfg.activation_checkpoint
     return Layout(
         dims=dims, mbs=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len, gbs=gbs,
-        zero=3 if dims.dp_shard > 1 else 0,
-        sequence_parallel=bool(getattr(par, "sequence_parallel", True)) and dims.tp > 1,
-        vpp=vpp, schedule="Interleaved1F1B" if vpp > 1 else "1F1B", precision=dtype,
-        param_dtype=cfg.precision.param_dtype if dtype != "fp32" else "fp32",
-        optimizer=cfg.optimizer.name, offload=cfg.optimizer.offload, recompute=ac.mode,
-        every=ac.every, scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
+        zero=ZERO_STAGE.get(mode, 3) if distributed else 0,
+        sequence_parallel=par.sequence_parallel and dims.tp > 1,
+        vpp=max(1, par.pp_virtual_stages), schedule=par.pp_schedule,
+        pp_microbatches=par.pp_microbatches, precision=dtype,
+        param_dtype=cfg.precision.param_dtype, optimizer=cfg.optimizer.name,
+        offload=cfg.optimizer.offload, cpu_offload=par.cpu_offload and distributed,
+        fsdp_param_dtype=par.fsdp_param_dtype, recompute=ac.mode, every=ac.every,
+        scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
     )
 
 

@@ -19,8 +19,11 @@ class Device:
     `memory_gib`: device memory as `nvidia-smi` reports it (GiB). `peak_tflops`: dense (no
     sparsity) tensor-core TFLOP/s per dtype from the vendor data sheet; fp32 is the
     non-tensor-core rate. Bandwidths are GB/s per GPU and direction: `intra_node_gbs` over
-    NVLink/Infinity Fabric, `inter_node_gbs` over the node's network (one NIC per GPU, the
-    common layout of training clusters).
+    NVLink/Infinity Fabric (PCIe where a part has none), `inter_node_gbs` over the node's
+    network (one NIC per GPU, the common layout of training clusters). `rail_optimized`: GPU i
+    of every node sits on the same leaf switch (NVIDIA's SuperPOD layout), so collectives
+    across nodes between same-rank GPUs take one switch hop. Latencies (microseconds) are the
+    alpha of the alpha-beta collective model (`plan.collectives`).
     """
 
     name: str
@@ -29,6 +32,10 @@ class Device:
     intra_node_gbs: float = 0.0
     inter_node_gbs: float = 0.0
     gpus_per_node: int = 8
+    aliases: tuple[str, ...] = ()
+    rail_optimized: bool = False
+    intra_latency_us: float = 3.0
+    inter_latency_us: float = 8.0
 
     @property
     def memory_bytes(self) -> int:
@@ -36,65 +43,91 @@ class Device:
 
 
 def _dev(name: str, mem: float, bf16: float, fp32: float, intra: float, inter: float,
-         fp8: float | None = None) -> Device:
+         fp8: float | None = None, aliases: tuple[str, ...] = (), rail: bool = False,
+         per_node: int = 8) -> Device:
     peaks = {"bf16": bf16, "fp16": bf16, "fp32": fp32}
     if fp8 is not None:
         peaks["fp8"] = fp8
-    return Device(name, mem, peaks, intra, inter)
+    return Device(name, mem, peaks, intra, inter, per_node, aliases, rail)
 
 
-# Data-sheet figures (SXM parts). NVLink: A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s
-# bidirectional -> half per direction. Network: 200 Gb/s HDR per A100, 400 Gb/s NDR per
-# H100/H200/B200 (ConnectX-7) = 25 / 50 GB/s.
+# Data-sheet figures. NVLink: A100 600 GB/s, H100/H200 SXM 900 GB/s, B200 1.8 TB/s
+# bidirectional -> half per direction; PCIe parts: PCIe 4.0/5.0 x16 (32/64 GB/s); H100 NVL's
+# bridge joins pairs only (the planner treats the node as PCIe). Network: 200 Gb/s HDR per
+# A100, 400 Gb/s NDR per H100/H200/B200 (ConnectX-7) = 25 / 50 GB/s. Memory as nvidia-smi
+# shows it (MiB / 1024). The aliases are the names CUDA reports (`torch.cuda.get_device_name`)
+# and the short names users type; matching is exact after normalization, never by substring.
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        _dev("A100-40GB", 40.0, 312.0, 19.5, 300.0, 25.0),
-        _dev("A100-80GB", 80.0, 312.0, 19.5, 300.0, 25.0),
-        _dev("H100", 79.6, 989.0, 67.0, 450.0, 50.0, fp8=1979.0),
-        _dev("H200", 140.4, 989.0, 67.0, 450.0, 50.0, fp8=1979.0),
-        _dev("B200", 179.1, 2250.0, 80.0, 900.0, 50.0, fp8=4500.0),
+        _dev("A100-SXM4-40GB", 40.0, 312.0, 19.5, 300.0, 25.0, rail=True,
+             aliases=("A100-40GB", "A100-SXM-40GB")),
+        _dev("A100-SXM4-80GB", 80.0, 312.0, 19.5, 300.0, 25.0, rail=True,
+             aliases=("A100-80GB", "A100", "A100-SXM-80GB")),
+        _dev("A100-PCIE-40GB", 40.0, 312.0, 19.5, 32.0, 25.0, aliases=("A100-40GB-PCIE",)),
+        _dev("A100-PCIE-80GB", 80.0, 312.0, 19.5, 32.0, 25.0, aliases=("A100-80GB-PCIE",)),
+        _dev("H100-SXM", 79.6, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, rail=True,
+             aliases=("H100", "H100-SXM5", "H100-SXM5-80GB", "H100-80GB-HBM3")),
+        _dev("H100-PCIE", 79.6, 756.0, 51.0, 64.0, 50.0, fp8=1513.0,
+             aliases=("H100-PCIE-80GB",)),
+        _dev("H100-NVL", 93.6, 835.0, 60.0, 64.0, 50.0, fp8=1670.0, aliases=("H100-NVL-94GB",)),
+        _dev("H200", 140.4, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, rail=True,
+             aliases=("H200-SXM", "H200-SXM-141GB", "H200-141GB")),
+        _dev("H200-NVL", 140.4, 835.0, 60.0, 64.0, 50.0, fp8=1670.0),
+        _dev("GH200", 95.6, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, per_node=4,
+             aliases=("GH200-480GB", "GH200-96GB")),
+        _dev("GH200-144GB", 140.4, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, per_node=4,
+             aliases=("GH200-144G-HBM3E", "GH200-624GB")),
+        _dev("B200", 179.1, 2250.0, 80.0, 900.0, 50.0, fp8=4500.0, rail=True,
+             aliases=("B200-SXM", "B200-180GB")),
         _dev("A10G", 22.1, 70.0, 31.2, 0.0, 12.5),
         _dev("L4", 22.5, 121.0, 30.3, 0.0, 12.5),
+        _dev("L40", 44.5, 181.0, 90.5, 0.0, 25.0),
         _dev("L40S", 44.5, 362.0, 91.6, 0.0, 25.0),
-        Device("V100", 32.0, {"fp16": 125.0, "fp32": 15.7}, 150.0, 12.5),
-        _dev("MI300X", 192.0, 1307.0, 163.4, 448.0, 50.0),
+        Device("V100-SXM2-32GB", 32.0, {"fp16": 125.0, "fp32": 15.7}, 150.0, 12.5,
+               aliases=("V100", "V100-32GB", "V100-SXM2")),
+        _dev("MI300X", 192.0, 1307.0, 163.4, 448.0, 50.0, aliases=("MI300X-OAM",)),
         _dev("MI250X", 128.0, 383.0, 95.7, 200.0, 25.0),
     )
 }
 
-# Peak TFLOP/s keyed by device family (kept for callers that read the table directly).
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    **{k: v.peak_tflops for k, v in DEVICES.items() if not k.startswith("A100")},
-    "A100": DEVICES["A100-80GB"].peak_tflops,
+_PREFIXES = ("NVIDIA-", "TESLA-", "AMD-INSTINCT-", "AMD-")
+
+
+def _normalize(name: str) -> str:
+    key = "-".join(name.upper().replace("_", " ").replace("-", " ").split())
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    return key
+
+
+_LOOKUP: dict[str, Device] = {
+    _normalize(alias): dev for dev in DEVICES.values() for alias in (dev.name, *dev.aliases)
 }
 
 
 def match_device(name: str) -> Device | None:
     """The table entry for a device name as CUDA reports it ("NVIDIA H100 80GB HBM3",
-    "NVIDIA A100-SXM4-40GB") or as a user types it ("h100", "a100-40gb"); None if unknown."""
-    upper = name.upper().replace("_", "-")
-    for key, dev in DEVICES.items():
-        if upper == key.upper():
-            return dev
-    if "A100" in upper:
-        return DEVICES["A100-40GB" if "40G" in upper else "A100-80GB"]
-    # Longest key first so "L40S" is not taken for "L4".
-    for key in sorted(DEVICES, key=len, reverse=True):
-        if key.upper() in upper:
-            return DEVICES[key]
-    return None
+    "NVIDIA A100-SXM4-40GB") or as a user types it ("h100", "a100-40gb", "H100 NVL"); None if
+    unknown. Names match exactly (case, spaces, dashes and the vendor prefix aside): "L40" is
+    not "L4", "H1000" is not "H100"."""
+    return _LOOKUP.get(_normalize(name))
+
+
+def known_names() -> list[str]:
+    """Every accepted name: each entry with its aliases."""
+    return [f"{d.name} ({', '.join(d.aliases)})" if d.aliases else d.name
+            for d in DEVICES.values()]
 
 
 def get_device(name: str) -> Device:
     """Like `match_device`, but an unknown name raises a ValueError listing the known ones."""
     dev = match_device(name)
     if dev is None:
-        near = difflib.get_close_matches(name.upper(), list(DEVICES), n=1)
-        hint = f" Did you mean '{near[0]}'?" if near else ""
-        raise ValueError(
-            f"unknown GPU '{name}'.{hint} Known: {', '.join(DEVICES)}"
-        )
+        near = difflib.get_close_matches(_normalize(name), list(_LOOKUP), n=1)
+        hint = f" Did you mean '{_LOOKUP[near[0]].name}'?" if near else ""
+        raise ValueError(f"unknown GPU '{name}'.{hint} Known: {'; '.join(known_names())}")
     return dev
 
 

@@ -8,9 +8,10 @@ they are needed: they cost time (recomputation FLOPs, ZeRO-3 gathers) and ties g
 simpler layout.
 
 Step time = (compute + exposed tensor/context/pipeline communication) x (1 + bubble) +
-data-parallel communication not hidden behind backward. Compute = hardware FLOPs / (peak x
+data-parallel communication not hidden behind compute. Compute = hardware FLOPs / (peak x
 efficiency); the efficiency falls for small matmuls (few tokens per micro-batch, narrow
-tensor-parallel shards). Communication = bytes / bandwidth of the link the group spans.
+tensor-parallel shards). Communication: the alpha-beta collective model of `plan.collectives`.
+The data-parallel degree is bounded by the global batch: dp x micro-batch must divide it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,20 @@ from dataclasses import dataclass
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, Plan, PlanError, estimate, layout_problems
+from scaletrain.plan.activations import DTYPE_BYTES
+from scaletrain.plan.collectives import Fabric, per_node
+from scaletrain.plan.command import train_command
+from scaletrain.plan.estimate import (
+    DDP_BUCKET_BYTES,
+    Layout,
+    Plan,
+    PlanError,
+    estimate,
+    layout_problems,
+    trainer_problems,
+)
 from scaletrain.plan.hardware import Device
+from scaletrain.plan.memory import stage_params
 
 RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
 
@@ -49,6 +62,8 @@ class Candidate:
     step_time_s: float
     mfu: float
     times: dict[str, float]
+    command: str = ""
+    """The `torchrun ... -m scaletrain train ...` line that runs this layout."""
 
     @property
     def layout(self) -> Layout:
@@ -63,42 +78,114 @@ class Candidate:
             "ga": lay.grad_accum, "recompute": lay.recompute,
             "memory_bytes_per_gpu": self.plan.peak_bytes, "step_time_s": self.step_time_s,
             "mfu": self.mfu, "bubble_fraction": self.plan.bubble_fraction,
-            "time_breakdown_s": self.times,
+            "tflops_per_gpu": self.tflops_per_gpu, "time_breakdown_s": self.times,
+            "data_parallel": lay.data_parallel, "fsdp_param_dtype": lay.fsdp_param_dtype,
+            "schedule": lay.schedule, "command": self.command,
         }
 
-
-def _bandwidth(cluster: Cluster, span: int) -> float:
-    """GB/s -> B/s of a group whose ranks lie `span` apart at most (inside a node or not)."""
-    dev = cluster.device
-    inside = span <= cluster.gpus_per_node and dev.intra_node_gbs > 0
-    return (dev.intra_node_gbs if inside else dev.inter_node_gbs) * 1e9
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Predicted achieved model TFLOP/s per GPU (the trainer's `tflops`)."""
+        lay = self.layout
+        tokens = (lay.gbs or lay.mbs * lay.dims.dp) * lay.seq_len
+        return self.plan.flops_per_token * tokens / (self.step_time_s * lay.dims.world_size) \
+            / 1e12
 
 
 def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dict[str, float]]:
-    """Estimated seconds per optimizer step and its parts."""
+    """Estimated seconds per optimizer step and its parts.
+
+    Communication uses the alpha-beta model of `plan.collectives` (ring or tree, NVLink inside
+    a node, the NICs across nodes). Tensor, context and pipeline communication is exposed.
+    FSDP's per-block all-gathers (and reduce-scatters) overlap the compute of the neighbouring
+    block: only what a block's compute cannot cover is exposed, plus the first gather. DDP's
+    gradient all-reduce overlaps the backward of the last micro-batch; ZeRO-1's gather of the
+    updated weights does not overlap.
+    """
     lay, args = plan.layout, plan.args
     d = lay.dims
     peak = cluster.device.peak_tflops.get(lay.precision)
     if not peak:
         raise PlanError(f"no peak FLOP/s for {cluster.device.name} in {lay.precision}")
+    gpn = cluster.gpus_per_node
+    fabric = Fabric(cluster.device, gpn)
+    m = lay.grad_accum
     tokens_mb = lay.mbs * lay.seq_len / d.cp
     width = args.dim / d.tp
     eff = cluster.efficiency * tokens_mb / (tokens_mb + 512) * width / (width + 256)
     flops = plan.hardware_flops_per_token * gbs_tokens / cluster.gpus
     compute = flops / (peak * 1e12 * eff)
-    by_dim = plan.comm_bytes_by_dim
-    tp = by_dim["tp"] / _bandwidth(cluster, d.tp)
-    cp = by_dim["cp"] / _bandwidth(cluster, d.tp * d.cp)
-    pp = by_dim["pp"] / _bandwidth(cluster, d.tp * d.cp * d.dp + 1)
-    dp_time = by_dim["dp"] / _bandwidth(cluster, d.tp * d.cp * d.dp)
-    # Gradient reduction overlaps backward (2/3 of compute); FSDP gathers overlap all of it.
-    hidden = compute * (1.0 if lay.zero == 3 else 2 / 3)
-    dp = max(0.0, dp_time - hidden)
+    sp = stage_params(args, d.pp, d.tp, plan.stage, lay.vpp)
+    layers = max(1, sp.layers)
+    c = DTYPE_BYTES[lay.precision]
+    # Tensor parallel: per layer and micro-batch 4 all-reduce-equivalents (6 with full
+    # recomputation) of the (b s h) activation; under SP each is an all-gather + reduce-scatter.
+    tp = 0.0
+    if d.tp > 1:
+        act = tokens_mb * args.dim * c
+        k = per_node(1, d.tp, gpn)
+        one = (fabric.time("all_gather", act, d.tp, k) + fabric.time("reduce_scatter", act,
+                                                                      d.tp, k)
+               if lay.sequence_parallel else fabric.time("all_reduce", act, d.tp, k))
+        tp = layers * m * (4 + (2 if lay.recompute == "full" else 0)) * one
+    cp = 0.0
+    if d.cp > 1:
+        kv = 2 * lay.mbs * lay.seq_len * (args.kv_heads // d.tp) * args.head_dim * c
+        k = per_node(d.tp, d.cp, gpn)
+        cp = layers * m * (fabric.time("all_gather", kv, d.cp, k)
+                           + fabric.time("reduce_scatter", kv, d.cp, k))
+    pp = 0.0
+    if d.pp > 1:
+        act = tokens_mb * args.dim * c / (d.tp if lay.sequence_parallel else 1)
+        across = d.tp * d.cp * d.dp >= gpn
+        pp = 2 * m * lay.vpp * fabric.p2p(act, across)
+    dp = _dp_exposed(plan, fabric, compute, layers, sp.total)
     busy = compute + tp + cp + pp
     bubble = busy * plan.bubble_fraction
     times = {"compute": compute, "tp_comm": tp, "cp_comm": cp, "pp_comm": pp,
              "bubble": bubble, "dp_comm_exposed": dp}
     return busy + bubble + dp, times
+
+
+def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
+                params: int) -> float:
+    """Seconds of data-parallel communication per step that compute does not hide."""
+    lay = plan.layout
+    d = lay.dims
+    gpn = fabric.gpus_per_node
+    m = lay.grad_accum
+    grad_wire = 4.0  # fp32 gradients (autocast over fp32 parameters; FSDP's reduce dtype)
+    if lay.fsdp:
+        n = lay.shard_group
+        k = per_node(d.tp, n, gpn)
+        gather = DTYPE_BYTES[lay.fsdp_param_dtype] * params / layers
+        ag = fabric.time("all_gather", gather, n, k)
+        rs = fabric.time("reduce_scatter", grad_wire * params / layers, n, k)
+        fwd = compute / (3 * m * layers)  # one block's forward of one micro-batch
+        bwd = 2 * fwd
+        if lay.zero == 3:
+            per_mb = (layers * max(0.0, ag - fwd) + ag
+                      + layers * max(0.0, ag + rs - bwd) + rs)
+        else:  # ZeRO-2: gathered once in forward, kept until backward
+            per_mb = layers * max(0.0, ag - fwd) + ag + layers * max(0.0, rs - bwd) + rs
+        exposed = m * per_mb
+        if d.dp_replicate > 1:  # HSDP: shards all-reduced across replicas, after backward
+            kr = per_node(d.tp * n, d.dp_replicate, gpn)
+            exposed += m * fabric.time("all_reduce", grad_wire * params / n, d.dp_replicate,
+                                       kr)
+        return exposed
+    n = d.dp * d.cp
+    if n <= 1:
+        return 0.0
+    k = per_node(d.tp, n, gpn)
+    buckets = max(1, math.ceil(grad_wire * params / DDP_BUCKET_BYTES))
+    bucket = grad_wire * params / buckets
+    all_reduce = buckets * fabric.time("all_reduce", bucket, n, k)
+    backward = 2 / 3 * compute / m  # the last micro-batch's backward (no sync before it)
+    exposed = max(0.0, all_reduce - backward) + all_reduce / buckets
+    if lay.zero == 1:  # ZeroRedundancyOptimizer hands the updated shards to every rank
+        exposed += fabric.time("all_gather", 4.0 * params, n, k)
+    return exposed
 
 
 def _divisors(n: int) -> list[int]:
@@ -119,7 +206,7 @@ def _model_parallel_ladder(args: ModelArgs, cluster: Cluster) -> list[tuple[int,
 
 def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                base: Layout | None = None, max_cp: int = 32,
-               max_zero: int = 3) -> list[Candidate]:
+               max_zero: int = 3, model: str = "MODEL") -> list[Candidate]:
     """Every layout the search considers, evaluated (fitting or not).
 
     Context parallel is added (2, 4, ... up to `max_cp`) only when no layout without it fits:
@@ -144,7 +231,7 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                     range(max_zero + 1), ("none", "selective", "full"), (1, 2, 4, 8, 16),
                     (1, 2, 4)):
                 cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp, zero,
-                                 recompute, mbs, vpp)
+                                 recompute, mbs, vpp, model)
                 if cand is not None:
                     out.append(cand)
         if any(c.fits for c in out):
@@ -154,7 +241,7 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 
 def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tokens: int,
               tp: int, cp: int, pp: int, dp: int, zero: int, recompute: str, mbs: int,
-              vpp: int) -> Candidate | None:
+              vpp: int, model: str = "MODEL") -> Candidate | None:
     if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp):
         return None
     ga = gbs // (mbs * dp)
@@ -162,16 +249,23 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
         return None
     dims = ParallelDims(pp=pp, dp_replicate=dp if zero == 0 else 1,
                         dp_shard=1 if zero == 0 else dp, cp=cp, tp=tp)
+    # What the trainer runs: autocast over fp32 parameters; FSDP gathers them in the compute
+    # dtype (no autocast copies, half the all-gather bytes).
+    fsdp_dtype = "bf16" if zero >= 2 and base.precision == "bf16" else "fp32"
     lay = base.replace(dims=dims, mbs=mbs, seq_len=base.seq_len, gbs=gbs, zero=zero,
-                       recompute=recompute, vpp=vpp,
-                       schedule="Interleaved1F1B" if vpp > 1 else base.schedule)
-    if layout_problems(args, lay):
-        return None
+                       recompute=recompute, vpp=vpp, param_dtype=base.param_dtype or "fp32",
+                       sequence_parallel=base.sequence_parallel and args.arch == "llama",
+                       fsdp_param_dtype=fsdp_dtype,
+                       schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
+    if layout_problems(args, lay) or trainer_problems(args, lay):
+        return None  # never propose what the trainer refuses
     plan = estimate(args, lay)
     t, times = step_time(plan, cluster, gbs_tokens)
     peak = cluster.device.peak_tflops[lay.precision] * 1e12
     mfu = plan.flops_per_token * gbs_tokens / (t * cluster.gpus * peak)
-    return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times)
+    return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times,
+                     command=train_command(model, args, lay, cluster.gpus,
+                                           cluster.gpus_per_node))
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -182,12 +276,13 @@ def rank_key(c: Candidate) -> tuple:
 
 
 def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
-           base: Layout | None = None,
-           max_zero: int = 3) -> tuple[list[Candidate], list[Candidate]]:
+           base: Layout | None = None, max_zero: int = 3,
+           model: str = "MODEL") -> tuple[list[Candidate], list[Candidate]]:
     """(fitting layouts best first, all evaluated layouts). `max_zero` 1 restricts the search to
-    Megatron-style layouts (sharded optimizer, replicated weights)."""
+    replicated weights (DDP, ZeRO-1). Only layouts the trainer runs are evaluated; `model` is
+    the name (preset or Hugging Face config path) the commands train."""
     base = (base or Layout()).replace(seq_len=seq_len)
-    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero)
+    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model)
     fitting = sorted((c for c in every if c.fits), key=rank_key)
     return fitting, every
 

@@ -1,7 +1,13 @@
-"""Per-step metrics to the terminal (progress bar + log lines), metrics.jsonl and TensorBoard."""
+"""Per-step metrics to the terminal (progress bar + log lines), metrics.jsonl and TensorBoard.
+
+Convention (torchtitan's): `tokens_per_s` is the job's (every data-parallel rank's tokens);
+`tokens_per_s_per_device`, `tflops` and `mfu` are per device, i.e. the job's figures divided by
+the world size (tensor, pipeline and context ranks share their data-parallel rank's tokens).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -24,19 +30,85 @@ class StepMetrics:
     lr: float
     grad_norm: float
     tokens_per_s: float
+    """The job's tokens per second."""
+    tokens_per_s_per_device: float
     tflops: float
+    """Achieved model TFLOP/s of one device."""
     mfu: float | None
+    """`tflops` over one device's peak (None where the device has no table entry)."""
     peak_mem_gib: float
+    """Peak memory above `mem_baseline_gib` (what `train --dry-run` estimates)."""
+    mem_baseline_gib: float
+    """Memory in use before the model was built (CPU: interpreter, libraries and data)."""
     step_time_s: float
     data_wait_s: float
+
+
+def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, tokens: int,
+                 step_time_s: float, data_wait_s: float, world_size: int,
+                 flops_per_token: float, peak_flops: float | None,
+                 baseline: MemoryBaseline) -> StepMetrics:
+    """One step's metrics under the per-device convention; `tokens` are the job's tokens of
+    the step (global batch x sequence length)."""
+    tps = tokens / step_time_s
+    per_device = tps / world_size
+    achieved = flops_per_token * per_device
+    return StepMetrics(
+        step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
+        tokens_per_s_per_device=per_device, tflops=achieved / 1e12,
+        mfu=None if peak_flops is None else achieved / peak_flops,
+        peak_mem_gib=baseline.peak_above_gib(), mem_baseline_gib=baseline.gib,
+        step_time_s=step_time_s, data_wait_s=data_wait_s,
+    )
+
+
+def _proc_status_kib(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _cpu_peak_gib() -> float:
+    """The process's peak resident set size (VmHWM; ru_maxrss where /proc is missing)."""
+    hwm = _proc_status_kib("VmHWM")
+    if hwm is None:
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return hwm / 2**20
 
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated CUDA memory; on CPU the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return rss_kib / 2**20
+    return _cpu_peak_gib()
+
+
+class MemoryBaseline:
+    """Memory in use at one moment (before the model is built), so that later peaks can be
+    reported above it: on CPU the resident set includes the interpreter, the libraries and the
+    data, which no plan counts. On CPU the peak-RSS mark is reset to the current RSS (Linux
+    `clear_refs`), so earlier transients do not count either."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.bytes = torch.cuda.memory_allocated(device)
+            return
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to VmRSS
+        rss = _proc_status_kib("VmRSS")
+        self.bytes = int((rss if rss is not None else _cpu_peak_gib() * 2**20) * 1024)
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / 2**30
+
+    def peak_above_gib(self) -> float:
+        return max(0.0, peak_memory_gib(self.device) - self.gib)
 
 
 def _open_truncated(path: Path, last_step: int) -> Any:
@@ -96,10 +168,10 @@ class MetricsLogger:
         if m.step % self.log_interval == 0 or m.step == 1:
             mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}%"
             log.info(
-                "step %5d | loss %.4f | lr %.2e | grad %.3f | %8.0f tok/s | %.2f TFLOP/s | "
-                "mfu %s | mem %.2f GiB | %.3f s (data %.3f s)",
+                "step %5d | loss %.4f | lr %.2e | grad %.3f | %8.0f tok/s | %.2f TFLOP/s/device | "
+                "mfu %s | mem %.2f GiB (+%.2f baseline) | %.3f s (data %.3f s)",
                 m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s, m.tflops, mfu,
-                m.peak_mem_gib, m.step_time_s, m.data_wait_s,
+                m.peak_mem_gib, m.mem_baseline_gib, m.step_time_s, m.data_wait_s,
             )
 
     def log_eval(self, step: int, val_loss: float) -> None:

@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 
-from scaletrain.config import PrecisionConfig
+from scaletrain.runtime import cpu_has_fast_bf16, resolve_dtype
 
-log = logging.getLogger("scaletrain.train")
+__all__ = ["DTYPES", "autocast", "cpu_has_fast_bf16", "grad_scaler", "resolve_dtype"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has AVX-512 bf16 instructions (elsewhere bf16 can be 17x slower)."""
-    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(check and check())
-
-
-def resolve_dtype(cfg: PrecisionConfig, device: torch.device) -> str:
-    """The autocast dtype name ("fp32", "bf16" or "fp16") that `cfg.dtype` means on `device`."""
-    if cfg.dtype != "auto":
-        if cfg.dtype == "bf16" and device.type == "cpu" and not cpu_has_fast_bf16():
-            log.warning("bf16 on a CPU without AVX-512 bf16 is emulated and much slower than fp32")
-        return cfg.dtype
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if device.type == "cpu" and cpu_has_fast_bf16() else "fp32"
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:

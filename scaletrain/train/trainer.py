@@ -23,12 +23,13 @@ from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
 from scaletrain.profiling.capture import StepProfiler, phase
+from scaletrain.runtime import resolve_device
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
-from scaletrain.train.metrics import MetricsLogger, StepMetrics, peak_memory_gib
+from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
 from scaletrain.train.optim import build_optimizer
 from scaletrain.train.step import StepOutput, TrainStep
 
@@ -49,15 +50,6 @@ class TrainResult:
     checkpoint: Path | None = None
     sample: str | None = None
     wall_time_s: float = 0.0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"training.device is '{name}' but CUDA is not available; use 'cpu'")
-    return device
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -100,6 +92,7 @@ class Trainer:
         # This rank's place among the data-parallel ranks (the parallelism layer sets them).
         self.dp_rank, self.dp_size = self.par.dp_rank, self.par.dp_size
         self._build_data()
+        self.mem_baseline = MemoryBaseline(self.device)  # peaks are reported above it
         self.model_args = self._model_args()
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -370,21 +363,18 @@ class Trainer:
         rows = values.cpu().tolist()
         # Steps are not synchronized one by one: each gets the interval's mean step time.
         step_time = (now - pending.since) / len(pending.steps)
-        tps = self.ga * self.mbs * self.dp_size * self.cfg.data.seq_len / step_time
-        achieved = self.flops_per_token * tps
-        peak_mem = peak_memory_gib(self.device)
+        tokens = self.ga * self.mbs * self.dp_size * self.cfg.data.seq_len
         steps, pending.steps, pending.since = pending.steps, [], now
         for (step, _, data_wait), (loss, norm, skipped) in zip(steps, rows, strict=True):
             if skipped:
                 self._on_nonfinite(loss, step)
                 norm = float("nan")
             result.losses.append(loss)
-            metrics.log_step(StepMetrics(
+            metrics.log_step(step_metrics(
                 step=step, loss=loss, lr=self.schedule.lr_at(step - 1), grad_norm=norm,
-                tokens_per_s=tps, tflops=achieved / 1e12,
-                mfu=None if self.peak_flops is None else achieved / self.peak_flops,
-                peak_mem_gib=peak_mem, step_time_s=step_time, data_wait_s=data_wait,
-            ))
+                tokens=tokens, step_time_s=step_time, data_wait_s=data_wait,
+                world_size=self.par.dims.world_size, flops_per_token=self.flops_per_token,
+                peak_flops=self.peak_flops, baseline=self.mem_baseline))
 
     def sample(self, max_new_tokens: int) -> str | None:
         """A sampled continuation of a line of the validation text (see `train.sample`);

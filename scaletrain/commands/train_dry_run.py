@@ -1,0 +1,43 @@
+"""`scaletrain train --dry-run [--json]`: plan exactly what `train` would run; build nothing.
+
+Exit codes: 0 it fits, 3 it does not fit the device, 2 a config error or a layout the trainer
+refuses. `--json` prints the same JSON as `scaletrain plan --json`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from scaletrain.config import Config, ConfigError
+
+EXIT_DOES_NOT_FIT = 3
+
+
+def dry_run(cfg: Config, as_json: bool = False) -> int:
+    from scaletrain.commands.plan import format_plan
+    from scaletrain.plan.advice import advice_lines
+    from scaletrain.plan.estimate import PlanError, plan_json
+    from scaletrain.plan.from_config import plan_config
+    from scaletrain.runtime import resolve_device
+
+    try:
+        plan, device = plan_config(cfg, resolve_device(cfg.training.device))
+    except (ConfigError, PlanError, KeyError, ValueError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) else str(e)
+        print(f"scaletrain train --dry-run: {msg}", file=sys.stderr)
+        return 2
+    fits = device is None or plan.peak_bytes <= device.memory_bytes
+    if as_json:
+        print(json.dumps(plan_json(plan, device), indent=2))
+    else:
+        print(format_plan(plan, device))
+        if device is None:
+            print("device: not in the device table; cannot say whether it fits")
+        elif not fits:
+            print("\n".join(advice_lines(plan, device.memory_bytes)))
+    if plan.trainer_problems:
+        print("scaletrain train --dry-run: the trainer cannot run this layout:\n  - "
+              + "\n  - ".join(plan.trainer_problems), file=sys.stderr)
+        return 2
+    return 0 if fits else EXIT_DOES_NOT_FIT

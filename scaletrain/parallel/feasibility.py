@@ -1,0 +1,127 @@
+"""Can this layout run, and if not, why: the one answer for the trainer, the planner, the
+layout search and `train --dry-run`.
+
+`RunLayout` is what the trainer will run (degrees, data-parallel mode, pipeline schedule,
+precision and offload); `layout_problems` lists every reason it cannot, each naming the setting
+and the fix. It imports no torch.distributed, so the planner can ask it without a process group.
+The search never proposes a layout with problems: what stays refused here is never proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.models.args import ModelArgs
+from scaletrain.parallel.dims import ParallelDims
+
+DATA_PARALLEL_MODES = ("ddp", "zero1", "zero2", "zero3")
+ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                  "ZBVZeroBubble")
+SINGLE_STAGE = ("GPipe", "1F1B")
+
+
+def resolve_mode(data_parallel: str, dims: ParallelDims) -> str:
+    """`parallel.data_parallel` with `auto` resolved: zero3 when sharding or with tensor or
+    pipeline parallelism, else ddp."""
+    if data_parallel != "auto":
+        return data_parallel
+    return "zero3" if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 else "ddp"
+
+
+def mode_for_zero(zero: int, dims: ParallelDims) -> str:
+    """The trainer's data-parallel mode that runs ZeRO stage `zero` (0: DDP). With nothing to
+    shard or replicate (dp x cp = 1) the stage makes no difference and `auto` decides."""
+    if dims.dp * dims.cp == 1:
+        return resolve_mode("auto", dims)
+    return DATA_PARALLEL_MODES[zero]
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Everything about a run that decides whether it can start."""
+
+    dims: ParallelDims
+    mode: str
+    """Resolved `parallel.data_parallel`: ddp, zero1, zero2 or zero3."""
+    seq_len: int
+    grad_accum: int
+    pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 1
+    pp_microbatches: int | None = None
+    cpu_offload: bool = False
+    """`parallel.cpu_offload` (FSDP's host-memory offload)."""
+    sequence_parallel: bool = True
+    """`parallel.sequence_parallel` (matters with tensor parallelism)."""
+    precision: str = "fp32"
+    """The autocast dtype: fp32, bf16 or fp16."""
+    param_dtype: str = "fp32"
+    """`precision.param_dtype` (single-process 16-bit parameters)."""
+    optimizer_offload: bool = False
+    """`optimizer.offload` (single-process master weights and state in host memory)."""
+
+
+def schedule_problems(name: str, pp: int, virtual: int, microbatches: int) -> list[str]:
+    """What is wrong with a pipeline schedule for these stages and micro-batches."""
+    out = []
+    if name not in SCHEDULE_NAMES:
+        out.append(f"parallel.pp_schedule '{name}' is unknown; choose one of "
+                   f"{', '.join(SCHEDULE_NAMES)}")
+        return out
+    if name in SINGLE_STAGE and virtual != 1:
+        out.append(f"parallel.pp_schedule {name} runs one stage per rank: set "
+                   "parallel.pp_virtual_stages 1 or pick Interleaved1F1B / InterleavedZeroBubble")
+    if name == "ZBVZeroBubble" and virtual != 2:
+        out.append("parallel.pp_schedule ZBVZeroBubble needs parallel.pp_virtual_stages 2")
+    if name not in SINGLE_STAGE and name != "LoopedBFS" and microbatches % pp:
+        out.append(f"parallel.pp_schedule {name} needs the micro-batch count ({microbatches}) "
+                   f"to be a multiple of parallel.pp ({pp})")
+    return out
+
+
+def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
+    """Every reason the trainer cannot run `lay` on `args` (empty: it can)."""
+    d = lay.dims
+    out = d.model_problems(args, lay.seq_len, lay.pp_virtual_stages)
+    if lay.mode not in DATA_PARALLEL_MODES:
+        out.append(f"parallel.data_parallel '{lay.mode}' is unknown; choose auto or one of "
+                   f"{', '.join(DATA_PARALLEL_MODES)}")
+        return out
+    if lay.mode in ("ddp", "zero1") and (d.tp > 1 or d.pp > 1):
+        out.append(f"parallel.data_parallel {lay.mode} (ZeRO-{ZERO_STAGE[lay.mode]}) is not "
+                   "implemented with tensor or pipeline parallelism (it combines with context "
+                   "parallelism only); use zero2 or zero3")
+    if lay.mode in ("zero2", "zero3") and d.dp_shard == 1 and d.dp_replicate > 1 \
+            and d.tp == 1 and d.pp == 1 and d.cp == 1:
+        out.append(f"parallel.data_parallel {lay.mode} shards over parallel.dp_shard, which "
+                   "is 1; set --parallel.dp_shard -1 (or use ddp/zero1 for pure replicas)")
+    if d.cp > 1 and args.arch != "llama":
+        out.append(f"context parallelism is not implemented for arch '{args.arch}' (only "
+                   "'llama'); use data, tensor or pipeline parallelism")
+    if d.tp > 1 and args.arch != "llama" and lay.sequence_parallel:
+        out.append(f"sequence parallelism is not implemented for arch '{args.arch}' (its "
+                   "learned positions are added to the whole sequence); set "
+                   "parallel.sequence_parallel false for tensor parallelism")
+    if d.pp > 1:
+        micro = lay.pp_microbatches or lay.grad_accum
+        out += schedule_problems(lay.pp_schedule, d.pp, lay.pp_virtual_stages, micro)
+        if micro != lay.grad_accum:
+            out.append(f"parallel.pp_microbatches ({micro}) must equal the accumulation steps "
+                       f"({lay.grad_accum}): the micro-batches of a step are the pipeline's")
+    if lay.cpu_offload and lay.mode not in ("zero2", "zero3"):
+        out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")
+    if d.world_size > 1:  # fp16 runs in every layout (the step's sharded loss scaler)
+        if lay.param_dtype != "fp32" or lay.optimizer_offload:
+            out.append("16-bit parameters with fp32 master weights (precision.param_dtype; "
+                       "plan: --param-dtype) and optimizer.offload (plan: --offload) are "
+                       "single-process options; with several processes keep fp32 parameters "
+                       "(autocast) and use parallel.fsdp_param_dtype bf16 and "
+                       "parallel.cpu_offload (plan: --fsdp-param-dtype, --cpu-offload)")
+    else:
+        if lay.optimizer_offload and lay.precision == "fp16":
+            out.append("optimizer.offload does not support fp16 loss scaling; use "
+                       "precision.dtype bf16 or fp32")
+        if lay.param_dtype == "bf16" and lay.precision == "fp16":
+            out.append("precision.param_dtype bf16 cannot be combined with fp16 autocast; use "
+                       "precision.dtype bf16")
+    return out

@@ -1,0 +1,135 @@
+"""What to turn on when a layout does not fit: the cheapest single changes that make it fit.
+
+Each change is one knob the trainer has (recomputation, ZeRO stage, FSDP parameter dtype, CPU
+offload, micro-batch, tensor or pipeline parallelism taken from data parallelism), re-planned
+with the same estimate; the cost is the extra hardware FLOPs (recomputation) or the extra bytes
+communicated per step. Changes the trainer would refuse are not offered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.plan.estimate import Layout, Plan, PlanError, estimate, layout_problems
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Advice:
+    change: str
+    """The config flags to set."""
+    plan: Plan
+    flops_cost: float
+    """Extra hardware FLOPs per token, relative (0.33 = a third more compute)."""
+    comm_cost_bytes: int
+    """Extra bytes this rank communicates per step."""
+
+    def describe(self) -> str:
+        costs = []
+        if self.flops_cost > 0.005:
+            costs.append(f"+{self.flops_cost:.0%} compute")
+        if self.comm_cost_bytes > 0:
+            costs.append(f"+{self.comm_cost_bytes / 1e9:.3g} GB communication per step")
+        if self.plan.cpu_offload_bytes:
+            costs.append(f"{self.plan.cpu_offload_bytes / GIB:.2f} GiB over PCIe each step")
+        cost = ", ".join(costs) or "no extra compute or communication"
+        return f"{self.change}: peak {self.plan.peak_bytes / GIB:.2f} GiB ({cost})"
+
+
+def _changes(lay: Layout) -> Iterator[tuple[str, Layout]]:
+    d = lay.dims
+    for mode in ("selective", "full"):
+        if lay.recompute != mode and not (lay.recompute == "full" and mode == "selective"):
+            yield f"--activation_checkpoint.mode {mode}", lay.replace(recompute=mode)
+    multi = d.world_size > 1
+    if multi and d.dp * d.cp > 1:
+        for zero, mode in ((1, "zero1"), (2, "zero2"), (3, "zero3")):
+            if zero > lay.zero:
+                dims = d if zero < 2 else ParallelDims(d.pp, 1, d.dp, d.cp, d.tp)
+                yield (f"--parallel.data_parallel {mode}"
+                       + (" --parallel.dp_shard -1 --parallel.dp_replicate 1"
+                          if dims != d else ""),
+                       lay.replace(zero=zero, dims=dims))
+    if lay.fsdp and lay.fsdp_param_dtype == "fp32" and lay.precision == "bf16":
+        yield "--parallel.fsdp_param_dtype bf16", lay.replace(fsdp_param_dtype="bf16")
+    if lay.fsdp and not lay.cpu_offload:
+        yield "--parallel.cpu_offload true", lay.replace(cpu_offload=True)
+    if not multi and not lay.offload and lay.precision != "fp16":
+        yield "--optimizer.offload true", lay.replace(offload=True)
+    if lay.mbs > 1:
+        mbs = lay.mbs // 2
+        gbs = lay.gbs if lay.gbs is not None else lay.mbs * d.dp
+        yield (f"--training.micro_batch_size {mbs} (accumulation doubles)",
+               lay.replace(mbs=mbs, gbs=gbs))
+    for name in ("tp", "pp"):
+        for k in (2, 4, 8):
+            if d.dp_shard % k == 0 and d.dp_shard // k >= 1 and getattr(d, name) == 1:
+                new = {**d.mesh_shape, name: k, "dp_shard": d.dp_shard // k}
+                dims = ParallelDims(**new)
+                gbs = lay.gbs if lay.gbs is not None else lay.mbs * d.dp
+                yield (f"--parallel.{name} {k} (from data parallelism)",
+                       lay.replace(dims=dims, gbs=gbs, sequence_parallel=name == "tp"
+                                   or lay.sequence_parallel))
+                break
+
+
+def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
+    """The single changes that bring `plan` under `budget_bytes`, cheapest first; when none
+    does, the ones that save the most."""
+    base = plan.layout
+    out: list[Advice] = []
+    for change, lay in _changes(base):
+        if layout_problems(plan.args, lay):
+            continue
+        try:
+            new = estimate(plan.args, lay)
+        except PlanError:
+            continue
+        if new.trainer_problems or new.peak_bytes >= plan.peak_bytes:
+            continue
+        flops = new.hardware_flops_per_token / plan.hardware_flops_per_token - 1
+        comm = sum(new.comm_bytes_per_step.values()) - sum(plan.comm_bytes_per_step.values())
+        out.append(Advice(change, new, flops, max(0, comm)))
+    fitting = [a for a in out if a.plan.peak_bytes <= budget_bytes]
+    if fitting:
+        return sorted(fitting, key=lambda a: (a.flops_cost, a.comm_cost_bytes,
+                                              a.plan.cpu_offload_bytes))[:limit]
+    return sorted(out, key=lambda a: a.plan.peak_bytes)[:limit]
+
+
+def combine(plan: Plan, budget_bytes: float, steps: int = 4) -> list[Advice]:
+    """Changes applied one after another, each time the one that saves the most, until the
+    plan fits (or `steps` changes); empty when even that does not make it fit."""
+    chosen: list[Advice] = []
+    current = plan
+    for _ in range(steps):
+        found = advise(current, budget_bytes, limit=50)
+        if not found:
+            return []
+        fitting = [a for a in found if a.plan.peak_bytes <= budget_bytes]
+        best = fitting[0] if fitting else min(found, key=lambda a: a.plan.peak_bytes)
+        chosen.append(best)
+        current = best.plan
+        if current.peak_bytes <= budget_bytes:
+            return chosen
+    return []
+
+
+def advice_lines(plan: Plan, budget_bytes: float) -> list[str]:
+    """The advice as text for `plan` and `train --dry-run`."""
+    found = advise(plan, budget_bytes)
+    if found and found[0].plan.peak_bytes <= budget_bytes:
+        return ["", "to make it fit, change one of (cheapest first):",
+                *(f"  {a.describe()}" for a in found)]
+    steps = combine(plan, budget_bytes)
+    if steps:
+        return ["", "no single change makes it fit; these together do (in this order):",
+                *(f"  {a.describe()}" for a in steps)]
+    lines = ["", "no change the trainer offers makes it fit on this many devices: add devices, "
+             "shorten the sequence or use a smaller model"]
+    if found:
+        lines += ["the single changes that save the most:", *(f"  {a.describe()}" for a in found)]
+    return lines

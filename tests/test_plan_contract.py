@@ -1,0 +1,178 @@
+"""Plan and run are one contract: dry-run = plan, the search proposes only what the trainer
+runs (and its commands reproduce its layouts), SP and TP bytes, device names, HF configs."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from scaletrain.cli import main as cli
+from scaletrain.config import load_config
+from scaletrain.models.args import get_preset
+from scaletrain.models.hf import hf_config_from_model_args
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.from_config import layout_from_config
+from scaletrain.plan.hardware import get_device, match_device
+from scaletrain.plan.search import Cluster, search
+from scaletrain.runtime import resolve_device
+
+GIB = 2**30
+MODEL = "llama3.2-1b"
+TRAIN = ["--model.name", MODEL, "--training.device", "cpu", "--data.seq_len", "1024",
+         "--training.micro_batch_size", "1", "--precision.dtype", "bf16"]
+PLAN = ["plan", "--model", MODEL, "--seq-len", "1024", "--mbs", "1", "--dp", "8",
+        "--precision", "bf16", "--param-dtype", "fp32", "--kernels", "cpu", "--json"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = cli(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _dry_run(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, world: int,
+             *flags: str) -> tuple[int, dict, str]:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    rc, out, err = _run(capsys, "train", "--dry-run", "--json", *TRAIN, *flags)
+    return rc, (json.loads(out) if out.strip() else {}), err
+
+
+@pytest.mark.parametrize(("mode", "zero"), [("ddp", 0), ("zero1", 1), ("zero2", 2),
+                                            ("zero3", 3)])
+def test_dry_run_json_is_the_plan_of_each_data_parallel_mode(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, mode: str,
+        zero: int) -> None:
+    rc, dry, _ = _dry_run(capsys, monkeypatch, 8, "--parallel.dp_shard", "8",
+                          "--parallel.data_parallel", mode)
+    assert rc == 0 and dry["layout"]["data_parallel"] == mode and dry["layout"]["zero"] == zero
+    rc, out, _ = _run(capsys, *PLAN, "--zero", str(zero), "--dp-replicate", "1")
+    plan = json.loads(out)
+    dry.pop("device")
+    assert rc == 0 and plan == dry  # the same JSON, field for field
+    mem, params = dry["memory_bytes"], dry["params"]
+    # fp32 parameters under autocast: 4 B weights; sharded 8 ways only from ZeRO-2 (FSDP) on.
+    assert mem["weights"] == pytest.approx(4 * params / (8 if zero >= 2 else 1), rel=0.01)
+    assert mem["optimizer"] == pytest.approx(8 * params / (8 if zero >= 1 else 1), rel=0.01)
+    assert (mem["gathered_weights"] > 0) == (zero == 2)  # ZeRO-2 keeps blocks gathered
+
+
+def test_dry_run_offload_and_fsdp_param_dtype_change_the_plan(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = ("--parallel.dp_shard", "8", "--parallel.data_parallel", "zero3")
+    _, base, _ = _dry_run(capsys, monkeypatch, 8, *shard)
+    _, bf16, _ = _dry_run(capsys, monkeypatch, 8, *shard, "--parallel.fsdp_param_dtype", "bf16")
+    _, off, _ = _dry_run(capsys, monkeypatch, 8, *shard, "--parallel.cpu_offload", "true")
+    assert base["memory_bytes"]["cast_weights"] > 0 == bf16["memory_bytes"]["cast_weights"]
+    assert bf16["comm_bytes_per_step"]["all_gather"] < base["comm_bytes_per_step"]["all_gather"]
+    assert off["layout"]["cpu_offload"] and off["memory_bytes"]["optimizer"] == 0
+    assert off["memory_bytes"]["weights"] == off["memory_bytes"]["gradients"] == 0
+    moved = sum(base["memory_bytes"][k] for k in ("weights", "gradients", "optimizer"))
+    assert off["cpu_offload_bytes"] == pytest.approx(moved, rel=1e-6)
+    # One process: optimizer.offload moves the optimizer state only.
+    _, one, _ = _dry_run(capsys, monkeypatch, 1, "--optimizer.offload", "true")
+    assert one["layout"]["offload"] and one["memory_bytes"]["optimizer"] == 0
+    assert one["memory_bytes"]["weights"] > 0
+
+
+def test_dry_run_exit_codes(capsys: pytest.CaptureFixture[str],
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    rc, plan, _ = _dry_run(capsys, monkeypatch, 1)
+    assert rc == 0 and plan["device"]["fits"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rc, out, _ = _run(capsys, "train", "--dry-run", *TRAIN, "--model.name", "llama3.1-405b")
+    assert rc == 3 and "DOES NOT FIT" in out
+    assert "no change the trainer offers makes it fit" in out
+    assert "--optimizer.offload true: peak" in out
+    rc, _, err = _run(capsys, "train", "--dry-run", "--model.name", "no-such-model")
+    assert rc == 2 and "unknown preset" in err
+    # A layout the trainer refuses is a config error: ZeRO-1 with tensor parallelism.
+    rc, _, err = _dry_run(capsys, monkeypatch, 4, "--parallel.tp", "2",
+                          "--parallel.data_parallel", "zero1")
+    assert rc == 2 and "zero1" in err
+
+
+def test_sequence_parallel_moves_the_same_bytes_as_plain_tensor_parallel() -> None:
+    args = get_preset("llama3-8b")
+    for recompute in ("none", "full"):
+        lay = Layout(dims=ParallelDims(tp=2, dp_shard=1), mbs=1, seq_len=4096,
+                     recompute=recompute)
+        sp = estimate(args, lay.replace(sequence_parallel=True)).comm_bytes_by_dim["tp"]
+        plain = estimate(args, lay.replace(sequence_parallel=False)).comm_bytes_by_dim["tp"]
+        assert sp == plain > 0
+
+
+def test_search_proposes_only_what_the_trainer_runs_and_commands_reproduce_it() -> None:
+    cluster = Cluster(get_device("H100"), 16)
+    for model in ("llama3-8b", "gpt2-xl"):
+        args = get_preset(model)
+        fitting, every = search(args, cluster, 1024, 1024 * 256, model=model)
+        assert fitting
+        assert all(not c.plan.trainer_problems for c in every)
+        if args.arch == "gpt2":  # GPT-2 runs tensor parallel without sequence parallelism
+            assert all(not c.layout.sequence_parallel for c in every)
+        for c in fitting[:3]:
+            argv = shlex.split(c.command)
+            assert argv[:2] == ["torchrun", "--nnodes"] and "scaletrain" in argv
+            flags = argv[argv.index("train") + 1:]
+            cfg = load_config(flags)
+            lay = layout_from_config(cfg, resolve_device("cpu"), c.layout.dims.world_size)
+            planned = c.layout
+            for field in ("dims", "mbs", "seq_len", "grad_accum", "zero", "recompute", "vpp",
+                          "schedule", "fsdp_param_dtype", "precision", "data_parallel"):
+                assert getattr(lay, field) == getattr(planned, field), (c.command, field)
+
+
+def test_device_names_match_exactly_with_aliases() -> None:
+    assert match_device("NVIDIA H100 80GB HBM3") is get_device("h100")
+    assert match_device("L40").name == "L40" and match_device("L40S").name == "L40S"
+    assert match_device("NVIDIA GH200 480GB").name == "GH200"
+    assert match_device("H100 NVL").memory_gib > get_device("H100").memory_gib
+    for unknown in ("H1000", "L40X", "H100-SXM-XL"):
+        assert match_device(unknown) is None
+    with pytest.raises(ValueError, match="Known: .*H100-SXM.*MI300X"):
+        get_device("H1000")
+
+
+def test_hf_config_file_or_folder_is_a_model(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    args = get_preset("llama3.2-1b")
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config_from_model_args(args)))
+    common = ["--seq-len", "2048", "--mbs", "1", "--json"]
+    _, preset, _ = _run(capsys, "plan", "--model", "llama3.2-1b", *common)
+    for source in (folder, folder / "config.json"):
+        rc, out, _ = _run(capsys, "plan", "--model", str(source), *common)
+        assert rc == 0 and json.loads(out) == json.loads(preset)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rc, dry, _ = _dry_run(capsys, monkeypatch, 1, "--model.name", str(folder))
+    assert rc == 0 and dry["params"] == json.loads(preset)["params"]
+    rc, _, err = _run(capsys, "plan", "--model", str(tmp_path), *common)
+    assert rc == 2 and "config.json" in err
+
+
+def test_advice_names_changes_that_make_it_fit() -> None:
+    from scaletrain.plan.advice import advise, combine
+
+    args = get_preset("llama3-8b")
+    budget = get_device("H100").memory_bytes
+    lay = Layout(dims=ParallelDims(dp_replicate=8, dp_shard=1), mbs=1, seq_len=4096,
+                 param_dtype="fp32")
+    plan = estimate(args, lay)
+    assert plan.peak_bytes > budget
+    found = advise(plan, budget)
+    assert found and all(a.plan.peak_bytes <= budget and not a.plan.trainer_problems
+                         for a in found)
+    costs = [(a.flops_cost, a.comm_cost_bytes, a.plan.cpu_offload_bytes) for a in found]
+    assert costs == sorted(costs)  # cheapest first
+    # A micro-batch of 2 at 8k needs two changes: each step lowers the peak, the last fits.
+    big = estimate(args, lay.replace(mbs=2, seq_len=8192))
+    steps = combine(big, budget)
+    assert len(steps) >= 2 and steps[-1].plan.peak_bytes <= budget
+    peaks = [big.peak_bytes] + [a.plan.peak_bytes for a in steps]
+    assert peaks == sorted(peaks, reverse=True)

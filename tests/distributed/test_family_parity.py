@@ -26,7 +26,11 @@ def test_families_tp_and_fsdp_match_one_process(tmp_path: Path) -> None:
                     ["--model.name", "debug-gemma2"]))
     low = {"gemma2-tp": ("bf16",)}  # autocast honoured on the family with the most variants
     table, errors, _ = _run(tmp_path, tmp_path / "cache", 2, layouts, low)
-    _check(2, table, errors)
+    # Step 1's gradient norm matches to 1e-7; later steps of Gemma 2 under TP differ by up to
+    # 1.5e-5 (losses still 1.5e-7): AdamW's first update is about lr * sign(g), so parameters
+    # whose true gradient is ~0 take a full-size step in the direction of each run's rounding
+    # noise, and the next gradient norm sees it.
+    _check(2, table, errors, norm_tol=5e-5)
 
 
 def test_context_parallel_refuses_windows_and_softcaps() -> None:

@@ -130,6 +130,11 @@ class TrainingConfig:
     """What to do when the loss is NaN/inf: stop the run, or skip the optimizer step."""
     sample_tokens: int = 48
     """New tokens generated as a sample at the end of training (0 = none)."""
+    fused_loss: bool = False
+    """Compute the output head and cross-entropy chunk by chunk over tokens, never holding the
+    full (tokens x vocabulary) logits (same loss and gradients; one process only)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the fused loss."""
 
 
 @dataclass

@@ -176,6 +176,9 @@ class PrecisionConfig:
     AVX-512 bf16 instructions, else fp32."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the model's parameters; bf16 keeps fp32 master weights in the optimizer."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 matmuls through torchao's float8 linears (scaling per tensor or per row): CUDA with
+    compute capability >= 8.9, torchao installed, bf16 autocast, one process; refused elsewhere."""
 
 
 @dataclass

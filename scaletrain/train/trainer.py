@@ -27,6 +27,7 @@ from scaletrain.runtime import resolve_device
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.evaluate import evaluate
+from scaletrain.train.fp8 import apply_fp8, fp8_problem
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
 from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
@@ -97,6 +98,9 @@ class Trainer:
         if cfg.optimizer.offload and self.dtype == "fp16":
             raise ConfigError("optimizer.offload does not support fp16 loss scaling; "
                               "use precision.dtype bf16 or fp32")
+        fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype, self.par.enabled)
+        if fp8:
+            raise ConfigError(fp8)
         self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
         self.mbs = cfg.training.micro_batch_size
         if self.par.enabled:
@@ -201,6 +205,7 @@ class Trainer:
         n = sum(p.numel() for p in model.parameters())
         log.info("model %s: %s parameters, %s on %s", self.cfg.model.name, f"{n:,}",
                  self.dtype, self.device)
+        apply_fp8(model, self.cfg.precision.fp8)
         apply_ac(model, self.cfg.activation_checkpoint)
         apply_compile(model, self.cfg.compile)
         model.train()

@@ -1,4 +1,5 @@
-"""The chunked linear + cross-entropy equals the plain head + loss (loss and gradients, fp32)."""
+"""Fast paths: the chunked linear + cross-entropy equals the plain head + loss (loss and gradients,
+fp32); precision.fp8 refused where it cannot run."""
 
 from __future__ import annotations
 
@@ -131,3 +132,22 @@ def test_fused_loss_refused_where_it_cannot_run() -> None:
     assert fused_loss_problem(False, model, False) is None
     assert "one process" in fused_loss_problem(True, model, False)
     assert "fine-tuning" in fused_loss_problem(False, model, True)
+
+
+def test_fp8_refused_on_cpu_with_exit_2(tmp_path: Path) -> None:
+    """precision.fp8 on a CPU run: a ConfigError naming the requirement; exit 2 from the CLI."""
+    from scaletrain.config import ConfigError
+    from scaletrain.train.fp8 import fp8_problem
+
+    assert fp8_problem("none", torch.device("cpu"), "bf16", False) is None
+    with pytest.raises(ConfigError, match="compute capability 8.9"):
+        Trainer(tiny_config(tmp_path / "f", tmp_path / "c", "--precision.fp8", "rowwise"))
+    import subprocess
+    import sys
+
+    from tests.trainer_helpers import tiny_argv
+    argv = tiny_argv(tmp_path / "g", tmp_path / "c", "--precision.fp8", "tensorwise")
+    run = subprocess.run([sys.executable, "-m", "scaletrain", "train", *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "precision.fp8" in run.stderr and "Traceback" not in run.stderr

@@ -101,6 +101,8 @@ class Trainer:
         fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype, self.par.enabled)
         if fp8:
             raise ConfigError(fp8)
+        if cfg.training.fused_loss and self.par.enabled:  # before any collective or model
+            raise ConfigError(fused_loss_problem(True, None, False) or "")
         self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
         self.mbs = cfg.training.micro_batch_size
         if self.par.enabled:

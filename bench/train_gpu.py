@@ -2,6 +2,7 @@
 
     python bench/train_gpu.py                     # search the largest micro-batch that fits
     python bench/train_gpu.py --batches 4,8 --ac selective
+    python bench/train_gpu.py --fused-loss --fp8 rowwise   # chunked loss + FP8 (SM89+)
 
 For each micro-batch size (1, 2, 4, 8, ... until one runs out of memory) a fresh `Trainer` is
 built from a real Config and its `train_step` is timed on random token batches (random ids are
@@ -52,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default=None,
                    help="comma-separated micro-batch sizes (default: 1, 2, 4, ... up to "
                         "--max-batch, stopping at the first that runs out of memory)")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="training.fused_loss: chunked head + cross-entropy, no full logits")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per fused-loss chunk")
+    p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
+                   help="precision.fp8 (torchao float8; CUDA SM89+)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=10, help="timed steps per size")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
@@ -82,6 +88,8 @@ def build_trainer(a: argparse.Namespace, mbs: int, output: Path) -> Any:
         "--compile.enabled", "false" if a.no_compile else "true",
         "--lr_schedule.warmup_steps", "0", "--lr_schedule.decay", "constant",
         "--checkpoint.interval", "0",
+        "--training.fused_loss", "true" if a.fused_loss else "false",
+        "--training.loss_chunk_tokens", str(a.loss_chunk), "--precision.fp8", a.fp8,
         "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
     ]
     if a.dim:

@@ -130,6 +130,11 @@ class TrainingConfig:
     """What to do when the loss is NaN/inf: stop the run, or skip the optimizer step."""
     sample_tokens: int = 48
     """New tokens generated as a sample at the end of training (0 = none)."""
+    fused_loss: bool = False
+    """Compute the output head and cross-entropy chunk by chunk over tokens, never holding the
+    full (tokens x vocabulary) logits (same loss and gradients; one process only)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the fused loss."""
 
 
 @dataclass
@@ -171,6 +176,9 @@ class PrecisionConfig:
     AVX-512 bf16 instructions, else fp32."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the model's parameters; bf16 keeps fp32 master weights in the optimizer."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 matmuls through torchao's float8 linears (scaling per tensor or per row): CUDA with
+    compute capability >= 8.9, torchao installed, bf16 autocast, one process; refused elsewhere."""
 
 
 @dataclass

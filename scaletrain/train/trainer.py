@@ -27,6 +27,7 @@ from scaletrain.runtime import resolve_device
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.evaluate import evaluate
+from scaletrain.train.fp8 import apply_fp8, fp8_problem
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
 from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
@@ -50,6 +51,18 @@ class TrainResult:
     checkpoint: Path | None = None
     sample: str | None = None
     wall_time_s: float = 0.0
+
+
+def fused_loss_problem(parallel: bool, model: Any, custom_forward: bool) -> str | None:
+    """Why `training.fused_loss` cannot run here (None when it can)."""
+    if parallel:
+        return ("training.fused_loss runs on one process only (its head is applied outside the "
+                "model's forward, which DDP/FSDP/TP hooks and the vocabulary-parallel loss do "
+                "not see); set training.fused_loss false for parallel layouts")
+    if custom_forward or not isinstance(model, Transformer):
+        return ("training.fused_loss needs the plain decoder (language-model pre-training); "
+                "set training.fused_loss false for fine-tuning")
+    return None
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -85,6 +98,11 @@ class Trainer:
         if cfg.optimizer.offload and self.dtype == "fp16":
             raise ConfigError("optimizer.offload does not support fp16 loss scaling; "
                               "use precision.dtype bf16 or fp32")
+        fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype, self.par.enabled)
+        if fp8:
+            raise ConfigError(fp8)
+        if cfg.training.fused_loss and self.par.enabled:  # before any collective or model
+            raise ConfigError(fused_loss_problem(True, None, False) or "")
         self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
         self.mbs = cfg.training.micro_batch_size
         if self.par.enabled:
@@ -110,9 +128,11 @@ class Trainer:
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enabled and not self.par.enabled:
             self.loss_fn = torch.compile(cross_entropy_sum)
+        step_loss, step_forward = (lambda logits, y: self.loss_fn(logits, y)), self.model_forward
+        if cfg.training.fused_loss:
+            step_loss, step_forward = self._fused_loss()
         self.step_fn = TrainStep(self.model, self.optimizer, self.par, self.device, self.dtype,
-                                 lambda logits, y: self.loss_fn(logits, y),
-                                 cfg.training.max_grad_norm, self.scaler, self.model_forward)
+                                 step_loss, cfg.training.max_grad_norm, self.scaler, step_forward)
         self.checkpointer = self.checkpointer_cls(self.output / "checkpoints",
                                                   cfg.checkpoint.keep_last, self.model_args,
                                                   self.corpus.tokenizer_path,
@@ -187,6 +207,7 @@ class Trainer:
         n = sum(p.numel() for p in model.parameters())
         log.info("model %s: %s parameters, %s on %s", self.cfg.model.name, f"{n:,}",
                  self.dtype, self.device)
+        apply_fp8(model, self.cfg.precision.fp8)
         apply_ac(model, self.cfg.activation_checkpoint)
         apply_compile(model, self.cfg.compile)
         model.train()
@@ -249,6 +270,25 @@ class Trainer:
             self._on_nonfinite(loss, self.step + 1)
             return loss, float("nan")
         return loss, norm
+
+    def _fused_loss(self) -> tuple[Any, Any]:
+        """(loss, forward) of the training step with `training.fused_loss`: the forward gives
+        the final-norm hidden states, the loss applies the head chunk by chunk."""
+        from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
+
+        problem = fused_loss_problem(self.par.enabled, self.model,
+                                     type(self).model_forward is not Trainer.model_forward)
+        if problem:
+            raise ConfigError(problem)
+        chunk, cap = self.cfg.training.loss_chunk_tokens, self.model_args.final_softcap
+        if chunk < 1:
+            raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {chunk}")
+        model = self.model
+
+        def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return chunked_linear_cross_entropy(h, model.output.weight, y, chunk, cap)
+
+        return loss, lambda x: model.hidden_states(x)
 
     def model_forward(self, x: Any) -> torch.Tensor:
         """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids)."""

@@ -292,12 +292,17 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face checkpoint directory")
+    return read_config_file(path)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A JSON object from `path` (a config file), with errors naming the file."""
     try:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+        raise ValueError(f"{path} must hold a JSON object (a Hugging Face config.json)")
     return cfg
 
 

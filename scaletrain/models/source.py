@@ -6,11 +6,10 @@ can plan their own model before any weights exist.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from scaletrain.models.args import PRESETS, ModelArgs, get_preset
-from scaletrain.models.hf import model_args_from_hf_config, read_hf_config
+from scaletrain.models.hf import model_args_from_hf_config, read_config_file, read_hf_config
 
 
 def is_hf_config_path(name: str) -> bool:
@@ -30,12 +29,7 @@ def load_model_args(name: str) -> ModelArgs:
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
     else:
-        try:
-            cfg = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{path} must hold a JSON object (a Hugging Face config.json)")
+        cfg = read_config_file(path)
     try:
         return model_args_from_hf_config(cfg)
     except (KeyError, TypeError) as e:

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Arch = Literal["llama", "gpt2"]
-Family = Literal["llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma2"]
+Family = Literal["llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "mixtral",
+                 "qwen3_moe"]
 MlpAct = Literal["silu", "gelu_tanh"]
+RouterScore = Literal["softmax", "sigmoid"]
+ExpertCompute = Literal["grouped", "loop"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,28 @@ class ModelArgs:
     """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
     query_pre_attn_scalar: float | None = None
     """Attention scale 1 / sqrt(this) instead of 1 / sqrt(head_dim) (Gemma 2)."""
+    # --- Mixture of Experts (`models/moe.py`); n_experts = 0 is a dense model -----------------
+    n_experts: int = 0
+    """Routed experts per MoE block (Mixtral 8, Qwen3-30B-A3B 128); 0 = dense MLP."""
+    n_experts_per_token: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_ffn_dim: int | None = None
+    """Hidden size of one expert; None = the dense `hidden_dim`."""
+    n_shared_experts: int = 0
+    """Experts every token goes through (DeepSeek-style), as one MLP of n * moe_ffn_dim."""
+    router_score: RouterScore = "softmax"
+    """Router probabilities: softmax over experts (Mixtral, Qwen3) or per-expert sigmoid."""
+    router_norm_topk: bool = True
+    """Renormalize the k chosen weights to sum to 1 (Mixtral: always; Qwen3-MoE: norm_topk_prob)."""
+    moe_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing auxiliary loss (Mixtral 0.02, Qwen3-MoE 0.001); 0 = off."""
+    moe_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): per-step move of the routing bias; 0 = off."""
+    moe_capacity_factor: float | None = None
+    """Keep at most factor * tokens * k / experts tokens per expert (drop the rest); None = no
+    dropping."""
+    expert_compute: ExpertCompute = "grouped"
+    """Routed experts as one grouped GEMM (`torch._grouped_mm`) or one matmul per expert."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -135,6 +160,27 @@ class ModelArgs:
             out.append(f"family {self.family!r} does not match arch {self.arch!r}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             out.append(f"ffn_dim must be positive (got {self.ffn_dim})")
+        return out + self._moe_problems()
+
+    def _moe_problems(self) -> list[str]:
+        out = []
+        if self.n_experts < 0 or self.n_shared_experts < 0:
+            out.append("n_experts and n_shared_experts must be >= 0")
+        if self.n_experts == 0:
+            if self.family in ("mixtral", "qwen3_moe"):
+                out.append(f"family {self.family!r} needs n_experts > 0")
+            return out
+        if self.arch != "llama":
+            out.append("Mixture of Experts needs arch 'llama' (SwiGLU experts)")
+        if not 1 <= self.n_experts_per_token <= self.n_experts:
+            out.append(f"n_experts_per_token must be in 1..n_experts ({self.n_experts}); "
+                       f"got {self.n_experts_per_token}")
+        if self.moe_ffn_dim is not None and self.moe_ffn_dim <= 0:
+            out.append(f"moe_ffn_dim must be positive (got {self.moe_ffn_dim})")
+        if self.moe_aux_loss_coef < 0 or self.moe_bias_update_rate < 0:
+            out.append("moe_aux_loss_coef and moe_bias_update_rate must be >= 0")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            out.append("moe_capacity_factor must be positive or unset")
         return out
 
     @property
@@ -166,6 +212,19 @@ class ModelArgs:
     @property
     def hidden_dim(self) -> int:
         return ffn_hidden_dim(self)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Hidden size of one routed expert."""
+        return self.moe_ffn_dim if self.moe_ffn_dim is not None else self.hidden_dim
+
+    @property
+    def shared_expert_hidden_dim(self) -> int:
+        return self.n_shared_experts * self.expert_hidden_dim
 
     @property
     def has_bias(self) -> bool:
@@ -236,6 +295,9 @@ def count_params(args: ModelArgs) -> ParamCount:
     hidden = args.hidden_dim
     # GELU MLP: two matrices with biases; SwiGLU: three matrices, no biases.
     mlp = 2 * d * hidden + (hidden + d) if args.arch == "gpt2" else 3 * d * hidden
+    if args.is_moe:  # router + routed experts + shared experts
+        mlp = d * args.n_experts + 3 * d * (args.n_experts * args.expert_hidden_dim
+                                            + args.shared_expert_hidden_dim)
     norm = 2 * d if args.arch == "gpt2" else d  # LayerNorm has weight and bias
     norms_per_layer = 4 if args.post_norms else 2
     return ParamCount(
@@ -246,6 +308,16 @@ def count_params(args: ModelArgs) -> ParamCount:
         norms=args.n_layers * norms_per_layer * norm + norm,
         head=0 if args.tie_embeddings else args.vocab_size * d,
     )
+
+
+def count_active_params(args: ModelArgs) -> int:
+    """Parameters one token goes through: the total less the routed experts it skips (equal to
+    the total for a dense model); FLOPs per token and MFU of MoE models count these."""
+    if not args.is_moe:
+        return count_params(args).total
+    skipped = args.n_experts - args.n_experts_per_token
+    return count_params(args).total - args.n_layers * skipped * 3 * args.dim \
+        * args.expert_hidden_dim
 
 
 def _llama3_rope(factor: float) -> RopeScaling:
@@ -325,6 +397,26 @@ PRESETS: dict[str, ModelArgs] = {
                           sliding_window=24, sliding_window_pattern=2, attn_softcap=50.0,
                           final_softcap=30.0, query_pre_attn_scalar=32.0),
        }.items()},
+    # Mixture of Experts (dimensions of the published config.json files).
+    "debug-moe": ModelArgs(family="mixtral", dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                           vocab_size=8192, ffn_dim=512, max_seq_len=1024, n_experts=8,
+                           n_experts_per_token=2, moe_aux_loss_coef=0.01),
+    "mixtral-8x7b": ModelArgs(family="mixtral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              ffn_dim=14336, vocab_size=32000, rope_theta=1e6, norm_eps=1e-5,
+                              max_seq_len=32768, n_experts=8, n_experts_per_token=2,
+                              moe_aux_loss_coef=0.02),
+    "mixtral-8x22b": ModelArgs(family="mixtral", dim=6144, n_layers=56, n_heads=48,
+                               n_kv_heads=8, ffn_dim=16384, vocab_size=32768, rope_theta=1e6,
+                               norm_eps=1e-5, max_seq_len=65536, n_experts=8,
+                               n_experts_per_token=2, moe_aux_loss_coef=0.001),
+    "qwen3-30b-a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144,
+                               moe_ffn_dim=768, n_experts=128, n_experts_per_token=8,
+                               moe_aux_loss_coef=0.001,
+                               **{**_QWEN3, "family": "qwen3_moe"}),
+    "qwen3-235b-a22b": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                                 ffn_dim=12288, moe_ffn_dim=1536, n_experts=128,
+                                 n_experts_per_token=8, moe_aux_loss_coef=0.001,
+                                 **{**_QWEN3, "family": "qwen3_moe"}),
     "gpt2": _gpt2(768, 12, 12),
     "gpt2-medium": _gpt2(1024, 24, 16),
     "gpt2-large": _gpt2(1280, 36, 20),
@@ -352,7 +444,9 @@ def preset_table() -> list[dict[str, Any]]:
     for name, a in PRESETS.items():
         rows.append({
             "name": name, "arch": a.arch if a.arch == "gpt2" else a.family,
-            "params": count_params(a).total, "dim": a.dim,
+            "params": count_params(a).total, "active_params": count_active_params(a),
+            "dim": a.dim, "n_experts": a.n_experts,
+            "experts_per_token": a.n_experts_per_token if a.is_moe else 0,
             "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.kv_heads,
             "head_dim": a.head_dim, "sliding_window": a.sliding_window,
             "ffn_dim": a.hidden_dim, "vocab_size": a.vocab_size, "max_seq_len": a.max_seq_len,
@@ -361,5 +455,6 @@ def preset_table() -> list[dict[str, Any]]:
     return rows
 
 
-__all__ = ["ModelArgs", "RopeScaling", "ParamCount", "PRESETS", "count_params", "get_preset",
+__all__ = ["ModelArgs", "RopeScaling", "ParamCount", "PRESETS", "count_params",
+           "count_active_params", "get_preset",
            "preset_table", "ffn_hidden_dim"]

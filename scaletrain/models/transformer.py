@@ -22,6 +22,7 @@ from scaletrain.models.layers import (  # noqa: F401  (FeedForward, make_norm: o
     make_mlp,
     make_norm,
 )
+from scaletrain.models.moe import GroupedExperts, MoE
 from scaletrain.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
@@ -245,6 +246,12 @@ class Transformer(nn.Module):
             self.inv_freq.device if self.inv_freq.device.type != "meta" else _device_of(self)
         )
 
+    def reset_moe_state(self) -> None:
+        """Zero the routing biases and load counters of MoE blocks (after `to_empty`)."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_state()
+
     def init_plan(self, std: float = 0.02) -> list[tuple[str, str, float]]:
         """(parameter name, "normal" | "ones" | "zeros", std) in the order `init_weights`
         draws them from the RNG (tied parameters once).
@@ -259,8 +266,11 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             plan.append(("pos_embeddings.weight", "normal", std / 2))
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
+            if isinstance(module, GroupedExperts):
+                plan += [(f"{name}.w1", "normal", std), (f"{name}.w2", "normal", out_std),
+                         (f"{name}.w3", "normal", std)]
+            elif isinstance(module, nn.Linear):
+                is_residual = name.endswith(("attention.wo", ".w2"))
                 if module is not self.output or not args.tie_embeddings:
                     plan.append((f"{name}.weight", "normal", out_std if is_residual else std))
                 if module.bias is not None:
@@ -276,6 +286,7 @@ class Transformer(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Initialize every parameter and buffer (also after `to_empty` from the meta device)."""
         self.reset_buffers()
+        self.reset_moe_state()
         params = dict(self.named_parameters())
         for name, kind, s in self.init_plan(std):
             _fill(params[name], kind, s)
@@ -357,6 +368,7 @@ def empty_model(
     model.to_empty(device=device)
     model.to(dtype)
     model.reset_buffers()
+    model.reset_moe_state()
     return model
 
 

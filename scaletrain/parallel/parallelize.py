@@ -206,6 +206,7 @@ class Parallelism:
             raise RuntimeError(f"parameters without an initial value: {sorted(local)}")
         model.inv_freq = inverse_frequencies(args.head_dim, args.rope_theta,
                                              args.rope_scaling).to(self.device)
+        model.reset_moe_state()
 
     def attach_pipeline(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
                         microbatches: int,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from scaletrain.models.moe import aux_loss_weighting, moe_layers, update_expert_bias
 from scaletrain.parallel.grad import clip_grad_norm
 from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.profiling.capture import phase
@@ -67,6 +68,7 @@ class TrainStep:
         self.device, self.dtype = device, dtype
         self.loss_fn, self.max_grad_norm, self.scaler = loss_fn, max_grad_norm, scaler
         self.forward = forward or model
+        self.has_moe = any(True for _ in moe_layers(model))
         if scaler is not None:  # create its scale now: pipeline stages without the loss never
             scaler.scale(torch.zeros((), device=device))  # call `scale` themselves
 
@@ -82,7 +84,7 @@ class TrainStep:
         n_valid = sum(count_valid(y) for _, y in batches)
         n_valid = par.all_reduce(torch.as_tensor(n_valid, device=self.device).float(), "dp")
         n_valid = n_valid.clamp(min=1)
-        with par.loss_context():
+        with par.loss_context(), self._moe_weighting(batches):
             if par.schedule is not None:
                 loss_sum = par.pipeline_forward_backward(batches, n_valid, self._scale)
             else:
@@ -98,7 +100,19 @@ class TrainStep:
                 bad = bad | ~torch.isfinite(grad_norm)
             self._optimizer_step(bad)
             self.optimizer.zero_grad(set_to_none=True)
+            if self.has_moe:  # auxiliary-loss-free balancing (no-op unless configured)
+                update_expert_bias(self.model, lambda t: par.all_reduce(t, "dp_cp"))
         return StepOutput(loss.detach(), grad_norm, bad)
+
+    def _moe_weighting(self, batches: list[Batch]) -> contextlib.AbstractContextManager:
+        """MoE auxiliary losses weighted by each forward's share of the step's tokens (all
+        micro-batches, all data-parallel ranks) and by the fp16 loss scale."""
+        if not self.has_moe:
+            return contextlib.nullcontext()
+        step_tokens = sum(y.numel() for _, y in batches) * self.par.dp_size
+        loss_scale = (None if self.scaler is None
+                      else self._scale(torch.ones((), device=self.device)))
+        return aux_loss_weighting(step_tokens, loss_scale)
 
     def _micro_batches(self, batches: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
         """Forward and backward of each micro-batch; the sum of this rank's token losses."""

@@ -1,0 +1,317 @@
+"""Mixture of Experts: the MLP slot of a sparse block (Mixtral, Qwen3-MoE, DeepSeek-style).
+
+Token-choice top-k routing: a linear router scores every expert per token (softmax or sigmoid),
+each token goes to its k best experts, and the block's output is the weighted sum of those
+experts' SwiGLU outputs (plus shared experts every token goes through). No token is dropped
+unless `moe_capacity_factor` is set.
+
+The routed experts are computed as one grouped GEMM over the tokens sorted by expert
+(`torch._grouped_mm`, on CPU as on GPU; `expert_compute="loop"` runs one matmul per expert, the
+reference). With expert parallelism the sorted tokens are exchanged with an all-to-all between
+the ranks that own the experts (`MoE.dispatcher`, installed by `parallel/ep.py`).
+
+Load balancing, two options that can be combined:
+- the auxiliary loss of Switch/Mixtral, `E * sum_i f_i * P_i` per layer (f_i: fraction of the
+  layer's routed tokens that chose expert i, times k; P_i: mean router probability of i), added
+  to the objective with weight `moe_aux_loss_coef`. Its gradient is injected in backward at the
+  MoE output (`_InjectAuxGrad`), so it works unchanged under pipeline parallelism; the training
+  step weights each micro-batch's term by its share of the step's tokens (`aux_loss_weighting`).
+- the auxiliary-loss-free bias of DeepSeek-V3: a per-expert bias added to the scores for the
+  top-k choice only (not to the weights), moved by `moe_bias_update_rate * sign(mean load -
+  load)` after each optimizer step (`update_expert_bias`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.models.args import ModelArgs
+from scaletrain.models.layers import MLP_BUILDERS, FeedForward
+
+# --- how the training step weights the auxiliary loss ----------------------------------------
+_AUX_WEIGHTING: dict[str, Any] = {"tokens": None, "scale": None}
+
+
+@contextlib.contextmanager
+def aux_loss_weighting(step_tokens: int, loss_scale: torch.Tensor | None = None
+                       ) -> Iterator[None]:
+    """Inside, each forward's auxiliary loss is weighted by (its tokens / `step_tokens`), the
+    tokens of the whole step over every data-parallel rank and micro-batch, so the step's
+    objective holds the token-weighted mean of the auxiliary loss whatever the layout; and
+    by `loss_scale` (the fp16 loss scale) like the main loss. Outside, the weight is 1."""
+    old = dict(_AUX_WEIGHTING)
+    _AUX_WEIGHTING.update(tokens=step_tokens, scale=loss_scale)
+    try:
+        yield
+    finally:
+        _AUX_WEIGHTING.update(old)
+
+
+class _InjectAuxGrad(torch.autograd.Function):
+    """Identity on `out`; in backward, d(weight * aux)/d(aux) = weight flows into `aux`."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, weight: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad, weight.to(torch.float32).expand(()), None
+
+
+def _aux_weight(coef: float, local_tokens: int, device: torch.device) -> torch.Tensor:
+    w = torch.tensor(coef, dtype=torch.float32, device=device)
+    if _AUX_WEIGHTING["tokens"] is not None:
+        w = w * (local_tokens / _AUX_WEIGHTING["tokens"])
+    if _AUX_WEIGHTING["scale"] is not None:
+        w = w * _AUX_WEIGHTING["scale"].to(device=device, dtype=torch.float32)
+    return w
+
+
+# --- experts ----------------------------------------------------------------------------------
+class GroupedExperts(nn.Module):
+    """`n` SwiGLU experts stored as stacked weights, like `nn.Linear`'s (out, in) per expert:
+    w1, w3 (n, hidden, dim) and w2 (n, dim, hidden). With expert parallelism each rank holds a
+    contiguous slice of the experts (the first dimension)."""
+
+    def __init__(self, n: int, dim: int, hidden: int, compute: str = "grouped") -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.compute = compute
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x` (tokens, dim) sorted by expert, `counts` (local experts,) tokens per expert."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        dtype = _compute_dtype(x, w1)
+        x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        if self.compute == "loop":
+            return _loop_swiglu(x, counts, w1, w2, w3)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs)
+        return _gmm(h, w2, offs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter (FSDP gathers before forward; EP shards stay)."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return w.dtype
+
+
+def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (tokens, in) times each group's w[e]^T (in -> out), groups ending at `offs`."""
+    return _GroupedMM.apply(x, w, offs)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """`torch._grouped_mm` with contiguous incoming gradients (its CPU backward rejects the
+    broadcast gradients autograd may pass) and an exact zero gradient for empty experts."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, w, offs=offs)
+        # dW_e = grad_e^T x_e: one grouped GEMM over the token dimension.
+        grad_w = torch._grouped_mm(grad.t().contiguous(), x, offs=offs)
+        return grad_x, grad_w, None
+
+
+def _loop_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 w3: torch.Tensor) -> torch.Tensor:
+    """One matmul per expert (the reference path; reads `counts` on the host)."""
+    outs = []
+    for e, part in enumerate(torch.split(x, counts.tolist())):
+        outs.append((F.silu(part @ w1[e].t()) * (part @ w3[e].t())) @ w2[e].t())
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+# --- routing ----------------------------------------------------------------------------------
+@dataclass
+class Routing:
+    """Where each token goes: `experts` (tokens, k) chosen expert ids, `weights` (tokens, k)
+    their gate values, `probs` (tokens, experts) the router probabilities."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    probs: torch.Tensor
+
+
+class Router(nn.Module):
+    """Linear scores per expert, top-k choice (with the balancing bias) and gate weights."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.top_k, self.score = args.n_experts_per_token, args.router_score
+        self.normalize = args.router_norm_topk
+        # DeepSeek-V3 balancing bias: steers the choice, never the weights. A buffer, kept in
+        # checkpoints, moved by `update_expert_bias` (not by the optimizer).
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        probs = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, -1)
+        choose = probs + self.expert_bias.to(probs.dtype)
+        experts = torch.topk(choose, self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return Routing(experts, weights, probs)
+
+
+def balancing_loss(routing: Routing) -> torch.Tensor:
+    """Switch/Mixtral auxiliary loss of one layer: E * sum_i (tokens to i / tokens) * P_i
+    (k when perfectly balanced)."""
+    n_experts = routing.probs.shape[-1]
+    counts = torch.bincount(routing.experts.reshape(-1), minlength=n_experts)
+    fraction = counts.to(routing.probs.dtype) / routing.experts.shape[0]
+    return n_experts * (fraction * routing.probs.mean(0)).sum()
+
+
+# --- the block's MLP --------------------------------------------------------------------------
+Dispatcher = Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor]
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts): (batch, seq, dim) -> (batch, seq, dim)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.n_experts_per_token
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden_dim,
+                                      args.expert_compute)
+        self.shared = (FeedForward(args.replace(ffn_dim=args.shared_expert_hidden_dim))
+                       if args.n_shared_experts else None)
+        self.aux_coef = args.moe_aux_loss_coef
+        self.bias_rate = args.moe_bias_update_rate
+        self.capacity_factor = args.moe_capacity_factor
+        # Expert parallelism replaces this: (sorted tokens, tokens per expert, experts) -> out.
+        self.dispatcher: Dispatcher | None = None
+        # Statistics since they were last read (see `moe_stats`); device tensors, no host sync.
+        # Integer counts, so that `model.to(bf16)` leaves them exact.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.long),
+                             persistent=False)
+        self.register_buffer("step_load", torch.zeros(args.n_experts, dtype=torch.long),
+                             persistent=False)
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_entropy: torch.Tensor | None = None
+
+    def reset_state(self) -> None:
+        """Zero the routing bias and the load counters (a new model, after `to_empty`)."""
+        with torch.no_grad():
+            self.router.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+            self.step_load.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.router(flat)
+        out = self._routed(flat, routing).to(x.dtype).view(shape)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        self._record(routing)
+        if self.aux_coef > 0 and self.training and torch.is_grad_enabled():
+            aux = balancing_loss(routing)
+            self.last_aux_loss = aux.detach()
+            out = _InjectAuxGrad.apply(out, aux, _aux_weight(self.aux_coef, flat.shape[0],
+                                                             x.device))
+        return out
+
+    def _routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Sort the (token, choice) pairs by expert, run the experts, scatter-add back."""
+        n_tokens = x.shape[0]
+        flat_experts = routing.experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        token_of = order // self.top_k
+        weights = routing.weights.reshape(-1)[order]
+        if self.capacity_factor is not None:
+            order_keep, counts = self._capacity(flat_experts[order], counts, n_tokens)
+            token_of, weights = token_of[order_keep], weights[order_keep]
+        sorted_x = x[token_of]
+        if self.dispatcher is not None:
+            y = self.dispatcher(sorted_x, counts, self.experts)
+        else:
+            y = self.experts(sorted_x, counts)
+        y = y.float() * weights[:, None]
+        return torch.zeros(n_tokens, x.shape[1], dtype=y.dtype, device=x.device).index_add_(
+            0, token_of, y)
+
+    def _capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, n_tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep at most capacity = ceil(factor * tokens * k / experts) tokens per expert (the
+        first ones in token order); the others skip the expert (their weight is lost)."""
+        capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(sorted_experts.numel(), device=counts.device) \
+            - starts[sorted_experts]
+        keep = torch.nonzero(rank_in_expert < capacity).squeeze(1)
+        return keep, counts.clamp(max=capacity)
+
+    @torch.no_grad()
+    def _record(self, routing: Routing) -> None:
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.n_experts)
+        self.tokens_per_expert += counts
+        self.step_load += counts
+        p = routing.probs if self.router.score == "softmax" else \
+            routing.probs / routing.probs.sum(-1, keepdim=True)
+        self.last_entropy = -(p * torch.log(p.clamp_min(1e-20))).sum(-1).mean()
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
+    """(name, module) of every MoE block MLP of `model` (possibly wrapped)."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            yield name, module
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module,
+                       all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each router's
+    bias rises by `moe_bias_update_rate` for experts that got fewer tokens than the mean over
+    the step, and falls by as much for those that got more.
+    `all_reduce` sums the counts over the ranks that routed different tokens, so every replica
+    moves its bias identically. Reads and zeroes each layer's `step_load`."""
+    layers = [m for _, m in moe_layers(model) if m.bias_rate > 0]
+    if not layers:
+        return
+    loads = torch.stack([m.step_load for m in layers]).float()
+    if all_reduce is not None:
+        loads = all_reduce(loads)
+    for m, load in zip(layers, loads, strict=True):
+        bias = m.router.expert_bias
+        bias += (m.bias_rate * torch.sign(load.mean() - load)).to(bias.dtype)
+        m.step_load.zero_()
+
+
+MLP_BUILDERS.append((lambda args: args.is_moe, MoE))
+
+__all__ = ["MoE", "Router", "Routing", "GroupedExperts", "balancing_loss", "moe_layers",
+           "update_expert_bias", "aux_loss_weighting"]

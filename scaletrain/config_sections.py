@@ -34,6 +34,20 @@ class ModelConfig:
     """Override whether the output head shares the embedding matrix."""
     rope_theta: float | None = None
     """Override the RoPE base frequency."""
+    n_experts: int | None = None
+    """Mixture of Experts: routed experts per block (0 = dense MLP)."""
+    n_experts_per_token: int | None = None
+    """Mixture of Experts: experts each token is routed to (top-k)."""
+    moe_ffn_dim: int | None = None
+    """Mixture of Experts: hidden size of one expert."""
+    moe_aux_loss_coef: float | None = None
+    """Mixture of Experts: weight of the load-balancing auxiliary loss (0 = off)."""
+    moe_bias_update_rate: float | None = None
+    """Mixture of Experts: auxiliary-loss-free balancing bias step (DeepSeek-V3; 0 = off)."""
+    moe_capacity_factor: float | None = None
+    """Mixture of Experts: drop tokens beyond factor x the even share of an expert."""
+    expert_compute: Literal["grouped", "loop"] | None = None
+    """Mixture of Experts: one grouped GEMM for all experts, or one matmul per expert."""
 
     def to_model_args(self) -> ModelArgs:
         """The preset with the non-None overrides applied."""

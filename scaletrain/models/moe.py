@@ -183,11 +183,19 @@ class Router(nn.Module):
         return Routing(experts, weights, probs)
 
 
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens per expert (int64) of expert ids `experts`; unlike `torch.bincount`, it never
+    reads the ids' maximum back to the host on a GPU."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
 def balancing_loss(routing: Routing) -> torch.Tensor:
     """Switch/Mixtral auxiliary loss of one layer: E * sum_i (tokens to i / tokens) * P_i
     (k when perfectly balanced)."""
     n_experts = routing.probs.shape[-1]
-    counts = torch.bincount(routing.experts.reshape(-1), minlength=n_experts)
+    counts = expert_counts(routing.experts, n_experts)
     fraction = counts.to(routing.probs.dtype) / routing.experts.shape[0]
     return n_experts * (fraction * routing.probs.mean(0)).sum()
 
@@ -248,7 +256,7 @@ class MoE(nn.Module):
         n_tokens = x.shape[0]
         flat_experts = routing.experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        counts = expert_counts(flat_experts, self.n_experts)
         token_of = order // self.top_k
         weights = routing.weights.reshape(-1)[order]
         if self.capacity_factor is not None:
@@ -276,7 +284,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, routing: Routing) -> None:
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.n_experts)
+        counts = expert_counts(routing.experts, self.n_experts)
         self.tokens_per_expert += counts
         self.step_load += counts
         p = routing.probs if self.router.score == "softmax" else \
@@ -313,5 +321,6 @@ def update_expert_bias(model: nn.Module,
 
 MLP_BUILDERS.append((lambda args: args.is_moe, MoE))
 
-__all__ = ["MoE", "Router", "Routing", "GroupedExperts", "balancing_loss", "moe_layers",
+__all__ = ["MoE", "Router", "Routing", "GroupedExperts", "balancing_loss", "expert_counts",
+           "moe_layers",
            "update_expert_bias", "aux_loss_weighting"]

@@ -22,6 +22,11 @@ SHAPES = {
 FAMILY_SHAPES = {fam: PRESETS[f"debug-{fam}"].replace(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96, head_dim_override=24)
     for fam in ("qwen3", "gemma2")}
+FAMILY_SHAPES["moe"] = PRESETS["debug-moe"].replace(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96, n_experts=4,
+    n_experts_per_token=2, moe_ffn_dim=48, moe_aux_loss_coef=0.01)
+FAMILY_SHAPES["moe-shared"] = FAMILY_SHAPES["moe"].replace(
+    n_experts=8, n_experts_per_token=3, n_shared_experts=1, router_score="sigmoid")
 MODES = {
     "none": AC(),
     "full": AC(mode="full"),

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from scaletrain.models.args import ModelArgs
+from scaletrain.models.args import ModelArgs, count_active_params
 from scaletrain.models.source import load_model_args
 from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate, plan_json
 from scaletrain.plan.finetune import METHODS, finetune_plan
@@ -142,6 +142,14 @@ def _estimate_main(argv: list[str]) -> int:
     return 0
 
 
+def _active_note(args: ModelArgs) -> str:
+    """For Mixture-of-Experts models: the parameters one token goes through."""
+    if not args.is_moe:
+        return ""
+    return (f"; {count_active_params(args):,} active per token ({args.n_experts_per_token} of "
+            f"{args.n_experts} experts; FLOPs and MFU count these)")
+
+
 def format_plan(plan: Plan, device: Device | None = None) -> str:
     """The human-readable plan."""
     lay, d = plan.layout, plan.layout.dims
@@ -153,7 +161,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         f"{', grads ' + lay.grad_convention if lay.stored_dtype != 'fp32' else ''})  "
         f"recompute={_recompute_label(lay)}",
         f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
-        f"(pipeline stage {plan.stage})",
+        f"(pipeline stage {plan.stage})" + _active_note(plan.args),
         *_finetune_lines(plan),
         f"FLOPs per token: {plan.flops_per_token:.4g} model (6N + attention), "
         f"{plan.hardware_flops_per_token:.4g} hardware (with recomputation)",

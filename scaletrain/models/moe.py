@@ -173,7 +173,8 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.n_experts))
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x.float(), self.gate.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32
+            logits = F.linear(x.float(), self.gate.weight.float())
         probs = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, -1)
         choose = probs + self.expert_bias.to(probs.dtype)
         experts = torch.topk(choose, self.top_k, dim=-1).indices
@@ -258,18 +259,21 @@ class MoE(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         counts = expert_counts(flat_experts, self.n_experts)
         token_of = order // self.top_k
-        weights = routing.weights.reshape(-1)[order]
         if self.capacity_factor is not None:
             order_keep, counts = self._capacity(flat_experts[order], counts, n_tokens)
-            token_of, weights = token_of[order_keep], weights[order_keep]
+            token_of = token_of[order_keep]
         sorted_x = x[token_of]
         if self.dispatcher is not None:
             y = self.dispatcher(sorted_x, counts, self.experts)
         else:
             y = self.experts(sorted_x, counts)
-        y = y.float() * weights[:, None]
-        return torch.zeros(n_tokens, x.shape[1], dtype=y.dtype, device=x.device).index_add_(
-            0, token_of, y)
+        # Back to (token, choice) order, then each token's weighted sum over its k outputs as
+        # one batched matmul: autograd keeps the outputs once, in the compute dtype.
+        if self.capacity_factor is not None:  # dropped choices contribute zero
+            y = y.new_zeros(order.numel(), y.shape[1]).index_put((order_keep,), y)
+        unsorted = y[torch.argsort(order)].view(n_tokens, self.top_k, -1)
+        gate = routing.weights.to(unsorted.dtype).unsqueeze(1)
+        return torch.bmm(gate, unsorted).squeeze(1)
 
     def _capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, n_tokens: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,8 @@ repeated to every query head and the mask, instead of the log-sum-exp; capped ou
 keep their tanh output. A sliding window runs in SDPA with a mask and keeps what the flash
 kernel keeps.
 
+Mixture-of-Experts block: see `_moe` (the routed (token, expert) pairs replace the tokens).
+
 GPT-2 block: LayerNorm keeps its input plus fp32 mean and rstd (r Th + 8T), GELU keeps its input,
 w2 its output (2 c T f), learned positions keep the position ids.
 
@@ -118,13 +120,33 @@ def _mlp(args: ModelArgs, spec: ActivationSpec) -> int:
     return n * c * spec.tokens * f
 
 
+def _moe(args: ModelArgs, spec: ActivationSpec) -> int:
+    """A Mixture-of-Experts MLP (`models/moe.py`), Tk = T x k routed (token, expert) pairs:
+    the fp32 router input and probabilities (4Th + 4TE), the top-k ids, weights and their sum
+    (8Tk + 4Tk + 4T), the sort and unsort indices (16Tk), the sorted tokens (c Tk h), the
+    expert offsets (4E), each expert's SwiGLU (4 c Tk f), the unsorted outputs and gate values
+    of the weighted sum (c Tk h + c Tk); shared experts as a dense SwiGLU of their width."""
+    c, r = DTYPE_BYTES[spec.compute_dtype], DTYPE_BYTES[spec.residual_dtype]
+    t, h, e, k = spec.tokens, args.dim, args.n_experts, args.n_experts_per_token
+    tk = t * k
+    router = 4 * t * h + 4 * t * e + 12 * tk + 4 * t
+    routed = 16 * tk + 2 * c * tk * h + 4 * e + 4 * c * tk * args.expert_hidden_dim + c * tk
+    shared = 0
+    if args.n_shared_experts:
+        shared_in = 0 if c == r == 4 else (c * t * h if c == r else 2 * c * t * h)
+        shared = shared_in + 4 * c * t * args.shared_expert_hidden_dim
+    return router + routed + shared
+
+
 def plain_layer(args: ModelArgs, spec: ActivationSpec) -> dict[str, int]:
     """Bytes one block without recomputation keeps, by component."""
     n_mlp_in = 1 if args.arch == "gpt2" else 2
+    mlp = (_moe(args, spec) if args.is_moe
+           else _norm_output(args, spec, n_mlp_in) + _mlp(args, spec))
     return {
         "norms": (4 if args.post_norms else 2) * _norm(args, spec),
         "attention": _norm_output(args, spec, 3) + _attention_core(args, spec),
-        "mlp": _norm_output(args, spec, n_mlp_in) + _mlp(args, spec),
+        "mlp": mlp,
     }
 
 

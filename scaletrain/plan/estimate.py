@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from scaletrain.models.args import ModelArgs, count_params
+from scaletrain.models.args import ModelArgs, count_active_params, count_params
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.feasibility import RunLayout, mode_for_zero
 from scaletrain.parallel.feasibility import layout_problems as run_problems
@@ -190,6 +190,7 @@ class Plan:
                 "every": lay.every, "scope": lay.scope, "schedule": lay.schedule,
             },
             "params": self.params,
+            "active_params": count_active_params(self.args),
             "params_per_rank": self.params_per_rank,
             "most_loaded_stage": self.stage,
             "flops_per_token": self.flops_per_token,
@@ -266,7 +267,8 @@ def hardware_flops_per_token(args: ModelArgs, lay: Layout) -> float:
         return model
     c = count_params(args)
     attn_core = attention_forward_flops(args, lay.seq_len) / args.n_layers  # layer average
-    layer_fwd = 2 * (c.attention + c.mlp) / args.n_layers + attn_core
+    mlp_active = c.mlp - (c.total - count_active_params(args))  # MoE: experts a token uses
+    layer_fwd = 2 * (c.attention + mlp_active) / args.n_layers + attn_core
     attn_fwd = 2 * c.attention / args.n_layers + attn_core
     if lay.recompute == "full":
         return model + args.n_layers * layer_fwd

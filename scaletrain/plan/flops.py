@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from scaletrain.models.args import ModelArgs, count_params
+from scaletrain.models.args import ModelArgs, count_active_params, count_params
 
 
 def matmul_params(args: ModelArgs) -> int:
     """Parameters that take part in a matmul per token: all but the embedding lookups.
 
-    A tied output head still multiplies every token, so it is counted once as the head.
+    A tied output head still multiplies every token, so it is counted once as the head. A
+    Mixture-of-Experts model counts the active parameters: the router and the k routed experts
+    (plus shared experts) a token goes through, not the experts it skips.
     """
     p = count_params(args)
-    return p.non_embedding + args.vocab_size * args.dim
+    skipped = p.total - count_active_params(args)
+    return p.non_embedding - skipped + args.vocab_size * args.dim
 
 
 def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:

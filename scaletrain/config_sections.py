@@ -280,6 +280,10 @@ class ParallelConfig:
     """Context-parallel degree (the sequence split across ranks for attention)."""
     tp: int = 1
     """Tensor-parallel degree (keep it inside a node)."""
+    ep: int = 1
+    """Expert-parallel degree (Mixture-of-Experts models): each MoE layer's experts are split
+    over `ep` ranks borrowed from `dp_shard` (which it must divide); tokens reach their experts
+    by all-to-all. The global batch does not change."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B or a zero-bubble schedule."""
     pp_microbatches: int | None = None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -135,7 +136,11 @@ class _GroupedMM(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, w, offs=offs)
-        # dW_e = grad_e^T x_e: one grouped GEMM over the token dimension.
+        # dW_e = grad_e^T x_e: one grouped GEMM over the token dimension, whose stride must be
+        # a multiple of 16 bytes: pad the tokens with zero rows (after the last group).
+        pad = -x.shape[0] % (16 // x.element_size())
+        if pad:
+            grad, x = F.pad(grad, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))
         grad_w = torch._grouped_mm(grad.t().contiguous(), x, offs=offs)
         return grad_x, grad_w, None
 
@@ -192,12 +197,21 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))
 
 
-def balancing_loss(routing: Routing) -> torch.Tensor:
+def balancing_loss(routing: Routing, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch/Mixtral auxiliary loss of one layer: E * sum_i (tokens to i / tokens) * P_i
-    (k when perfectly balanced)."""
+    (k when perfectly balanced).
+
+    With `group` (the data-parallel ranks, set by the parallel layout), the load fractions
+    count the micro-batch of every rank of the group (equal-sized micro-batches), so a
+    data- or expert-parallel run optimizes the same term as one process on the whole
+    micro-batch (P_i stays local; the step's token weighting averages it over the ranks)."""
     n_experts = routing.probs.shape[-1]
     counts = expert_counts(routing.experts, n_experts)
-    fraction = counts.to(routing.probs.dtype) / routing.experts.shape[0]
+    tokens = routing.experts.shape[0]
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+        tokens *= dist.get_world_size(group)
+    fraction = counts.to(routing.probs.dtype) / tokens
     return n_experts * (fraction * routing.probs.mean(0)).sum()
 
 
@@ -221,6 +235,8 @@ class MoE(nn.Module):
         self.capacity_factor = args.moe_capacity_factor
         # Expert parallelism replaces this: (sorted tokens, tokens per expert, experts) -> out.
         self.dispatcher: Dispatcher | None = None
+        # The data-parallel ranks whose micro-batches the balancing loss counts together.
+        self.balance_group: dist.ProcessGroup | None = None
         # Statistics since they were last read (see `moe_stats`); device tensors, no host sync.
         # Integer counts, so that `model.to(bf16)` leaves them exact.
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.long),
@@ -246,7 +262,7 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         self._record(routing)
         if self.aux_coef > 0 and self.training and torch.is_grad_enabled():
-            aux = balancing_loss(routing)
+            aux = balancing_loss(routing, self.balance_group)
             self.last_aux_loss = aux.detach()
             out = _InjectAuxGrad.apply(out, aux, _aux_weight(self.aux_coef, flat.shape[0],
                                                              x.device))

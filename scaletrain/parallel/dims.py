@@ -28,6 +28,8 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallel: borrowed from dp_shard (not a factor of the world size)."""
 
     @classmethod
     def resolve(
@@ -38,8 +40,11 @@ class ParallelDims:
         dp_shard: int = -1,
         cp: int = 1,
         tp: int = 1,
+        ep: int = 1,
     ) -> ParallelDims:
         """Fill the one degree given as -1 with what the world size leaves, then check."""
+        if ep < 1:
+            raise ParallelDimsError(f"parallel.ep must be positive (got {ep})")
         degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
         if world_size <= 0:
             raise ParallelDimsError(f"world size must be positive (got {world_size})")
@@ -61,7 +66,12 @@ class ParallelDims:
                     "no integer value"
                 )
             degrees[rest[0]] = world_size // fixed
-        dims = cls(**degrees)
+        dims = cls(**degrees, ep=ep)
+        if dims.dp_shard % ep:
+            raise ParallelDimsError(
+                f"parallel.ep ({ep}) borrows its ranks from parallel.dp_shard "
+                f"({dims.dp_shard}) and must divide it; e.g. --parallel.dp_shard {ep} "
+                f"--parallel.ep {ep}")
         if dims.world_size != world_size:
             raise ParallelDimsError(
                 f"the parallel degrees multiply to {dims.world_size} ({_describe(degrees)}) but "
@@ -80,6 +90,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_shard_mod_ep(self) -> int:
+        """FSDP degree of the experts: dp_shard ranks that hold the same experts."""
+        return self.dp_shard // self.ep
+
+    @property
     def mesh_shape(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_ORDER}
 
@@ -88,6 +103,16 @@ class ParallelDims:
     ) -> list[str]:
         """Every way the model or sequence does not divide as these degrees need."""
         out: list[str] = []
+        if self.ep > 1 and not args.is_moe:
+            out.append(f"parallel.ep ({self.ep}) needs a Mixture-of-Experts model "
+                       "(model.n_experts > 0); use parallel.ep 1")
+        elif self.ep > 1 and args.n_experts % self.ep:
+            out.append(f"model.n_experts ({args.n_experts}) must be divisible by parallel.ep "
+                       f"({self.ep})")
+        if self.tp > 1 and args.is_moe:
+            out.append("tensor parallelism is not implemented for Mixture-of-Experts blocks "
+                       "yet; use expert parallelism (parallel.ep) with FSDP, and pipeline "
+                       "parallelism")
         if self.tp > 1:
             for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
                                 ("ffn_dim", args.hidden_dim),

@@ -95,6 +95,15 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
             and d.tp == 1 and d.pp == 1 and d.cp == 1:
         out.append(f"parallel.data_parallel {lay.mode} shards over parallel.dp_shard, which "
                    "is 1; set --parallel.dp_shard -1 (or use ddp/zero1 for pure replicas)")
+    if d.ep > 1:
+        if lay.mode not in ("zero2", "zero3"):
+            out.append(f"parallel.ep needs data_parallel zero2 or zero3 (FSDP), not "
+                       f"{lay.mode}")
+        if d.cp > 1 or d.dp_replicate > 1:
+            out.append("parallel.ep is implemented with parallel.cp 1 and "
+                       "parallel.dp_replicate 1 (experts sharded over dp_shard only)")
+        if lay.cpu_offload:
+            out.append("parallel.ep does not support parallel.cpu_offload yet")
     if d.cp > 1 and args.arch != "llama":
         out.append(f"context parallelism is not implemented for arch '{args.arch}' (only "
                    "'llama'); use data, tensor or pipeline parallelism")

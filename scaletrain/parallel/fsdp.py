@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from scaletrain.models.moe import moe_layers
+
 log = logging.getLogger("scaletrain.parallel")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,10 +28,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
                param_dtype: str = "fp32", reduce_dtype: str = "fp32",
-               cpu_offload: bool = False) -> None:
+               cpu_offload: bool = False, expert_mesh: DeviceMesh | None = None,
+               expert_parallel: bool = False) -> None:
     """`fully_shard` each block of `model.layers`, then the remaining parameters.
 
-    `model` is a Transformer or a pipeline stage (which has `layers` too).
+    `model` is a Transformer or a pipeline stage (which has `layers` too). With expert
+    parallelism the routed experts (already sharded over the `ep` ranks) are FSDP units of
+    their own over `expert_mesh` (the dp_shard ranks holding the same experts); when no other
+    rank holds them (`expert_mesh` None) FSDP leaves them alone: each expert's gradient
+    already sums the tokens of every rank.
     """
     kwargs = {
         "mesh": mesh,
@@ -42,11 +49,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     if kwargs["offload_policy"] is None:
         del kwargs["offload_policy"]
     units: list[FSDPModule] = []
+    ignored = None
+    if expert_parallel and expert_mesh is None:
+        ignored = {p for _, m in moe_layers(model) for p in m.experts.parameters()}
     for block in model.layers.values():
-        units.append(fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs))
+        if expert_parallel and expert_mesh is not None:
+            for _, moe in moe_layers(block):
+                units.append(fully_shard(moe.experts, reshard_after_forward=reshard_after_forward,
+                                         **{**kwargs, "mesh": expert_mesh}))
+        units.append(fully_shard(block, reshard_after_forward=reshard_after_forward,
+                                 ignored_params=ignored, **kwargs))
     # The root's parameters (embedding, norm, head) are used last in backward: keep them
     # gathered after forward whatever the stage.
-    units.append(fully_shard(model, reshard_after_forward=False, **kwargs))
+    units.append(fully_shard(model, reshard_after_forward=False, ignored_params=ignored,
+                             **kwargs))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

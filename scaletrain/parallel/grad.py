@@ -3,11 +3,10 @@ any placement DTensor produces (Shard, _StridedShard, Replicate, Partial), sprea
 stages, and on different devices (FSDP's CPU offload keeps gradients in host memory).
 
 Local squared norms come from foreach kernels (one per bucket, device and dtype), summed into one
-entry per (mesh, sharded dimensions) bucket, and the buckets' vector is all-reduced once per
-process group: along a group a bucket sharded there (or any bucket, for the pipeline group,
-whose stages hold disjoint parameters) is summed; a bucket replicated there is kept only on the
-group's first rank (zero elsewhere), so the sum leaves it unchanged. Every rank gets the same
-norm, and nothing is read back to the host.
+entry per (mesh, sharded dimensions) bucket; along each process group, the vector of the
+buckets sharded there is all-reduced once (a bucket is summed over each group it is sharded
+over; replicated buckets are whole already), then the stages of the pipeline group (disjoint
+parameters) are summed. Every rank gets the same norm, and nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -103,12 +102,19 @@ def total_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup 
     else:
         order = sorted(set(sharded))
         buckets = torch.stack(_bucket_sums(locals_, sharded, order, device))
+        parts = list(buckets.unbind())
         for name, group in groups.items():  # one all-reduce per process group
-            if dist.get_rank(group) != 0:  # replicated buckets count once: on the first rank
-                buckets = torch.stack([b if name in key else torch.zeros_like(b)
-                                       for b, key in zip(buckets.unbind(), order)])
-            dist.all_reduce(buckets, group=group)
-        total = buckets.sum()
+            # Only the buckets sharded along this group: a replicated bucket is already whole
+            # here, and a group may overlap another one (expert parallelism's `ep` ranks are
+            # part of the flattened `dp_shard` group the other parameters are sharded over).
+            members = [i for i, key in enumerate(order) if name in key]
+            if not members:
+                continue
+            part = torch.stack([parts[i] for i in members])
+            dist.all_reduce(part, group=group)
+            for i, value in zip(members, part.unbind(), strict=True):
+                parts[i] = value
+        total = torch.stack(parts).sum()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)  # stages hold disjoint parameters
     return total.sqrt()

@@ -7,6 +7,9 @@ parallel innermost) plus flattened views used by the techniques:
 - `dp_shard_cp`: `dp_shard x cp`, the ranks FSDP shards over (context-parallel ranks hold the
   same weights, so their gradients are reduced with the data-parallel ones).
 - `dp_cp`: `dp_replicate x dp_shard x cp`, the ranks whose token counts and losses are summed.
+
+With expert parallelism `dp_shard` is itself split into `dp_shard_mod_ep x ep` (and flattened
+back into `dp_shard`).
 """
 
 from __future__ import annotations
@@ -51,13 +54,20 @@ class ParallelMesh:
 
     def __init__(self, dims: ParallelDims, device_type: str) -> None:
         self.dims = dims
-        shape = tuple(getattr(dims, name) for name in MESH_ORDER)
-        self.root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+        # Expert parallelism splits dp_shard into (dp_shard_mod_ep, ep): the ranks of an `ep`
+        # group hold different experts, those of `dp_shard_mod_ep` the same ones.
+        shard = ("dp_shard_mod_ep", "ep") if dims.ep > 1 else ("dp_shard",)
+        names = tuple(n for name in MESH_ORDER for n in (shard if name == "dp_shard" else (name,)))
+        sizes = {**dims.mesh_shape, "dp_shard_mod_ep": dims.dp_shard_mod_ep, "ep": dims.ep}
+        self.root = init_device_mesh(device_type, tuple(sizes[n] for n in names),
+                                     mesh_dim_names=names)
         self.flat = {
-            "dp": self.root["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": self.root["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": self.root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            "dp": self.root[("dp_replicate", *shard)]._flatten("dp"),
+            "dp_shard_cp": self.root[(*shard, "cp")]._flatten("dp_shard_cp"),
+            "dp_cp": self.root[("dp_replicate", *shard, "cp")]._flatten("dp_cp"),
         }
+        if dims.ep > 1:
+            self.flat["dp_shard"] = self.root[shard]._flatten("dp_shard")
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(name, str) and name in self.flat:

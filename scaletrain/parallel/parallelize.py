@@ -2,7 +2,7 @@
 
 From `ParallelConfig` and the world size it resolves the degrees (`ParallelDims`), validates
 them against the model before any process-group work, starts the process group, builds the
-named mesh and the model in the order PP split -> TP -> CP -> activation checkpointing ->
+named mesh and the model in the order PP split -> TP -> EP -> CP -> activation checkpointing ->
 compile -> FSDP/DDP (on the meta device, materialized after sharding), and runs one step's
 forward/backward with the loss normalized by the global valid-token count.
 """
@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.config import ActivationCheckpointConfig, CompileConfig, ParallelConfig
 from scaletrain.models.args import ModelArgs
+from scaletrain.models.moe import moe_layers
 from scaletrain.models.rope import inverse_frequencies
 from scaletrain.models.transformer import Transformer, build_model, init_values
 from scaletrain.parallel import cp as cp_lib
@@ -30,6 +31,7 @@ from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.ddp import apply_ddp
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
+from scaletrain.parallel.ep import apply_ep
 from scaletrain.parallel.feasibility import RunLayout, layout_problems, resolve_mode
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.mesh import ParallelMesh, env_world, init_process_group
@@ -78,7 +80,8 @@ class Parallelism:
         self.rank, world, _ = env_world()
         world = world_size or world
         self.dims = ParallelDims.resolve(world, pp=cfg.pp, dp_replicate=cfg.dp_replicate,
-                                         dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp)
+                                         dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp,
+                                         ep=cfg.ep)
         self.enabled = world > 1
         self.mode = resolve_mode(cfg.data_parallel, self.dims)
         self.mesh: ParallelMesh | None = None
@@ -151,6 +154,7 @@ class Parallelism:
             model = build_model(args, self.device, seed=seed)
             if d.cp > 1:
                 cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
+            self._set_balance_group(model)
             apply_ac(model, ac)
             apply_compile(model, compile_cfg)
             return apply_ddp(model, mesh["dp_cp"], cfg.bucket_cap_mb)
@@ -163,6 +167,8 @@ class Parallelism:
         if d.tp > 1:
             apply_tp(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                      loss_parallel=cfg.loss_parallel)
+        if d.ep > 1:
+            apply_ep(model, mesh["ep"])
         if d.cp > 1:
             cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
         apply_ac(model, ac)
@@ -180,9 +186,23 @@ class Parallelism:
             for root in self.stage_modules or [model]:
                 apply_fsdp(root, fsdp_mesh, reshard_after_forward=self.mode == "zero3",
                            param_dtype=cfg.fsdp_param_dtype,
-                           reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
+                           reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload,
+                           expert_parallel=d.ep > 1, expert_mesh=self._expert_fsdp_mesh())
         self._materialize(model, args, seed)
+        self._set_balance_group(model)
         return model
+
+    def _expert_fsdp_mesh(self) -> Any:
+        """With expert parallelism, the dp_shard ranks that hold the same experts (None when
+        each expert lives on one rank only)."""
+        d = self.dims
+        return self.mesh["dp_shard_mod_ep"] if d.ep > 1 and d.dp_shard_mod_ep > 1 else None
+
+    def _set_balance_group(self, model: nn.Module) -> None:
+        """MoE balancing losses count the expert load over all data-parallel ranks."""
+        group = self.mesh.group("dp_cp") if self.mesh["dp_cp"].size() > 1 else None
+        for _, moe in moe_layers(model):
+            moe.balance_group = group
 
     def _materialize(self, model: nn.Module, args: ModelArgs, seed: int) -> None:
         """Allocate this rank's shards and fill them with the values the single-process model

@@ -33,6 +33,9 @@ TABLE = os.environ.get("SCALETRAIN_PARITY_TABLE")  # append the table rows to th
 # GPT-2 (LayerNorm, learned positions, GELU MLP with biases, tied head) at the tests' size.
 GPT2 = ["--model.name", "gpt2", "--model.dim", "64", "--model.n_heads", "4", "--model.ffn_dim",
         "128", "--model.vocab_size", "512", "--model.tie_embeddings", "true"]
+# Mixture of Experts on the tests' model: 4 experts, top-2, the balancing loss on.
+MOE = ["--model.n_experts", "4", "--model.n_experts_per_token", "2", "--model.moe_ffn_dim",
+       "64", "--model.moe_aux_loss_coef", "0.01"]
 
 
 def _rel(got: list[float], ref: list[float]) -> list[float]:
@@ -100,6 +103,8 @@ LAYOUTS_2 = [
     *[(f"pp-{s}", ["--parallel.pp", "2", "--parallel.pp_schedule", s,
                    "--parallel.pp_virtual_stages", "2"], 1, 4)
       for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")],
+    ("ep", ["--parallel.ep", "2"], 2, 2, MOE),
+    ("moe-zero2", ["--parallel.data_parallel", "zero2"], 2, 2, MOE),
     # FSDP's CPU offload: gradients on the host, norms reduced on the training device
     ("zero3-offload", ["--parallel.data_parallel", "zero3", "--parallel.cpu_offload", "true"],
      2, 2),
@@ -119,6 +124,8 @@ LAYOUTS_4 = [
     ("pp-x-tp", ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.dp_shard", "1"], 1, 2),
     ("pp-x-cp", ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.dp_shard", "1"], 1, 2),
     ("zero3-4", ["--parallel.data_parallel", "zero3"], 4, 2),
+    ("ep-x-fsdp", ["--parallel.ep", "2"], 4, 2, MOE),
+    ("ep4", ["--parallel.ep", "4"], 4, 2, MOE),
 ]
 LOW_4 = {"fsdp-x-tp": ("bf16", "fp16"), "hsdp-x-tp": ("bf16",), "pp-x-fsdp": ("bf16",),
          "pp-x-tp": ("bf16",)}

@@ -12,6 +12,8 @@ from tests.distributed.worker import run_trainer, spawn
 
 TOL = 1e-5
 TIED = ["--model.tie_embeddings", "true"]
+MOE = ["--model.n_experts", "4", "--model.n_experts_per_token", "2", "--model.moe_ffn_dim",
+       "64", "--model.moe_aux_loss_coef", "0.01", "--model.moe_bias_update_rate", "0.01"]
 
 
 @pytest.mark.distributed
@@ -23,7 +25,9 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
                           "--training.grad_accum_steps", "2"], 4, capture=False)
     ref_tied = run_trainer([str(tmp_path / "ref-t"), str(cache), *TIED,
                             "--training.micro_batch_size", "8"], 4, capture=False)
-    a, b, c, d = (str(tmp_path / f"run-{x}") for x in "abcd")
+    ref_moe = run_trainer([str(tmp_path / "ref-m"), str(cache), *MOE,
+                           "--training.micro_batch_size", "8"], 4, capture=False)
+    a, b, c, d, e = (str(tmp_path / f"run-{x}") for x in "abcde")
     jobs = [
         # FSDP (ZeRO-3) over 2 ranks -> DDP over 2 ranks (sharded -> replicated).
         ("fsdp-save", [a, str(cache), "--parallel.data_parallel", "zero3",
@@ -43,6 +47,9 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
         # Tied embedding/head under ZeRO-3 (resumed in one process below).
         ("tied-save", [d, str(cache), *TIED, "--parallel.data_parallel", "zero3",
                        "--training.steps", "4"], {"save": True}),
+        # Experts sharded over 2 expert-parallel ranks (resumed in one process below).
+        ("ep-save", [e, str(cache), *MOE, "--parallel.ep", "2", "--training.steps", "4"],
+         {"save": True}),
     ]
     result = spawn(2, jobs, 2, tmp_path)
     r0 = result[0]
@@ -62,6 +69,12 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
                         "4", "--training.micro_batch_size", "8"], 2, capture=False)
     diff = max(abs(x - y) for x, y in zip(tied["losses"], ref_tied["losses"][2:], strict=True))
     assert diff <= TOL, (tied["losses"], ref_tied["losses"])
+
+    # Expert parallelism 2 -> 1: the experts (and the routing biases) reshard.
+    moe = run_trainer([e, str(cache), *MOE, "--checkpoint.resume", "true", "--training.steps",
+                       "4", "--training.micro_batch_size", "8"], 2, capture=False)
+    diff = max(abs(x - y) for x, y in zip(moe["losses"], ref_moe["losses"][2:], strict=True))
+    assert diff <= TOL, (moe["losses"], ref_moe["losses"])
 
     # One process reads the FSDP checkpoint (its manifest verified): the same weights the
     # ranks held.

@@ -45,6 +45,7 @@ def test_from_hf_logits_and_greedy_generation(tmp_path, name):
     ours, args = load_hf_checkpoint(tmp_path)
     assert args.family == hf.config.model_type and args.n_experts == hf.config.num_experts
     assert args.router_norm_topk == (name != "qwen3_moe_unnormed")
+    assert args.sliding_window == hf.config.sliding_window  # 16 for qwen3_moe_unnormed
     diff, scale = _diff(ours, hf, tokens())
     assert scale > 0.5 and diff < TOL, (name, diff, scale)
     prompt = tokens(20, 1)[0].tolist()

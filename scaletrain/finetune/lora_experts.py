@@ -78,13 +78,15 @@ class LoRAExperts(nn.Module):
         mm = _matmul_per_expert(counts, b.compute)
         gate, up = mm(x, w1.to(dtype)), mm(x, w3.to(dtype))
         if self.gate_up_A is not None:
-            update = mm(mm(x, self.gate_up_A.to(dtype)), self.gate_up_B.to(dtype)) * self.scaling
+            a, b_ = _aligned(self.gate_up_A.to(dtype), self.gate_up_B.to(dtype))
+            update = mm(mm(x, a), b_) * self.scaling
             d_gate, d_up = update.chunk(2, dim=-1)
             gate, up = gate + d_gate, up + d_up
         h = F.silu(gate) * up
         out = mm(h, w2.to(dtype))
         if self.down_A is not None:
-            out = out + mm(mm(h, self.down_A.to(dtype)), self.down_B.to(dtype)) * self.scaling
+            a, b_ = _aligned(self.down_A.to(dtype), self.down_B.to(dtype))
+            out = out + mm(mm(h, a), b_) * self.scaling
         return out
 
     def _n(self) -> int:
@@ -95,6 +97,17 @@ class LoRAExperts(nn.Module):
         """The dense per-expert update (E, out, in) of 'gate_up' ([w1; w3]) or 'down', fp32."""
         a, b = getattr(self, f"{part}_A"), getattr(self, f"{part}_B")
         return torch.bmm(b.float(), a.float()) * self.scaling
+
+
+def _aligned(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (E, r, in), B (E, out, r) with the rank zero-padded to a multiple of 16 bytes:
+    `torch._grouped_mm` needs 16-byte strides (rank 4 in bf16 is 8 bytes). The zero rows of A
+    and columns of B add exact zeros."""
+    step = max(1, 16 // a.element_size())
+    pad = -a.shape[1] % step
+    if pad == 0:
+        return a, b
+    return F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
 
 
 def _matmul_per_expert(counts: torch.Tensor, compute: str

@@ -152,3 +152,29 @@ def test_convert_and_generate_cli(tmp_path, capsys):
     ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4), max_new_tokens=8,
                       do_sample=False, pad_token_id=0, eos_token_id=None)
     assert json.dumps(ref[0, 4:].tolist()) in json.dumps(out)
+
+
+# The config.json fields of the published checkpoints (older transformers: top-level rope_theta).
+_PUBLISHED = {
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
+        router_aux_loss_coef=0.02, output_router_logits=False, tie_word_embeddings=False,
+        hidden_act="silu", bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16"),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, max_position_embeddings=40960, max_window_layers=48,
+        rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None, use_sliding_window=False,
+        sliding_window=None, attention_bias=False, router_aux_loss_coef=0.001,
+        output_router_logits=False, tie_word_embeddings=False, hidden_act="silu"),
+}
+
+
+@pytest.mark.parametrize("name", list(_PUBLISHED))
+def test_published_configs_read_as_the_presets(name):
+    assert model_args_from_hf_config(_PUBLISHED[name]) == PRESETS[name]

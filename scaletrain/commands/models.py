@@ -1,4 +1,5 @@
-"""`scaletrain models [--json]`: the presets with their dimensions and exact parameter counts."""
+"""`scaletrain models [--json]`: the presets with their dimensions and exact parameter counts
+(total and active per token; for Mixture-of-Experts presets, experts as top-k/E)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,28 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     table = Table(title="scaletrain model presets")
-    columns = ["name", "arch", "params", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+    columns = ["name", "arch", "params", "active_params", "experts", "expert_ffn_dim",
+               "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                "ffn_dim", "vocab_size", "max_seq_len", "sliding_window", "tie_embeddings"]
+    headers = {"active_params": "active", "expert_ffn_dim": "expert_ffn"}
     for col in columns:
-        table.add_column(col, justify="left" if col in ("name", "arch") else "right")
+        table.add_column(headers.get(col, col),
+                         justify="left" if col in ("name", "arch") else "right")
     for row in rows:
-        table.add_row(*(f"{row[c]:,}" if c == "params" else str(row[c] or "-")
-                        if c == "sliding_window" else str(row[c]) for c in columns))
+        table.add_row(*(_cell(row, c) for c in columns))
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze columns into 80 characters
-        console = Console(width=180)
+        console = Console(width=220)
     console.print(table)
     return 0
+
+
+def _cell(row: dict, column: str) -> str:
+    """One table cell: counts with separators; experts as top-k/E ('-' for dense models)."""
+    if column in ("params", "active_params"):
+        return f"{row[column]:,}"
+    if column == "experts":
+        return f"{row['experts_per_token']}/{row['n_experts']}" if row["n_experts"] else "-"
+    if column in ("sliding_window", "expert_ffn_dim"):
+        return str(row[column] or "-")
+    return str(row[column])

@@ -31,9 +31,25 @@ def _linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     d, q, kv, h = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, \
         args.hidden_dim
     shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, h), "down": (h, d)}
-    if args.arch == "llama":
+    if args.is_moe:  # the MLP is the experts (`_expert_lora`), the router is not a target
+        del shapes["gate"], shapes["down"]
+    elif args.arch == "llama":
         shapes["up"] = (d, h)
     return shapes
+
+
+def _expert_lora(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> int:
+    """LoRA parameters on the routed experts of one MoE block (`finetune/lora_experts.py`):
+    per expert, one adapter over [gate; up] (in dim, out 2 * hidden) and one over down."""
+    if not args.is_moe:
+        return 0
+    d, h = args.dim, args.expert_hidden_dim
+    out = 0
+    if "gate" in targets or "up" in targets:
+        out += rank * (d + 2 * h)
+    if "down" in targets:
+        out += rank * (h + d)
+    return args.n_experts * out
 
 
 def estimate(args: ModelArgs, method: str, *, rank: int = 8,
@@ -45,7 +61,8 @@ def estimate(args: ModelArgs, method: str, *, rank: int = 8,
     trainable parameter: 2 for AdamW) for `method` in full/freeze/lora/qlora.
 
     `num_labels` adds a classification head (trainable; the LM head is then frozen unless tied).
-    QLoRA: block linears at 4 bits + one 8-bit absmax per 64 weights (double quantization).
+    QLoRA: block linears at 4 bits + one 8-bit absmax per 64 weights (double quantization);
+    the routers and routed experts of MoE blocks stay at `weight_bytes`.
     """
     pc = count_params(args)
     shapes = _linear_shapes(args)
@@ -55,8 +72,8 @@ def estimate(args: ModelArgs, method: str, *, rank: int = 8,
     head = 0 if num_labels is None else num_labels * args.dim
     lora = 0
     if method in ("lora", "qlora"):
-        lora = args.n_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets
-                                   if t in shapes)
+        lora = args.n_layers * (sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets
+                                    if t in shapes) + _expert_lora(args, rank, targets))
     total = pc.total + lora + head
     lm_head_frozen = num_labels is not None and not args.tie_embeddings
     if method == "full":

@@ -136,11 +136,22 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> dict[str, LoRALinear
     Returns the new LoRA layers by name. Raises LoRAError when a target matches no layer of this
     model (e.g. `up` on a GPT-2 model, which has no gated MLP).
     """
+    from scaletrain.finetune.lora_experts import ExpertLoRAError, wrap_block_experts
+
     for p in model.parameters():
         p.requires_grad_(False)
     added: dict[str, LoRALinear] = {}
     missing = set(settings.targets)
+    experts = 0
     for block_name, block in model.layers.items():
+        try:  # MoE blocks: gate/up/down adapt the routed experts (lora_experts.py)
+            wrapped = wrap_block_experts(block, settings.targets, settings.rank, settings.alpha,
+                                         settings.dropout)
+        except ExpertLoRAError as e:
+            raise LoRAError(str(e)) from None
+        if wrapped is not None:
+            experts += 1
+            missing -= {"gate", "up", "down"} & set(settings.targets)
         for short in settings.targets:
             parent_name, _, attr = TARGETS[short].rpartition(".")
             parent = block.get_submodule(parent_name)
@@ -157,8 +168,9 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> dict[str, LoRALinear
             f"{getattr(getattr(model, 'args', None), 'arch', '')} model; drop them from "
             "finetune.lora_targets"
         )
-    log.info("LoRA: rank %d, alpha %g on %d layers (%s)", settings.rank, settings.alpha,
-             len(added), ",".join(settings.targets))
+    log.info("LoRA: rank %d, alpha %g on %d layers%s (%s)", settings.rank, settings.alpha,
+             len(added), f" and the experts of {experts} MoE blocks" if experts else "",
+             ",".join(settings.targets))
     return added
 
 
@@ -167,8 +179,11 @@ def merge_lora(model: nn.Module) -> int:
     """Fold every adapter into its base weight and put the plain layer back; returns the count.
 
     The base must be a dense `nn.Linear` (merge a QLoRA adapter into the full-precision base).
+    Expert adapters of MoE blocks are folded into the stacked expert weights.
     """
-    count = 0
+    from scaletrain.finetune.lora_experts import merge_expert_lora
+
+    count = merge_expert_lora(model)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, lora in layers:
         base = lora.base

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.finetune import peft_fused
+from scaletrain.finetune import lora_experts, peft_fused
 from scaletrain.finetune.lora import HF_TARGETS, TARGETS, LoRASettings, adapter_modules, apply_lora
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.files import honour_umask, make_output_dir
@@ -57,7 +57,10 @@ def _fused_groups(args: ModelArgs) -> dict[str, tuple[str, ...]]:
 
 
 def hf_target_modules(targets: tuple[str, ...], args: ModelArgs) -> list[str]:
-    """PEFT `target_modules` for our short targets; fused groups must be targeted whole."""
+    """PEFT `target_modules` for our short targets; fused groups must be targeted whole. On an
+    MoE model gate/up/down are the experts' `target_parameters` (`hf_target_parameters`)."""
+    if args.is_moe:
+        targets = tuple(t for t in targets if t not in lora_experts.EXPERT_TARGETS)
     names = {HF_TARGETS[t] for t in targets}
     for fused, parts in _fused_groups(args).items():
         short = [t for t, mod in TARGETS.items() if mod in parts]
@@ -68,6 +71,18 @@ def hf_target_modules(targets: tuple[str, ...], args: ModelArgs) -> list[str]:
         if chosen:
             names = (names - {HF_TARGETS[t] for t in chosen}) | {fused}
     return sorted(names)
+
+
+def hf_target_parameters(targets: tuple[str, ...], args: ModelArgs) -> list[str]:
+    """PEFT `target_parameters`: the fused expert tensors of an MoE model that LoRA adapts."""
+    if not args.is_moe:
+        return []
+    out = []
+    if "gate" in targets or "up" in targets:
+        out.append(lora_experts.PEFT_PARAMETERS["gate_up"])
+    if "down" in targets:
+        out.append(lora_experts.PEFT_PARAMETERS["down"])
+    return out
 
 
 def adapter_tensors(backbone: nn.Module, head: nn.Linear | None = None,
@@ -98,6 +113,7 @@ def adapter_tensors(backbone: nn.Module, head: nn.Linear | None = None,
             a, b = peft_fused.fuse([(m.lora_A.weight, m.lora_B.weight) for m in present])
             hf = f"{_PREFIX}model.layers.{i}.{fused}"
             out[f"{hf}.lora_A.weight"], out[f"{hf}.lora_B.weight"] = a, b
+    out.update({_PREFIX + k: v for k, v in lora_experts.peft_expert_tensors(backbone).items()})
     if train_norms:
         # PEFT wraps every module whose name ends with a `modules_to_save` entry ("norm" also
         # catches Qwen3's q/k norms and Gemma 2's post-norms) and expects all of them saved.
@@ -131,6 +147,7 @@ def save_adapter(directory: str | os.PathLike, backbone: nn.Module, settings: Lo
         "lora_alpha": settings.alpha,
         "lora_dropout": settings.dropout,
         "target_modules": targets,
+        "target_parameters": hf_target_parameters(settings.targets, args) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -195,6 +212,15 @@ def load_adapter(directory: str | os.PathLike, backbone: nn.Module,
     short_of = {mod: t for t, mod in TARGETS.items()}
     targets: list[str] = []
     unknown = []
+    try:
+        targets += lora_experts.targets_of_parameters(config.get("target_parameters") or [])
+    except lora_experts.ExpertLoRAError as e:
+        raise AdapterError(f"{directory / CONFIG_NAME}: {e}") from None
+    dense_mlp = {HF_TARGETS[t] for t in lora_experts.EXPERT_TARGETS}
+    if targets and not args.is_moe or args.is_moe and dense_mlp & set(config["target_modules"]):
+        raise AdapterError(f"{directory / CONFIG_NAME}: its targets "
+                           f"{config.get('target_parameters') or config['target_modules']} do "
+                           f"not fit this {'MoE' if args.is_moe else 'dense'} {args.family} model")
     for t in config["target_modules"]:
         if t in groups:
             targets += [short_of[p] for p in groups[t]]
@@ -212,7 +238,16 @@ def load_adapter(directory: str | os.PathLike, backbone: nn.Module,
     apply_lora(backbone, settings)
     tensors = load_file(directory / WEIGHTS_NAME)
     layers = adapter_modules(backbone)
-    loaded = set()
+    experts = {k.removeprefix(_PREFIX): v for k, v in tensors.items() if ".mlp.experts." in k}
+    try:
+        loaded = lora_experts.load_peft_expert_tensors(backbone, experts)
+    except lora_experts.ExpertLoRAError as e:
+        raise AdapterError(f"{directory / WEIGHTS_NAME}: {e}") from None
+    if set(experts) - loaded:
+        raise AdapterError(f"{directory / WEIGHTS_NAME}: expert tensor(s) "
+                           f"{sorted(set(experts) - loaded)[:2]} match no expert adapter of the "
+                           "config's target_parameters")
+    tensors = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
     fused_pieces: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for key, value in tensors.items():
@@ -274,5 +309,5 @@ def _load_fused(hf: str, ab: dict[str, torch.Tensor], layers: dict[str, Any],
 
 
 __all__ = ["save_adapter", "load_adapter", "adapter_tensors", "read_adapter_config",
-           "hf_target_modules",
+           "hf_target_modules", "hf_target_parameters",
            "AdapterError", "CONFIG_NAME", "WEIGHTS_NAME"]

@@ -1,7 +1,10 @@
 """QLoRA's base: every linear layer of the transformer blocks stored as 4-bit NF4 with double
 quantization (the per-block scales are quantized again), via bitsandbytes (CPU and CUDA).
 
-Embeddings, norms and the output head stay in full precision, as in the QLoRA recipe.
+Embeddings, norms and the output head stay in full precision, as in the QLoRA recipe. In MoE
+blocks the router stays in full precision too (it reads its weight as a dense matrix, and it is
+small), and so do the routed experts: they are stacked 3-D parameters, for which bitsandbytes has
+no 4-bit layer, so QLoRA on an MoE model quantizes the attention only.
 """
 
 from __future__ import annotations
@@ -52,8 +55,12 @@ def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
 def quantize_blocks(model: nn.Module, compute_dtype: torch.dtype) -> int:
     """Replace every `nn.Linear` inside `model.layers` by its NF4 version; returns the count."""
     count = 0
+    moe = False
     for block in model.layers.values():
         for name, module in list(block.named_modules()):
+            if name.endswith("router.gate"):
+                moe = True
+                continue
             if type(module) is nn.Linear:
                 parent_name, _, attr = name.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block
@@ -61,6 +68,9 @@ def quantize_blocks(model: nn.Module, compute_dtype: torch.dtype) -> int:
                 count += 1
     log.info("QLoRA: %d linear layers stored as NF4 (double quantization), compute in %s",
              count, str(compute_dtype).removeprefix("torch."))
+    if moe:
+        log.warning("QLoRA on an MoE model: the routers and the routed experts stay in full "
+                    "precision (bitsandbytes has no 4-bit layer for stacked expert weights)")
     return count
 
 

@@ -447,6 +447,7 @@ def preset_table() -> list[dict[str, Any]]:
             "params": count_params(a).total, "active_params": count_active_params(a),
             "dim": a.dim, "n_experts": a.n_experts,
             "experts_per_token": a.n_experts_per_token if a.is_moe else 0,
+            "expert_ffn_dim": a.expert_hidden_dim if a.is_moe else 0,
             "n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.kv_heads,
             "head_dim": a.head_dim, "sliding_window": a.sliding_window,
             "ffn_dim": a.hidden_dim, "vocab_size": a.vocab_size, "max_seq_len": a.max_seq_len,

@@ -34,6 +34,14 @@ from scaletrain.models.hf_families import (
     rope_family_config,
     unsupported_model_type,
 )
+from scaletrain.models.hf_moe import (
+    MOE_MODEL_TYPES,
+    moe_args,
+    moe_config,
+    moe_from_hf,
+    moe_to_hf,
+    refuse_other_moe,
+)
 from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
@@ -53,10 +61,14 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # --- configs ---------------------------------------------------------------------------------
 def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     """`ModelArgs` for a Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3,
-    Gemma 2 or GPT-2), or a ValueError saying why the model cannot be represented."""
+    Gemma 2, GPT-2, Mixtral or Qwen3-MoE), or a ValueError saying why the model cannot be
+    represented."""
     model_type = cfg.get("model_type")
     if model_type == "gpt2":
         return _gpt2_args(cfg)
+    if model_type in MOE_MODEL_TYPES:
+        return moe_args(cfg, rope_family_args)
+    refuse_other_moe(model_type)
     if model_type in SUPPORTED_MODEL_TYPES:
         return rope_family_args(cfg)
     raise unsupported_model_type(model_type)
@@ -114,6 +126,8 @@ def hf_config_from_model_args(
         }
         if args.kv_heads != args.n_heads:
             raise ValueError("GPT-2 checkpoints cannot hold grouped-query attention")
+    elif args.is_moe:
+        cfg = moe_config(args, rope_family_config)
     else:
         cfg = rope_family_config(args)
     if dtype is not None:
@@ -159,6 +173,8 @@ def _layer_key(key: str) -> tuple[int, str, str] | None:
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict -> HF names and layouts (contiguous tensors, the tied head left out)."""
     out: dict[str, torch.Tensor] = {}
+    if args.is_moe:
+        sd, out = moe_to_hf(sd, args)
     gpt2 = args.arch == "gpt2"
     top, layers = (_GPT2_TOP, _GPT2_LAYER) if gpt2 else (_LLAMA_TOP, layer_map(args))
     prefix = "transformer.h" if gpt2 else "model.layers"
@@ -209,6 +225,8 @@ def from_hf_state_dict(
     rev_layer = {v: k for k, v in layers.items()}
     fused_mods = fused_map(args)
     sd: dict[str, torch.Tensor] = {}
+    if args.is_moe:
+        hf_sd, sd = moe_from_hf(hf_sd, args)
     unknown: list[str] = []
     for key, tensor in hf_sd.items():
         if _IGNORED_HF_KEYS.search(key):

@@ -14,7 +14,8 @@ from typing import Any
 
 from scaletrain.models.args import ModelArgs, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gpt2", "mixtral",
+                         "qwen3_moe")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}

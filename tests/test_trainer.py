@@ -202,3 +202,28 @@ def test_cli_train_smoke(tmp_path: Path, cache: Path) -> None:
     more = [*argv, "--training.steps", "6", "--checkpoint.resume", "true"]
     assert main(["train", *more]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_moe_training_logs_expert_load_and_moves_the_bias(tmp_path: Path, cache: Path) -> None:
+    """A MoE run: the aux loss and the balancing bias run through the step; at each log step
+    metrics.jsonl gets each layer's tokens per expert over the interval (tokens x k)."""
+    out = tmp_path / "moe"
+    trainer = Trainer(tiny_config(
+        out, cache, "--model.n_experts", "4", "--model.n_experts_per_token", "2",
+        "--model.moe_ffn_dim", "64", "--model.moe_aux_loss_coef", "0.01",
+        "--model.moe_bias_update_rate", "0.01", "--metrics.log_interval", "2",
+        "--training.grad_accum_steps", "2", "--training.max_grad_norm", "1.0"))
+    result = trainer.train()
+    assert result.steps == 4 and all(math.isfinite(x) for x in result.losses)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in lines if "moe" in m]
+    assert [m["step"] for m in logged] == [2, 4]
+    tokens = 2 * 2 * 4 * 32 * 2  # steps x accumulation x micro-batch x seq x k
+    for m in logged:
+        assert set(m["moe"]["layers"]) == {"layers.0.feed_forward", "layers.1.feed_forward"}
+        for layer in m["moe"]["layers"].values():
+            assert sum(layer["tokens_per_expert"]) == tokens
+            assert layer["load_max_over_mean"] >= 1.0
+            assert layer["aux_loss"] > 0 and layer["router_entropy"] > 0
+    biases = [m.router.expert_bias for m in trainer.model.modules() if hasattr(m, "router")]
+    assert biases and all(b.abs().sum() > 0 for b in biases)  # moved by the balancing updates

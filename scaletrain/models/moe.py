@@ -260,7 +260,8 @@ class MoE(nn.Module):
         out = self._routed(flat, routing).to(x.dtype).view(shape)
         if self.shared is not None:
             out = out + self.shared(x)
-        self._record(routing)
+        if self.training:
+            self._record(routing)
         if self.aux_coef > 0 and self.training and torch.is_grad_enabled():
             aux = balancing_loss(routing, self.balance_group)
             self.last_aux_loss = aux.detach()

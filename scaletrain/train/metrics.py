@@ -42,12 +42,16 @@ class StepMetrics:
     """Memory in use before the model was built (CPU: interpreter, libraries and data)."""
     step_time_s: float
     data_wait_s: float
+    moe: dict[str, Any] | None = None
+    """Mixture-of-Experts models, at log steps: per-layer tokens per expert over the log
+    interval (all data-parallel ranks), their max/mean, router entropy and auxiliary loss, and
+    the averages over layers (`train/moe_metrics.py`)."""
 
 
 def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, tokens: int,
                  step_time_s: float, data_wait_s: float, world_size: int,
                  flops_per_token: float, peak_flops: float | None,
-                 baseline: MemoryBaseline) -> StepMetrics:
+                 baseline: MemoryBaseline, moe: dict[str, Any] | None = None) -> StepMetrics:
     """One step's metrics under the per-device convention; `tokens` are the job's tokens of
     the step (global batch x sequence length)."""
     tps = tokens / step_time_s
@@ -58,7 +62,7 @@ def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, tokens:
         tokens_per_s_per_device=per_device, tflops=achieved / 1e12,
         mfu=None if peak_flops is None else achieved / peak_flops,
         peak_mem_gib=baseline.peak_above_gib(), mem_baseline_gib=baseline.gib,
-        step_time_s=step_time_s, data_wait_s=data_wait_s,
+        step_time_s=step_time_s, data_wait_s=data_wait_s, moe=moe,
     )
 
 
@@ -156,12 +160,18 @@ class MetricsLogger:
         return SummaryWriter(str(path))
 
     def log_step(self, m: StepMetrics) -> None:
-        self.jsonl.write(json.dumps(asdict(m)) + "\n")
+        row = asdict(m)
+        if row["moe"] is None:
+            del row["moe"]
+        self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
-            for key, value in asdict(m).items():
-                if key != "step" and value is not None:
+            for key, value in row.items():
+                if key not in ("step", "moe") and value is not None:
                     self.tb.add_scalar(f"train/{key}", value, m.step)
+            for key, value in (m.moe or {}).items():
+                if key != "layers" and value is not None:
+                    self.tb.add_scalar(f"moe/{key}", value, m.step)
         if self.progress is not None:
             self.progress.update(self.task, completed=m.step,
                                  info=f"loss {m.loss:.3f} {m.tokens_per_s:,.0f} tok/s")

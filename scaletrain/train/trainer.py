@@ -31,6 +31,7 @@ from scaletrain.train.fp8 import apply_fp8, fp8_problem
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
 from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
+from scaletrain.train.moe_metrics import collect_moe_stats
 from scaletrain.train.optim import build_optimizer
 from scaletrain.train.step import StepOutput, TrainStep
 
@@ -131,6 +132,7 @@ class Trainer:
         step_loss, step_forward = (lambda logits, y: self.loss_fn(logits, y)), self.model_forward
         if cfg.training.fused_loss:
             step_loss, step_forward = self._fused_loss()
+        self.has_moe = self.model_args.is_moe
         self.step_fn = TrainStep(self.model, self.optimizer, self.par, self.device, self.dtype,
                                  step_loss, cfg.training.max_grad_norm, self.scaler, step_forward)
         self.checkpointer = self.checkpointer_cls(self.output / "checkpoints",
@@ -405,6 +407,7 @@ class Trainer:
         step_time = (now - pending.since) / len(pending.steps)
         tokens = self.ga * self.mbs * self.dp_size * self.cfg.data.seq_len
         steps, pending.steps, pending.since = pending.steps, [], now
+        moe = collect_moe_stats(self.model, self.par) if self.has_moe else None
         for (step, _, data_wait), (loss, norm, skipped) in zip(steps, rows, strict=True):
             if skipped:
                 self._on_nonfinite(loss, step)
@@ -414,7 +417,8 @@ class Trainer:
                 step=step, loss=loss, lr=self.schedule.lr_at(step - 1), grad_norm=norm,
                 tokens=tokens, step_time_s=step_time, data_wait_s=data_wait,
                 world_size=self.par.dims.world_size, flops_per_token=self.flops_per_token,
-                peak_flops=self.peak_flops, baseline=self.mem_baseline))
+                peak_flops=self.peak_flops, baseline=self.mem_baseline,
+                moe=moe if step == steps[-1][0] else None))
 
     def sample(self, max_new_tokens: int) -> str | None:
         """A sampled continuation of a line of the validation text (see `train.sample`);

@@ -93,3 +93,56 @@ def test_cli_search_bad_inputs(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli(["plan", "search", "--model", "llama3.1-405b", "--gpus", "8", "--gpu", "A100-40GB",
               "--seq-len", "8192", "--gbs-tokens", str(M)])
     assert rc == 1 and "no layout" in capsys.readouterr().out
+
+
+def test_commands_spell_every_model_override_the_trainer_takes() -> None:
+    import dataclasses
+
+    from scaletrain.config_sections import ModelConfig
+    from scaletrain.plan.command import MODEL_OVERRIDES
+
+    assert set(MODEL_OVERRIDES) == {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
+
+
+def test_moe_plan_counts_active_flops_ep_memory_and_all_to_all() -> None:
+    from scaletrain.models.args import count_active_params, get_preset
+    from scaletrain.parallel.dims import ParallelDims
+    from scaletrain.plan.estimate import Layout, estimate
+    from scaletrain.plan.flops import attention_forward_flops, flops_per_token
+
+    mixtral = get_preset("mixtral-8x7b")
+    # 6 x the active parameters but the embedding lookup (the head multiplies), + attention
+    matmul = count_active_params(mixtral) - mixtral.vocab_size * mixtral.dim
+    assert flops_per_token(mixtral, 4096) == 6 * matmul + 3 * attention_forward_flops(mixtral,
+                                                                                        4096)
+    args = get_preset("qwen3-30b-a3b")
+    plans = {ep: estimate(args, Layout(dims=ParallelDims(dp_shard=8, ep=ep), mbs=1,
+                                       seq_len=4096, gbs=16, zero=3, precision="bf16"))
+             for ep in (1, 8)}
+    # FSDP shards everything over dp_shard either way; EP gathers only a rank's own experts.
+    assert plans[8].memory_bytes["weights"] == plans[1].memory_bytes["weights"]
+    assert plans[8].memory_bytes["comm_buffers"] < plans[1].memory_bytes["comm_buffers"] / 3
+    assert plans[8].comm_bytes_per_step["all_gather"] < plans[1].comm_bytes_per_step[
+        "all_gather"] / 3
+    # 4 all-to-alls per MoE layer and micro-batch of tokens x k x dim x 2 bytes, 7/8 leaving
+    tokens_k = 4096 * args.n_experts_per_token
+    expected = args.n_layers * 2 * 4 * 7 / 8 * tokens_k * args.dim * 2
+    assert plans[8].comm_bytes_per_step["all_to_all"] == int(expected)
+    assert plans[1].comm_bytes_per_step["all_to_all"] == 0
+
+
+def test_search_proposes_expert_parallel_degrees_the_trainer_accepts() -> None:
+    from scaletrain.models.args import get_preset
+    from scaletrain.plan.estimate import Layout
+    from scaletrain.plan.hardware import get_device
+    from scaletrain.plan.search import Cluster, search
+
+    args = get_preset("qwen3-30b-a3b").replace(n_layers=8, n_experts=8)
+    fitting, _ = search(args, Cluster(get_device("H100"), 16), 4096, 4096 * 64,
+                        Layout(precision="bf16"), model="qwen3-30b-a3b")
+    eps = {c.layout.dims.ep for c in fitting}
+    assert eps > {1} and max(eps) <= 8  # never beyond the number of experts
+    for c in fitting:
+        d = c.layout.dims
+        assert d.dp_shard % d.ep == 0 and (d.ep == 1 or c.layout.zero >= 2)
+        assert (f"--parallel.ep {d.ep}" in c.command) == (d.ep > 1)

@@ -217,3 +217,22 @@ def test_html_report_has_plots(tmp_path: Path) -> None:
     for title in ("Per-step breakdown", "Time breakdown per rank", "Own work and collectives"):
         assert title in text
     assert "plotly" in text.lower()
+
+
+@pytest.mark.parametrize("name", [
+    "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",  # NCCL all-to-all (send/recv)
+    "ncclDevKernel_AllToAll_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+    "void deep_ep::intranode::dispatch<8, 768, 8192>(...)",
+])
+def test_expert_parallel_all_to_all_kernels_are_communication(name: str) -> None:
+    from scaletrain.profiling.trace import COMM, kernel_kind
+
+    assert kernel_kind(name) == COMM
+
+
+@pytest.mark.parametrize("name", ["c10d::alltoall_base_", "gloo:all_to_all",
+                                  "record_param_comms", "nccl:all_to_all"])
+def test_all_to_all_host_ops_are_communication(name: str) -> None:
+    from scaletrain.profiling.cpu import COMM_RE
+
+    assert COMM_RE.match(name)

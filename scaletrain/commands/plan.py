@@ -82,6 +82,8 @@ def _estimate_main(argv: list[str]) -> int:
     for name, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"),
                        ("cp", "context")):
         p.add_argument(f"--{name}", type=_positive, default=1, help=f"{what}-parallel degree")
+    p.add_argument("--ep", type=_positive, default=1,
+                   help="expert-parallel degree (MoE; borrowed from the data-parallel shards)")
     p.add_argument("--vpp", type=_positive, default=1, help="model chunks per pipeline rank")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
@@ -117,7 +119,7 @@ def _estimate_main(argv: list[str]) -> int:
     if a.dp % replicate:
         raise PlanError(f"--dp-replicate ({replicate}) must divide --dp ({a.dp})")
     dims = check_dims(world, pp=a.pp, cp=a.cp, tp=a.tp, dp_replicate=replicate,
-                      dp_shard=a.dp // replicate)
+                      dp_shard=a.dp // replicate, ep=a.ep)
     lay = Layout(dims=dims, mbs=a.mbs, seq_len=a.seq_len, gbs=a.gbs, zero=a.zero,
                  sequence_parallel=a.sequence_parallel, vpp=a.vpp,
                  schedule=a.schedule or ("Interleaved1F1B" if a.vpp > 1 else "1F1B"),
@@ -155,7 +157,8 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
     lay, d = plan.layout, plan.layout.dims
     lines = [
         f"layout: pp={d.pp} (vpp={lay.vpp}) dp={d.dp} (replicate {d.dp_replicate} x shard "
-        f"{d.dp_shard}) cp={d.cp} tp={d.tp}{' +SP' if lay.sequence_parallel else ''} "
+        f"{d.dp_shard}) cp={d.cp} tp={d.tp}{' +SP' if lay.sequence_parallel else ''}"
+        f"{f' ep={d.ep}' if d.ep > 1 else ''} "
         f"zero={lay.zero}  mbs={lay.mbs} ga={lay.grad_accum} seq={lay.seq_len}  "
         f"{lay.precision} (params {lay.stored_dtype}"
         f"{', grads ' + lay.grad_convention if lay.stored_dtype != 'fp32' else ''})  "

@@ -67,13 +67,14 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"{len(fitting)} of {len(every)} layouts fit {a.gpus} x {device.name} "
           f"({cluster.usable_bytes / GIB:.1f} GiB usable per GPU)\n")
-    head = f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'zero':>4} " \
+    head = f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'zero':>4} " \
            f"{'mbs':>4} {'ga':>5} {'recompute':>9} {'GiB/GPU':>8} {'step s':>8} {'MFU':>6}  " \
            "largest overhead"
     print(head)
     for i, c in enumerate(fitting[:a.top], 1):
         j = c.to_json()
         print(f"{i:>2} {j['dp']:>5} {j['tp']:>3} {j['pp']:>3} {j['vpp']:>3} {j['cp']:>3} "
+              f"{j['ep']:>3} "
               f"{j['zero']:>4} {j['mbs']:>4} {j['ga']:>5} {j['recompute']:>9} "
               f"{j['memory_bytes_per_gpu'] / GIB:>8.1f} {j['step_time_s']:>8.2f} "
               f"{j['mfu']:>6.1%}  {_overhead(c)}")

@@ -35,13 +35,21 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def expert_params(args: ModelArgs, layers: int) -> int:
+    """Routed-expert parameters of `layers` MoE blocks (0 for a dense model)."""
+    if not args.is_moe:
+        return 0
+    return layers * args.n_experts * 3 * args.dim * args.expert_hidden_dim
+
+
 def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_bytes: float,
                g_bytes: float) -> tuple[dict[str, int], dict[str, int]]:
     """(bytes by collective kind, bytes by mesh dimension) for one rank and one step."""
     dims, m = lay.dims, lay.grad_accum
     c = DTYPE_BYTES[lay.precision]
-    kinds = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0}
-    by_dim = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0}
+    kinds = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "send_recv": 0.0,
+             "all_to_all": 0.0}
+    by_dim = {"dp": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0, "ep": 0.0}
     # Gradients travel in the dtype they are kept in (fp32 under the Megatron convention).
     grad_wire = 4.0 if g_bytes == 4.0 else w_bytes
     n = dims.dp * dims.cp
@@ -54,9 +62,13 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
         else:
             gather = DTYPE_BYTES[lay.fsdp_param_dtype]
             k = lay.shard_group  # HSDP: gathers inside the shard group only
-            v = {"all_gather": (2 if lay.zero == 3 else 1) * m * _ring(k) * stage_params
-                 * gather,
-                 "reduce_scatter": m * _ring(k) * stage_params * grad_wire}
+            # Expert parallelism: a rank gathers only its own experts (1/ep of them) and only
+            # over the dp_shard / ep ranks that hold the same ones.
+            experts = expert_params(args, layers)
+            fsdp_bytes = _ring(k) * (stage_params - experts) \
+                + _ring(k // dims.ep) * experts / dims.ep
+            v = {"all_gather": (2 if lay.zero == 3 else 1) * m * fsdp_bytes * gather,
+                 "reduce_scatter": m * fsdp_bytes * grad_wire}
             if dims.dp_replicate > 1:  # HSDP: the shards are all-reduced across replicas
                 v["all_reduce"] = m * 2 * _ring(dims.dp_replicate) * stage_params / k \
                     * grad_wire
@@ -80,6 +92,15 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
         kinds["all_gather"] += layers * m * per_layer
         kinds["reduce_scatter"] += layers * m * per_layer
         by_dim["cp"] += 2 * layers * m * per_layer
+    if dims.ep > 1 and args.is_moe:
+        # Per MoE layer and micro-batch: dispatch and combine in forward and again in backward
+        # (and once more in a recomputed forward), each moving the tokens' k copies of which
+        # (ep - 1) / ep go to other ranks under even routing.
+        count = 4 + (2 if lay.recompute == "full" else 0)
+        x = layers * m * count * _ring(dims.ep) * tokens * args.n_experts_per_token \
+            * args.dim * c
+        kinds["all_to_all"] += x
+        by_dim["ep"] += x
     if dims.pp > 1:
         shard = dims.tp if lay.sequence_parallel else 1
         x = 2 * m * lay.vpp * tokens * args.dim * c / shard

@@ -15,7 +15,9 @@ from scaletrain.plan.estimate import Layout
 
 # The ModelArgs fields `--model.FIELD` can override (scaletrain.config_sections.ModelConfig).
 MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-                   "max_seq_len", "tie_embeddings", "rope_theta")
+                   "max_seq_len", "tie_embeddings", "rope_theta", "n_experts",
+                   "n_experts_per_token", "moe_ffn_dim", "moe_aux_loss_coef",
+                   "moe_bias_update_rate", "moe_capacity_factor", "expert_compute")
 
 
 def _value(v: object) -> str:
@@ -58,6 +60,8 @@ def train_flags(model: str, args: ModelArgs, lay: Layout) -> list[str]:
         flags += ["--parallel.dp_replicate", str(d.dp_replicate), "--parallel.dp_shard",
                   str(d.dp_shard), "--parallel.tp", str(d.tp), "--parallel.pp", str(d.pp),
                   "--parallel.cp", str(d.cp), "--parallel.data_parallel", lay.data_parallel]
+        if d.ep > 1:
+            flags += ["--parallel.ep", str(d.ep)]
         if lay.fsdp:
             flags += ["--parallel.fsdp_param_dtype", lay.fsdp_param_dtype]
         if lay.cpu_offload:

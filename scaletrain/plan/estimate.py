@@ -16,7 +16,7 @@ from scaletrain.plan.activations import (
     activation_bytes,
     logits_buffer_bytes,
 )
-from scaletrain.plan.comm import comm_bytes
+from scaletrain.plan.comm import comm_bytes, expert_params
 from scaletrain.plan.flops import attention_forward_flops, flops_per_token
 from scaletrain.plan.memory import (
     GradConvention,
@@ -316,11 +316,15 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         mem["cast_weights"] = sp.total * c if cast else 0
         # ZeRO-2 under FSDP (reshard_after_forward=False): every block stays gathered from its
         # forward to its backward.
-        mem["gathered_weights"] = int(sp.total * gathered) if lay.fsdp and lay.zero == 2 else 0
+        # Expert parallelism: FSDP gathers a rank's own experts only (1/ep of each layer's).
+        not_local = (1 - 1 / dims.ep) * expert_params(args, 1)
+        unsharded = sp.total - sp.layers * not_local
+        mem["gathered_weights"] = int(unsharded * gathered) if lay.fsdp and lay.zero == 2 \
+            else 0
         if lay.fsdp:
             # The unsharded block being computed and the prefetched next one, plus the
             # unsharded gradients of one block before its reduce-scatter.
-            mem["comm_buffers"] = int(sp.per_layer * (2 * gathered + gathered))
+            mem["comm_buffers"] = int((sp.per_layer - not_local) * (2 * gathered + gathered))
         elif dims.dp > 1 or dims.cp > 1:
             mem["comm_buffers"] = 2 * DDP_BUCKET_BYTES
         else:

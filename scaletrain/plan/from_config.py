@@ -20,7 +20,7 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
 
     par = cfg.parallel
     dims = check_dims(world_size, pp=par.pp, dp_replicate=par.dp_replicate,
-                      dp_shard=par.dp_shard, cp=par.cp, tp=par.tp)
+                      dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep)
     gbs, _ = resolve_batch(cfg.training, dims.dp)
     dtype = resolve_dtype(cfg.precision, device)
     mode = resolve_mode(par.data_parallel, dims)

@@ -74,7 +74,7 @@ class Candidate:
         d = lay.dims
         return {
             "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-            "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "zero": lay.zero, "mbs": lay.mbs,
+            "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "ep": d.ep, "zero": lay.zero, "mbs": lay.mbs,
             "ga": lay.grad_accum, "recompute": lay.recompute,
             "memory_bytes_per_gpu": self.plan.peak_bytes, "step_time_s": self.step_time_s,
             "mfu": self.mfu, "bubble_fraction": self.plan.bubble_fraction,
@@ -134,15 +134,24 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
         k = per_node(d.tp, d.cp, gpn)
         cp = layers * m * (fabric.time("all_gather", kv, d.cp, k)
                            + fabric.time("reduce_scatter", kv, d.cp, k))
+    ep = 0.0
+    if d.ep > 1 and args.is_moe:
+        # Expert parallel: per MoE layer and micro-batch, dispatch + combine in forward and
+        # backward (and a recomputed forward), not overlapped. An all-to-all of the routed
+        # tokens moves (ep - 1) / ep of them per rank, like an all-gather of the same bytes.
+        routed = tokens_mb * args.n_experts_per_token * args.dim * c
+        k = per_node(d.tp * d.cp, d.ep, gpn)
+        ep = layers * m * (4 + (2 if lay.recompute == "full" else 0)) \
+            * fabric.time("all_gather", routed, d.ep, k)
     pp = 0.0
     if d.pp > 1:
         act = tokens_mb * args.dim * c / (d.tp if lay.sequence_parallel else 1)
         across = d.tp * d.cp * d.dp >= gpn
         pp = 2 * m * lay.vpp * fabric.p2p(act, across)
     dp = _dp_exposed(plan, fabric, compute, layers, sp.total)
-    busy = compute + tp + cp + pp
+    busy = compute + tp + cp + ep + pp
     bubble = busy * plan.bubble_fraction
-    times = {"compute": compute, "tp_comm": tp, "cp_comm": cp, "pp_comm": pp,
+    times = {"compute": compute, "tp_comm": tp, "cp_comm": cp, "ep_comm": ep, "pp_comm": pp,
              "bubble": bubble, "dp_comm_exposed": dp}
     return busy + bubble + dp, times
 
@@ -227,11 +236,11 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
             dp = cluster.gpus // (tp * pp * cp)
             if gbs % dp:
                 continue
-            for zero, recompute, mbs, vpp in itertools.product(
+            for zero, recompute, mbs, vpp, ep in itertools.product(
                     range(max_zero + 1), ("none", "selective", "full"), (1, 2, 4, 8, 16),
-                    (1, 2, 4)):
+                    (1, 2, 4), _ep_degrees(args, dp)):
                 cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp, zero,
-                                 recompute, mbs, vpp, model)
+                                 recompute, mbs, vpp, model, ep)
                 if cand is not None:
                     out.append(cand)
         if any(c.fits for c in out):
@@ -241,14 +250,14 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 
 def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tokens: int,
               tp: int, cp: int, pp: int, dp: int, zero: int, recompute: str, mbs: int,
-              vpp: int, model: str = "MODEL") -> Candidate | None:
-    if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp):
+              vpp: int, model: str = "MODEL", ep: int = 1) -> Candidate | None:
+    if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp) or (ep > 1 and zero < 2):
         return None
     ga = gbs // (mbs * dp)
     if (pp == 1 and vpp > 1) or (pp > 1 and ga < pp) or (vpp > 1 and ga % pp):
         return None
     dims = ParallelDims(pp=pp, dp_replicate=dp if zero == 0 else 1,
-                        dp_shard=1 if zero == 0 else dp, cp=cp, tp=tp)
+                        dp_shard=1 if zero == 0 else dp, cp=cp, tp=tp, ep=ep)
     # What the trainer runs: autocast over fp32 parameters; FSDP gathers them in the compute
     # dtype (no autocast copies, half the all-gather bytes).
     fsdp_dtype = "bf16" if zero >= 2 and base.precision == "bf16" else "fp32"
@@ -266,6 +275,18 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
     return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times,
                      command=train_command(model, args, lay, cluster.gpus,
                                            cluster.gpus_per_node))
+
+
+def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for an MoE model the powers of two that divide
+    both the data-parallel degree (EP borrows its ranks) and the number of experts."""
+    if not args.is_moe:
+        return [1]
+    out, ep = [1], 2
+    while ep <= dp and dp % ep == 0 and args.n_experts % ep == 0:
+        out.append(ep)
+        ep *= 2
+    return out
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -292,12 +313,12 @@ def _bucket(t: float) -> float:
     return round(math.log(t) / 0.005) if t > 0 else 0.0
 
 
-KNOBS = ("tp", "pp", "cp", "zero", "recompute", "mbs", "vpp")
+KNOBS = ("tp", "pp", "cp", "ep", "zero", "recompute", "mbs", "vpp")
 
 
 def knob(c: Candidate, name: str) -> object:
     lay = c.layout
-    return getattr(lay.dims, name) if name in ("tp", "pp", "cp") else getattr(lay, name)
+    return getattr(lay.dims, name) if name in ("tp", "pp", "cp", "ep") else getattr(lay, name)
 
 
 def alternatives(best: Candidate, every: list[Candidate]) -> list[tuple[str, Candidate]]:

@@ -109,3 +109,20 @@ def test_two_rank_metrics_are_per_device(tmp_path: Path) -> None:
     _check_per_device(lines, 2)
     for m in lines:  # the job's tokens: global batch (2 x 2 x 2 sequences) x sequence
         assert m["tokens_per_s"] * m["step_time_s"] == pytest.approx(8 * SEQ, rel=1e-6)
+
+
+def test_search_expert_parallel_layout_trains_through_its_command(tmp_path: Path) -> None:
+    """A Mixture-of-Experts model: the best layout the search proposes with expert
+    parallelism starts and trains through its command (4 ranks, gloo)."""
+    moe = ARGS.replace(n_experts=4, n_experts_per_token=2, moe_ffn_dim=64)
+    fitting, _ = search(moe, Cluster(get_device("H100"), 4), SEQ, SEQ * 16,
+                        Layout(precision="fp32", kernels="cpu"), model="debug")
+    chosen = next(c for c in fitting if c.layout.dims.ep > 1)
+    argv = shlex.split(chosen.command)
+    assert "--model.n_experts" in argv and "--parallel.ep" in argv
+    out = tmp_path / "ep"
+    proc = _launch(_data_flags(out, tmp_path / "cache") + argv[argv.index("train") + 1:], 4)
+    assert proc.returncode == 0, (chosen.command, proc.stderr[-3000:])
+    lines = _metrics(out)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert f"ep = {chosen.layout.dims.ep}" in (out / "config.toml").read_text()

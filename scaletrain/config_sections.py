@@ -40,6 +40,8 @@ class ModelConfig:
     """Mixture of Experts: experts each token is routed to (top-k)."""
     moe_ffn_dim: int | None = None
     """Mixture of Experts: hidden size of one expert."""
+    n_shared_experts: int | None = None
+    """Mixture of Experts: experts every token goes through (one MLP of n x moe_ffn_dim)."""
     moe_aux_loss_coef: float | None = None
     """Mixture of Experts: weight of the load-balancing auxiliary loss (0 = off)."""
     moe_bias_update_rate: float | None = None

@@ -179,7 +179,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), _local(self.gate.weight).float())
         probs = torch.sigmoid(logits) if self.score == "sigmoid" else torch.softmax(logits, -1)
         choose = probs + self.expert_bias.to(probs.dtype)
         experts = torch.topk(choose, self.top_k, dim=-1).indices
@@ -235,6 +235,8 @@ class MoE(nn.Module):
         self.capacity_factor = args.moe_capacity_factor
         # Expert parallelism replaces this: (sorted tokens, tokens per expert, experts) -> out.
         self.dispatcher: Dispatcher | None = None
+        # Tensor parallelism: sums the partial outputs of the TP ranks' experts (identity else).
+        self.output_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         # The data-parallel ranks whose micro-batches the balancing loss counts together.
         self.balance_group: dist.ProcessGroup | None = None
         # Statistics since they were last read (see `moe_stats`); device tensors, no host sync.
@@ -258,6 +260,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
         out = self._routed(flat, routing).to(x.dtype).view(shape)
+        if self.output_reduce is not None:
+            out = self.output_reduce(out)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.training:
@@ -290,6 +294,8 @@ class MoE(nn.Module):
             y = y.new_zeros(order.numel(), y.shape[1]).index_put((order_keep,), y)
         unsorted = y[torch.argsort(order)].view(n_tokens, self.top_k, -1)
         gate = routing.weights.to(unsorted.dtype).unsqueeze(1)
+        if self.output_reduce is not None:  # TP: each rank's outputs give a part of the
+            gate = self.dispatcher.copy_to_region(gate)  # gate gradient: sum them
         return torch.bmm(gate, unsorted).squeeze(1)
 
     def _capacity(self, sorted_experts: torch.Tensor, counts: torch.Tensor, n_tokens: int

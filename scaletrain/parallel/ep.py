@@ -35,12 +35,13 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     all-to-all dispatcher (in place; before FSDP, on the meta device or not)."""
     layers = list(moe_layers(model))
     for _, moe in layers:
-        _shard_experts(moe.experts, ep_mesh)
+        shard_experts(moe.experts, ep_mesh)
         moe.dispatcher = EPDispatcher(ep_mesh.get_group(), moe.n_experts)
     log.info("expert parallel over %d ranks: %d MoE layers", ep_mesh.size(), len(layers))
 
 
-def _shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
+def shard_experts(experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
+    """The stacked expert weights as DTensors `Shard(0)` (contiguous experts per rank)."""
     rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
     for name, p in list(experts.named_parameters(recurse=False)):
         local = p.detach().chunk(size, dim=0)[rank]
@@ -102,4 +103,4 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
     return {p for _, m in moe_layers(model) for p in m.experts.parameters()}
 
 
-__all__ = ["apply_ep", "EPDispatcher", "expert_parameters", "MoE"]
+__all__ = ["apply_ep", "EPDispatcher", "expert_parameters", "shard_experts", "MoE"]

@@ -28,6 +28,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from scaletrain.models.moe import MoE
+from scaletrain.parallel.moe_tp import apply_moe_tp
+
 log = logging.getLogger("scaletrain.parallel")
 
 
@@ -64,13 +67,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if block.feed_forward.w3 is not None:  # GPT-2's GELU MLP has no gate
-            plan["feed_forward.w3"] = ColwiseParallel()
+        if isinstance(block.feed_forward, MoE):
+            plan.update(_moe_plan(block.feed_forward, tp_mesh, seq, sequence_parallel))
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                                   desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            })
+            if block.feed_forward.w3 is not None:  # GPT-2's GELU MLP has no gate
+                plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
@@ -83,6 +91,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
             _replicate(block.ffn_norm, tp_mesh)
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)",
              tp_mesh.size(), sequence_parallel, loss_parallel)
+
+
+def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq: object, sequence_parallel: bool
+              ) -> dict[str, object]:
+    """A Mixture-of-Experts MLP: the whole sequence in (as a plain tensor), experts split
+    over the TP ranks (`parallel/moe_tp.py`), shared experts column/row parallel."""
+    apply_moe_tp(moe, tp_mesh, sequence_parallel)
+    plan: dict[str, object] = {
+        "feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                           desired_input_layouts=(Replicate(),),
+                                           use_local_output=True)}
+    if moe.shared is not None:
+        plan.update({"feed_forward.shared.w1": ColwiseParallel(),
+                     "feed_forward.shared.w3": ColwiseParallel(),
+                     "feed_forward.shared.w2": RowwiseParallel(output_layouts=seq)})
+    return plan
 
 
 def _family_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:

@@ -130,11 +130,14 @@ def _moe(args: ModelArgs, spec: ActivationSpec) -> int:
     t, h, e, k = spec.tokens, args.dim, args.n_experts, args.n_experts_per_token
     tk = t * k
     router = 4 * t * h + 4 * t * e + 12 * tk + 4 * t
-    routed = 16 * tk + 2 * c * tk * h + 4 * e + 4 * c * tk * args.expert_hidden_dim + c * tk
+    # Tensor parallel: each rank runs the pairs of its 1/t of the experts (the sorted tokens
+    # and the combined outputs stay whole).
+    routed = 16 * tk + 2 * c * tk * h + 4 * e + 4 * c * tk * args.expert_hidden_dim // spec.tp \
+        + c * tk
     shared = 0
     if args.n_shared_experts:
         shared_in = 0 if c == r == 4 else (c * t * h if c == r else 2 * c * t * h)
-        shared = shared_in + 4 * c * t * args.shared_expert_hidden_dim
+        shared = shared_in + 4 * c * t * args.shared_expert_hidden_dim // spec.tp
     return router + routed + shared
 
 

@@ -105,6 +105,9 @@ LAYOUTS_2 = [
       for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")],
     ("ep", ["--parallel.ep", "2"], 2, 2, MOE),
     ("moe-zero2", ["--parallel.data_parallel", "zero2"], 2, 2, MOE),
+    ("tp-moe", ["--parallel.tp", "2"], 1, 2, [*MOE, "--model.n_shared_experts", "1"]),
+    ("tp-moe-nosp", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false"], 1, 2,
+     MOE),
     ("pp-moe", ["--parallel.pp", "2", "--parallel.pp_schedule", "1F1B"], 1, 2, MOE),
     # FSDP's CPU offload: gradients on the host, norms reduced on the training device
     ("zero3-offload", ["--parallel.data_parallel", "zero3", "--parallel.cpu_offload", "true"],
@@ -112,9 +115,9 @@ LAYOUTS_2 = [
 ]
 # Low-precision runs of one layout per technique (each adds a run to the spawn); fp16 uses the
 # loss scaler (sharded where gradients differ between ranks).
-LOW_2 = {"ep": ("bf16",), "ddp": ("bf16",), "zero1": ("bf16",), "zero3": ("bf16", "fp16"),
-         "tp-sp": ("bf16",), "cp": ("bf16",), "pp-gpipe": ("bf16", "fp16"),
-         "pp-ZBVZeroBubble": ("bf16",)}
+LOW_2 = {"ep": ("bf16",), "tp-moe": ("bf16",), "ddp": ("bf16",), "zero1": ("bf16",),
+         "zero3": ("bf16", "fp16"), "tp-sp": ("bf16",), "cp": ("bf16",),
+         "pp-gpipe": ("bf16", "fp16"), "pp-ZBVZeroBubble": ("bf16",)}
 LAYOUTS_4 = [
     ("hsdp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 4, 2),
     ("fsdp-x-tp", ["--parallel.tp", "2"], 2, 2),
@@ -127,6 +130,7 @@ LAYOUTS_4 = [
     ("pp-x-cp", ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.dp_shard", "1"], 1, 2),
     ("zero3-4", ["--parallel.data_parallel", "zero3"], 4, 2),
     ("ep-x-fsdp", ["--parallel.ep", "2"], 4, 2, MOE),
+    ("fsdp-x-tp-moe", ["--parallel.tp", "2"], 2, 2, MOE),
     ("pp-x-ep", ["--parallel.pp", "2", "--parallel.ep", "2"], 2, 2, MOE),
     ("ep4-bias", ["--parallel.ep", "4"], 4, 2, [*MOE, "--model.moe_bias_update_rate", "0.01"]),
 ]

@@ -32,3 +32,28 @@ def test_model_problems_name_what_does_not_divide() -> None:
     assert ParallelDims(tp=2).model_problems(args, seq_len=256) == []
     assert ParallelDims(cp=3).model_problems(args, seq_len=256)
     assert ParallelDims(pp=4).model_problems(args.replace(n_layers=2), seq_len=256)
+
+
+def test_expert_parallel_degree_is_checked_with_its_fix() -> None:
+    from scaletrain.models.args import get_preset
+    from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
+    from scaletrain.parallel.feasibility import RunLayout, layout_problems
+
+    moe, dense = get_preset("debug-moe"), get_preset("debug")
+    with pytest.raises(ParallelDimsError, match="must divide"):
+        ParallelDims.resolve(4, dp_shard=4, ep=3)
+    dims = ParallelDims.resolve(4, dp_shard=4, ep=2)
+    assert dims.dp == 4 and dims.dp_shard_mod_ep == 2 and dims.world_size == 4
+
+    def problems(args, dims, mode="zero3"):  # type: ignore[no-untyped-def]
+        return " ".join(layout_problems(args, RunLayout(dims=dims, mode=mode, seq_len=64,
+                                                        grad_accum=2)))
+
+    assert problems(moe, dims) == ""
+    assert "Mixture-of-Experts" in problems(dense, dims)
+    assert "zero2 or zero3" in problems(moe, dims, "ddp")
+    assert "n_experts (8) must be divisible by parallel.ep" in problems(
+        moe, ParallelDims.resolve(16, dp_shard=16, ep=16))
+    assert "parallel.ep with parallel.tp" in problems(
+        moe, ParallelDims.resolve(4, dp_shard=2, tp=2, ep=2))
+    assert problems(moe, ParallelDims.resolve(2, dp_shard=1, tp=2)) == ""  # experts over TP

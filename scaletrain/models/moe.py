@@ -24,6 +24,7 @@ Load balancing, two options that can be combined:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from torch import nn
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.layers import MLP_BUILDERS, FeedForward
+
+log = logging.getLogger("scaletrain.models")
 
 # --- how the training step weights the auxiliary loss ----------------------------------------
 _AUX_WEIGHTING: dict[str, Any] = {"tokens": None, "scale": None}
@@ -98,11 +101,16 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         dtype = _compute_dtype(x, w1)
         x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-        if self.compute == "loop":
-            return _loop_swiglu(x, counts, w1, w2, w3)
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs)
-        return _gmm(h, w2, offs)
+        if self.compute == "grouped":
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            try:
+                h = F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs)
+                return _gmm(h, w2, offs)
+            except RuntimeError as e:  # a device/dtype without a grouped-GEMM kernel
+                log.warning("grouped GEMM unavailable for %s on %s (%s); computing the "
+                            "experts one by one", dtype, x.device, e)
+                self.compute = "loop"
+        return _loop_swiglu(x, counts, w1, w2, w3)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ logits).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,13 @@ from scaletrain.models.args import ModelArgs
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32; with `unit_offset` the scale is (1 + weight) and weights start at 0."""
+    """RMSNorm in fp32; with `unit_offset` the scale is (1 + weight) and weights start at 0.
+
+    A 16-bit input (bf16 parameters, or FSDP gathering them in bf16) goes through `_RMSNormFn`,
+    which keeps the input in its own dtype and the fp32 1/rms per row for backward instead of
+    an fp32 copy of the input. Inputs that are DTensors (sequence-parallel norms) keep the
+    composite path, which DTensor shards.
+    """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
@@ -27,6 +34,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16) and not _is_dtensor(x, self.weight):
+            return _RMSNormFn.apply(x, self.weight, self.eps, self.unit_offset)
         w = self.weight.float()
         if self.unit_offset:
             w = 1.0 + w
@@ -34,6 +43,36 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         (nn.init.zeros_ if self.unit_offset else nn.init.ones_)(self.weight)
+
+
+def _is_dtensor(*tensors: torch.Tensor) -> bool:
+    return any(hasattr(t, "placements") for t in tensors)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = x / rms(x) * w computed in fp32, returned in x's dtype; saves x (its own dtype),
+    the fp32 1/rms of each row and the weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                unit_offset: bool) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        w = weight.float() + 1.0 if unit_offset else weight.float()
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.unit_offset = unit_offset
+        return (xf * rstd * w).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        x, rstd, weight = ctx.saved_tensors
+        w = weight.float() + 1.0 if ctx.unit_offset else weight.float()
+        normed = x.float() * rstd
+        g = grad.float()
+        grad_w = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gw = g * w
+        grad_x = rstd * (gw - normed * (gw * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_w, None, None
 
 
 def make_norm(args: ModelArgs, dim: int | None = None) -> nn.Module:
@@ -65,8 +104,33 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(self.act(self.w1(x)) * self.w3(x))
+            a, b = self.w1(x), self.w3(x)
+            if _is_dtensor(a, b):  # tensor parallel without local outputs: composite
+                return self.w2(self.act(a) * b)
+            return self.w2(_GatedAct.apply(a, b, self.act))
         return self.w2(self.act(self.w1(x)))
+
+
+class _GatedAct(torch.autograd.Function):
+    """act(a) * b that keeps only a and b for backward (act is recomputed there): the eager
+    composite keeps a, act(a) and b (three f-wide tensors) besides the down projection's
+    input; this keeps two, as Megatron-LM's fused SwiGLU does."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.act = act
+        return act(a) * b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        a, b = ctx.saved_tensors
+        with torch.enable_grad():
+            a_ = a.detach().requires_grad_()
+            h = ctx.act(a_)
+        (grad_a,) = torch.autograd.grad(h, a_, grad * b)
+        return grad_a, grad * h.detach(), None
 
 
 # The MLP slot of the block: `args -> module` taking and returning (batch, seq, dim). A family

@@ -8,13 +8,16 @@ the residual stream (the parameter dtype: fp32 parameters under autocast keep an
 
 Llama block (flash SDPA: no s x s scores; true for the CPU flash kernel and CUDA flash/cuDNN):
 - RMSNorm (x2): `x.float()` (4Th), the rstd (4T) and, on CPU where rms_norm is composite,
-  x * rstd (4Th); the fused CUDA kernel keeps only x and rstd.
+  x * rstd (4Th); the fused CUDA kernel keeps only x and rstd. A 16-bit residual stream
+  (bf16 parameters) goes through `_RMSNormFn`: the input in its own dtype (r Th) and the rstd
+  (4T), on every device (sequence-parallel norms keep the composite path).
 - its output feeds the projections: one saved tensor (c T h) when c == r; under autocast with
   an fp32 residual each projection saves its own c-byte cast (3 for q/k/v, 2 for w1/w3, 1 for
   the head).
 - attention: q and k after RoPE (c T a d, c T g d), v (c T g d), the output (c T a d, shared with
   the wo input) and the log-sum-exp (4 b a s, fp32).
-- SwiGLU: w1 x, w3 x, silu(w1 x) and the product (4 c T f).
+- SwiGLU/GeGLU: w1 x and w3 x (`_GatedAct` recomputes the activation in backward) and the
+  product, the down projection's input (3 c T f; the eager composite kept 4).
 - once per model: the token ids (8 B each), the RoPE tables (2 s d r, shared by all layers), the
   final norm and head input, and the loss's fp32 log-softmax (4 T V) with int64 targets.
 
@@ -80,10 +83,15 @@ class ActivationSpec:
         return self.tokens // self.tp if self.sequence_parallel and self.tp > 1 else self.tokens
 
 
-def _norm(args: ModelArgs, spec: ActivationSpec) -> int:
+def _norm(args: ModelArgs, spec: ActivationSpec, input_bytes: int | None = None) -> int:
+    """One norm over the residual stream (or, with `input_bytes`, over a projection's
+    output, as Gemma 2's post-norms)."""
     tn, h = spec.norm_tokens, args.dim
+    r = DTYPE_BYTES[spec.residual_dtype] if input_bytes is None else input_bytes
     if args.arch == "gpt2":  # native layer_norm: the input as it comes, fp32 mean and rstd
-        return DTYPE_BYTES[spec.residual_dtype] * tn * h + 8 * tn
+        return r * tn * h + 8 * tn
+    if r < 4 and not (spec.tp > 1 and spec.sequence_parallel):
+        return r * tn * h + 4 * tn  # `_RMSNormFn`: the 16-bit input and the fp32 1/rms
     extra = 4 * tn * h if spec.kernels == "cpu" else 0
     return 4 * tn * h + 4 * tn + extra
 
@@ -109,14 +117,19 @@ def _attention_core(args: ModelArgs, spec: ActivationSpec) -> int:
         k_and_v = 2 * c * kv_tokens * a * d
     qk_norms = 0
     if args.qk_norm:
-        per = 2 if spec.kernels == "cpu" else 1  # fp32 input (+ x * rstd on CPU), and rstd
-        qk_norms = (4 * per * spec.tokens * d + 4 * spec.tokens) * (a + g)
+        if c < 4 and t == 1:  # `_RMSNormFn`: the 16-bit q/k and the fp32 1/rms per head
+            qk_norms = (c * spec.tokens * d + 4 * spec.tokens) * (a + g)
+        else:
+            per = 2 if spec.kernels == "cpu" else 1  # fp32 input (+ x * rstd on CPU), rstd
+            qk_norms = (4 * per * spec.tokens * d + 4 * spec.tokens) * (a + g)
     return q_and_out + k_and_v + lse + qk_norms
 
 
 def _mlp(args: ModelArgs, spec: ActivationSpec) -> int:
+    """GELU MLP: the GELU input and the down projection's input; gated MLP: its two inputs
+    (w1 x and w3 x, `_GatedAct` recomputes the activation) and the down projection's input."""
     c, f = DTYPE_BYTES[spec.compute_dtype], args.hidden_dim // spec.tp
-    n = 2 if args.arch == "gpt2" else 4
+    n = 2 if args.arch == "gpt2" else 3
     return n * c * spec.tokens * f
 
 
@@ -147,7 +160,8 @@ def plain_layer(args: ModelArgs, spec: ActivationSpec) -> dict[str, int]:
     mlp = (_moe(args, spec) if args.is_moe
            else _norm_output(args, spec, n_mlp_in) + _mlp(args, spec))
     return {
-        "norms": (4 if args.post_norms else 2) * _norm(args, spec),
+        "norms": 2 * _norm(args, spec) + (2 * _norm(args, spec, DTYPE_BYTES[spec.compute_dtype])
+                                          if args.post_norms else 0),
         "attention": _norm_output(args, spec, 3) + _attention_core(args, spec),
         "mlp": mlp,
     }

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from scaletrain.models.args import ModelArgs
+
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -42,3 +44,14 @@ def first_stage_bytes(n_layers: int, per_layer: float, pp: int = 1,
         return n_layers * per_layer
     factor = 1 + (pp - 1) / (pp * interleave) if interleave > 1 else 1.0
     return n_layers * per_layer * factor
+
+
+def llama_layer_bytes(args: ModelArgs, tokens: int) -> float:
+    """The paper's per-layer count (section 4.1, 16-bit activations) adapted to a Llama block
+    with flash attention (no s x s scores: the 5 a s / h term goes), no dropout (the masks go),
+    grouped-query attention (K, V of g heads of size d) and a gated MLP of width f: the two
+    norms' inputs 2 x 2sbh; attention: QKV input 2sbh, Q 2sbh, K and V 2 x 2 s b g d, the output
+    projection's input 2sbh; MLP: its input 2sbh, the gate's two f-wide inputs 4 s b f, the down
+    projection's input 2 s b f. Total (12 h + 4 g d + 6 f) bytes per token (`tokens` = s b)."""
+    h, f, gd = args.dim, args.hidden_dim, args.kv_heads * args.head_dim
+    return tokens * (12 * h + 4 * gd + 6 * f)

@@ -69,3 +69,11 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
         loss = cross_entropy_sum(logits, tokens[:, 1:])
     del loss, logits
     return SavedBytes(activations=sum(seen.values()), weight_copies=sum(copies.values()))
+
+
+def per_layer_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "fp32",
+                          param_dtype: str = "fp32") -> int:
+    """Activation bytes one block keeps: a 2-block model less a 1-block model."""
+    one = measure_saved_bytes(args.replace(n_layers=1), mbs, seq_len, dtype, param_dtype)
+    two = measure_saved_bytes(args.replace(n_layers=2), mbs, seq_len, dtype, param_dtype)
+    return two.activations - one.activations

@@ -36,8 +36,10 @@ def apply_moe_tp(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None
     group = tp_mesh.get_group()
     moe.dispatcher = TPExpertDispatcher(group, tp_mesh.get_local_rank(), tp_mesh.size(),
                                         moe.n_experts)
-    moe.output_reduce = (_SumScatterSequence(group) if sequence_parallel
-                         else _SumIdentityBackward(group))
+    # Sum the partial outputs over the TP ranks; under sequence parallelism each keeps its
+    # slice of the sequence (the residual stream's layout), else the whole (replicated) sum.
+    reduce = _ReduceScatterSeq if sequence_parallel else _AllReduce
+    moe.output_reduce = lambda out: reduce.apply(out, group)
 
 
 class TPExpertDispatcher:
@@ -80,16 +82,6 @@ class _CopyToRegion(torch.autograd.Function):
         return grad, None
 
 
-class _SumIdentityBackward:
-    """Partial outputs summed over the TP ranks (the result is replicated)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        return _AllReduce.apply(out, self.group)
-
-
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -100,17 +92,6 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None  # every rank holds the whole (replicated) gradient
-
-
-class _SumScatterSequence:
-    """Partial (batch, seq, dim) outputs summed over the TP ranks; each keeps its slice of the
-    sequence (the sequence-parallel residual stream)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        return _ReduceScatterSeq.apply(out, self.group)
 
 
 class _ReduceScatterSeq(torch.autograd.Function):

@@ -43,12 +43,13 @@ def test_llama3_70b_on_eight_nodes_shards_or_splits_the_model() -> None:
     fitting, _ = _best("llama3-70b", 64, 8192, 4 * M)
     best = fitting[0].layout
     assert best.dims.cp == 1 and (best.zero == 3 or best.dims.tp * best.dims.pp > 1)
-    # ZeRO-0/1 with tensor or pipeline parallelism is refused by the trainer, so a search limited
-    # to replicated weights evaluates model parallelism only without data parallelism.
+    # With replicated weights (ZeRO-0/1), data parallelism composes with TP and PP as ZeRO-0
+    # (Megatron's plain data parallelism); ZeRO-1 with TP/PP is refused, so never proposed.
     args = get_preset("llama3-70b")
     fitting, every = search(args, Cluster(H100, 64), 8192, 4 * M, max_zero=1)
-    assert every and all(c.layout.dims.tp == c.layout.dims.pp == 1 for c in every
-                         if c.layout.dims.dp > 1)
+    model_parallel = [c for c in every if c.layout.dims.dp > 1
+                      and c.layout.dims.tp * c.layout.dims.pp > 1]
+    assert model_parallel and all(c.layout.zero == 0 for c in model_parallel)
     assert all(not c.plan.trainer_problems for c in every)
 
 

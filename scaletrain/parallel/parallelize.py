@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -90,6 +90,7 @@ class Parallelism:
         self.schedule = None
         self.stage_specs: list = []
         self.stage_modules: list[nn.Module] = []
+        self.grad_sync_group: dist.ProcessGroup | None = None
 
     # --- validation and start-up -----------------------------------------------------------
     def problems(self, args: ModelArgs, seq_len: int, grad_accum: int) -> list[str]:
@@ -150,7 +151,7 @@ class Parallelism:
         single-process model built with the same seed."""
         assert self.mesh is not None
         d, cfg, mesh = self.dims, self.cfg, self.mesh
-        if self.mode in ("ddp", "zero1"):
+        if self.ddp_wrapped:
             model = build_model(args, self.device, seed=seed)
             if d.cp > 1:
                 cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
@@ -178,7 +179,11 @@ class Parallelism:
         cp_of_stage = (self.cp_rank, d.cp, cfg.cp_load_balance) if d.cp > 1 else None
         self.stage_modules = [StageModule(model, spec, shards, cp_of_stage)
                               for spec in self.stage_specs]
-        if d.dp_replicate * d.dp_shard * d.cp > 1:
+        if d.dp_replicate * d.dp_shard * d.cp > 1 and self.mode == "ddp":
+            # ZeRO-0 with TP/PP: replicas of the sharded model, gradients all-reduced by the
+            # step (`sync_gradients`) as Megatron's data parallelism does.
+            self.grad_sync_group = mesh.group("dp_cp")
+        elif d.dp_replicate * d.dp_shard * d.cp > 1:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flattened dim.*")
                 fsdp_mesh = (mesh.root["dp_replicate", "dp_shard_cp"] if d.dp_replicate > 1
@@ -191,6 +196,33 @@ class Parallelism:
         self._materialize(model, args, seed)
         self._set_balance_group(model)
         return model
+
+    @property
+    def ddp_wrapped(self) -> bool:
+        """DDP/ZeRO-1 of the whole model (no tensor or pipeline parallelism): torch's DDP."""
+        return self.mode in ("ddp", "zero1") and self.dims.tp == 1 and self.dims.pp == 1
+
+    @torch.no_grad()
+    def sync_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """ZeRO-0 with TP/PP: sum the local gradients over the data-parallel ranks, in
+        flattened buckets of `parallel.bucket_cap_mb` (a no-op in every other layout)."""
+        if self.grad_sync_group is None:
+            return
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in params if p.grad is not None]
+        cap = int(self.cfg.bucket_cap_mb * 2**20)
+        buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+        for g in grads:
+            lists = buckets.setdefault((g.device, g.dtype), [[]])
+            if lists[-1] and sum(t.numel() for t in lists[-1]) * g.element_size() >= cap:
+                lists.append([])
+            lists[-1].append(g)
+        for lists in buckets.values():
+            for bucket in lists:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=self.grad_sync_group)
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                    g.copy_(part.view_as(g))
 
     def _expert_fsdp_mesh(self) -> Any:
         """With expert parallelism, the dp_shard ranks that hold the same experts (None when

@@ -124,8 +124,7 @@ class Trainer:
         self.schedule = LRSchedule(self.optimizer, cfg.lr_schedule, cfg.optimizer.lr,
                                    cfg.training.steps)
         self.scaler = precision.grad_scaler(
-            self.device, self.dtype, sharded=self.par.enabled and self.par.mode not in
-            ("ddp", "zero1"))
+            self.device, self.dtype, sharded=self.par.enabled and not self.par.ddp_wrapped)
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enabled and not self.par.enabled:
             self.loss_fn = torch.compile(cross_entropy_sum)

@@ -130,12 +130,15 @@ LAYOUTS_4 = [
     ("pp-x-cp", ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.dp_shard", "1"], 1, 2),
     ("zero3-4", ["--parallel.data_parallel", "zero3"], 4, 2),
     ("ep-x-fsdp", ["--parallel.ep", "2"], 4, 2, MOE),
+    # ZeRO-0 with TP / PP: replicas of the sharded model, gradients all-reduced by the step
+    ("ddp-x-tp", ["--parallel.data_parallel", "ddp", "--parallel.tp", "2"], 2, 2),
+    ("ddp-x-pp", ["--parallel.data_parallel", "ddp", "--parallel.pp", "2"], 2, 2),
     ("fsdp-x-tp-moe", ["--parallel.tp", "2"], 2, 2, MOE),
     ("pp-x-ep", ["--parallel.pp", "2", "--parallel.ep", "2"], 2, 2, MOE),
     ("ep4-bias", ["--parallel.ep", "4"], 4, 2, [*MOE, "--model.moe_bias_update_rate", "0.01"]),
 ]
-LOW_4 = {"fsdp-x-tp": ("bf16", "fp16"), "hsdp-x-tp": ("bf16",), "pp-x-fsdp": ("bf16",),
-         "pp-x-tp": ("bf16",)}
+LOW_4 = {"ddp-x-tp": ("fp16",), "fsdp-x-tp": ("bf16", "fp16"), "hsdp-x-tp": ("bf16",),
+         "pp-x-fsdp": ("bf16",), "pp-x-tp": ("bf16",)}
 LAYOUTS_8 = [("pp-x-tp-x-fsdp", ["--parallel.pp", "2", "--parallel.tp", "2"], 2, 2)]
 LOW_8 = {"pp-x-tp-x-fsdp": ("bf16",)}
 

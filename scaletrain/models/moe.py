@@ -16,6 +16,8 @@ Load balancing, two options that can be combined:
   to the objective with weight `moe_aux_loss_coef`. Its gradient is injected in backward at the
   MoE output (`_InjectAuxGrad`), so it works unchanged under pipeline parallelism; the training
   step weights each micro-batch's term by its share of the step's tokens (`aux_loss_weighting`).
+  Under data parallelism f_i counts the micro-batches of all data-parallel ranks
+  (`balance_group`), so every layout optimizes the term one process would.
 - the auxiliary-loss-free bias of DeepSeek-V3: a per-expert bias added to the scores for the
   top-k choice only (not to the weights), moved by `moe_bias_update_rate * sign(mean load -
   load)` after each optimizer step (`update_expert_bias`).

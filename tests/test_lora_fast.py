@@ -62,3 +62,14 @@ def test_lora_saves_only_base_input_and_r_wide_tensors() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         saved_bf16 = _saved_bytes(lora, lambda: lora(xb))
     assert saved_bf16 <= xb.numel() * 2 + r_wide, saved_bf16
+
+
+def test_frozen_base_is_outside_the_optimizer_and_gets_no_grad() -> None:
+    from scaletrain.train.optim import param_groups
+
+    lora = _layer()
+    groups = param_groups(lora, weight_decay=0.1)
+    in_optim = {id(p) for g in groups for p in g["params"]}
+    assert in_optim == {id(lora.lora_A.weight), id(lora.lora_B.weight)}
+    lora(torch.randn(2, 64)).sum().backward()
+    assert lora.base.weight.grad is None  # no base-weight gradient is computed or clipped

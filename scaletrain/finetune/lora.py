@@ -112,9 +112,16 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """No extra full-size activation: dropout only when p > 0, no dtype copy of `x` under
+        autocast (the matmul casts), and the scaling applied to the r-wide intermediate."""
         out = self.base(x)
-        update = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
-        return out + (update * self.scaling).to(out.dtype)
+        h = self.dropout(x) if isinstance(self.dropout, nn.Dropout) else x
+        if h.dtype != self.lora_A.weight.dtype and not torch.is_autocast_enabled(h.device.type):
+            h = h.to(self.lora_A.weight.dtype)
+        update = self.lora_B(self.lora_A(h) * self.scaling)
+        if update.dtype != out.dtype:
+            update = update.to(out.dtype)
+        return out + update
 
     def delta_weight(self) -> torch.Tensor:
         """The dense update `scaling * B @ A` of shape (out, in), in fp32."""

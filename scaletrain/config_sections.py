@@ -294,8 +294,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedules use more than 1)."""
     data_parallel: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"
     """How data-parallel ranks hold the model. `ddp`: replicas, gradients all-reduced;
-    `zero1`: DDP + optimizer state sharded; `zero2`/`zero3`: FSDP2 over dp_shard (HSDP when
-    dp_replicate > 1), parameters kept gathered after forward (zero2) or resharded (zero3).
+    `zero1`: replicas + optimizer state partitioned (also with TP/PP); `zero2`/`zero3`: FSDP2
+    over dp_shard (HSDP when dp_replicate > 1), parameters kept gathered after forward (zero2)
+    or resharded (zero3).
     `auto`: zero3 when sharding, else ddp."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size (MB): bigger buckets, fewer all-reduces, later overlap."""

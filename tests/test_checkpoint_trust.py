@@ -221,17 +221,6 @@ def test_pickled_object_in_training_state_is_refused(good_run: Path, cache: Path
     assert not marker.exists() and _files(out) == before
 
 
-def test_zero1_optimizer_file_is_loaded_weights_only(tmp_path: Path, tiny_args) -> None:
-    from scaletrain.train.checkpoint import Checkpointer, CheckpointError
-
-    marker = tmp_path / "payload-ran"
-    torch.save({"state": {}, "param_groups": [], "x": Payload(marker)},
-               tmp_path / "zero1_optimizer.pt")
-    with pytest.raises(CheckpointError, match="zero1_optimizer.pt cannot be loaded safely"):
-        Checkpointer(tmp_path, 1, tiny_args)._read_zero1(tmp_path, "fix it")
-    assert not marker.exists()
-
-
 def test_non_finite_state_is_never_saved(cache: Path, tmp_path: Path) -> None:
     from scaletrain.train.checkpoint import NonFiniteStateError
     from scaletrain.train.trainer import Trainer

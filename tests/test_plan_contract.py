@@ -89,10 +89,14 @@ def test_dry_run_exit_codes(capsys: pytest.CaptureFixture[str],
     assert "--optimizer.offload true: peak" in out
     rc, _, err = _run(capsys, "train", "--dry-run", "--model.name", "no-such-model")
     assert rc == 2 and "unknown preset" in err
-    # A layout the trainer refuses is a config error: ZeRO-1 with tensor parallelism.
+    # A layout the trainer refuses is a config error: FSDP's CPU offload without FSDP.
     rc, _, err = _dry_run(capsys, monkeypatch, 4, "--parallel.tp", "2",
-                          "--parallel.data_parallel", "zero1")
-    assert rc == 2 and "zero1" in err
+                          "--parallel.data_parallel", "zero1", "--parallel.cpu_offload", "true")
+    assert rc == 2 and "parallel.cpu_offload needs data_parallel zero2 or zero3" in err
+    # ZeRO-1 with tensor parallelism plans (and runs).
+    rc, out, err = _dry_run(capsys, monkeypatch, 4, "--parallel.tp", "2",
+                            "--parallel.data_parallel", "zero1")
+    assert rc == 0, err
 
 
 def test_sequence_parallel_moves_the_same_bytes_as_plain_tensor_parallel() -> None:

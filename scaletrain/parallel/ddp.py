@@ -1,4 +1,4 @@
-"""apply_ddp and ZeRO-1: replicated data parallelism.
+"""apply_ddp: replicated data parallelism (ZeRO-1 partitions the optimizer: `train/zero1.py`).
 
 DDP all-reduces gradients in buckets (`bucket_cap_mb`) from hooks that fire during backward,
 so communication overlaps the rest of the backward pass. Its built-in hook averages over the
@@ -9,13 +9,11 @@ hook installed here sums instead (averaging would divide twice).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger("scaletrain.parallel")
@@ -35,21 +33,6 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> nn
     ddp.register_comm_hook(group, _sum_allreduce_hook)
     log.info("DDP over %d ranks, buckets of %.0f MB", dp_mesh.size(), bucket_cap_mb)
     return ddp
-
-
-def zero1_optimizer(groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer],
-                    dp_mesh: DeviceMesh, **defaults: Any) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: each data-parallel rank keeps the optimizer state of ~1/N of the parameters and
-    broadcasts its updated slice after the step."""
-    first, *rest = groups
-    opt = ZeroRedundancyOptimizer(first["params"], optimizer_class=optimizer_class,
-                                  process_group=dp_mesh.get_group(),
-                                  **{**defaults, **{k: v for k, v in first.items()
-                                                    if k != "params"}})
-    for group in rest:
-        if group["params"]:
-            opt.add_param_group(group)
-    return opt
 
 
 # DDP validates the hook's annotations at runtime; under `from __future__ import annotations`

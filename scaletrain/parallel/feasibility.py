@@ -87,9 +87,6 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
         out.append(f"parallel.data_parallel '{lay.mode}' is unknown; choose auto or one of "
                    f"{', '.join(DATA_PARALLEL_MODES)}")
         return out
-    if lay.mode == "zero1" and (d.tp > 1 or d.pp > 1):
-        out.append("parallel.data_parallel zero1 (ZeRO-1) is not implemented with tensor or "
-                   "pipeline parallelism; use ddp (ZeRO-0), zero2 or zero3")
     if lay.mode in ("zero2", "zero3") and d.dp_shard == 1 and d.dp_replicate > 1 \
             and d.tp == 1 and d.pp == 1 and d.cp == 1:
         out.append(f"parallel.data_parallel {lay.mode} shards over parallel.dp_shard, which "

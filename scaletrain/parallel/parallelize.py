@@ -179,9 +179,10 @@ class Parallelism:
         cp_of_stage = (self.cp_rank, d.cp, cfg.cp_load_balance) if d.cp > 1 else None
         self.stage_modules = [StageModule(model, spec, shards, cp_of_stage)
                               for spec in self.stage_specs]
-        if d.dp_replicate * d.dp_shard * d.cp > 1 and self.mode == "ddp":
-            # ZeRO-0 with TP/PP: replicas of the sharded model, gradients all-reduced by the
-            # step (`sync_gradients`) as Megatron's data parallelism does.
+        if d.dp_replicate * d.dp_shard * d.cp > 1 and self.mode in ("ddp", "zero1"):
+            # ZeRO-0/1 with TP/PP: replicas of the sharded model, gradients all-reduced by the
+            # step (`sync_gradients`) as Megatron's data parallelism does (ZeRO-1 then
+            # partitions the optimizer: `train/zero1.py`).
             self.grad_sync_group = mesh.group("dp_cp")
         elif d.dp_replicate * d.dp_shard * d.cp > 1:
             with warnings.catch_warnings():
@@ -204,7 +205,7 @@ class Parallelism:
 
     @torch.no_grad()
     def sync_gradients(self, params: Iterable[torch.Tensor]) -> None:
-        """ZeRO-0 with TP/PP: sum the local gradients over the data-parallel ranks, in
+        """ZeRO-0/1 with TP/PP: sum the local gradients over the data-parallel ranks, in
         flattened buckets of `parallel.bucket_cap_mb` (a no-op in every other layout)."""
         if self.grad_sync_group is None:
             return

@@ -5,8 +5,9 @@ ranks 2 (n-1)/n S, an all-gather or reduce-scatter (n-1)/n S (of the full size S
 send the tensor itself.
 
 - data parallel (over dp x cp ranks, which share the parameters), as the trainer runs it: DDP
-  all-reduces gradients once per step (no sync during accumulation); ZeRO-1 (DDP +
-  ZeroRedundancyOptimizer) does the same and then all-gathers the updated weight shards; FSDP's
+  all-reduces gradients once per step (no sync during accumulation); ZeRO-1 (partitioned
+  optimizer) does the same and then broadcasts each rank's updated parameters (an all-gather's
+  bytes); FSDP's
   ZeRO-2 all-gathers weights in forward only (they stay gathered until backward), ZeRO-3 in
   forward and backward, and both reduce-scatter gradients for every micro-batch. The gathers
   move `fsdp_param_dtype` bytes.

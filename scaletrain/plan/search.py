@@ -192,7 +192,7 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     all_reduce = buckets * fabric.time("all_reduce", bucket, n, k)
     backward = 2 / 3 * compute / m  # the last micro-batch's backward (no sync before it)
     exposed = max(0.0, all_reduce - backward) + all_reduce / buckets
-    if lay.zero == 1:  # ZeroRedundancyOptimizer hands the updated shards to every rank
+    if lay.zero == 1:  # each owner broadcasts its updated parameters
         exposed += fabric.time("all_gather", 4.0 * params, n, k)
     return exposed
 

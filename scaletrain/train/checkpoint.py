@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.train import native_format
@@ -48,11 +47,11 @@ from scaletrain.train.integrity import (
     write_manifest,
 )
 from scaletrain.train.safe_dcp import load_dcp
+from scaletrain.train.zero1 import PartitionedOptimizer
 
 log = logging.getLogger("scaletrain.train")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-ZERO1_FILE = "zero1_optimizer.pt"
 
 
 def _distributed() -> bool:
@@ -142,10 +141,10 @@ class Checkpointer:
 
     # --- save / load -----------------------------------------------------------------------
     def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
-        if isinstance(optimizer, ZeroRedundancyOptimizer):  # saved apart, consolidated
-            return {"model": get_model_state_dict(model), "extra": extra}
         if isinstance(optimizer, torch.optim.Optimizer):
             model_sd, optim_sd = get_state_dict(model, optimizer)
+        elif isinstance(optimizer, PartitionedOptimizer):  # name-keyed, owned entries only
+            model_sd, optim_sd = get_model_state_dict(model), optimizer.state_dict()
         else:  # MasterWeightOptimizer keeps its own name-keyed state
             model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
         return {"model": model_sd, "optimizer": optim_sd, "extra": extra}
@@ -168,10 +167,6 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(state, checkpoint_id=tmp)
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer.consolidate_state_dict(to=0)
-            if main:
-                torch.save(optimizer.state_dict(), tmp / ZERO1_FILE)
         if main:
             tokenizer_name = None
             if self.tokenizer_file and self.tokenizer_file.is_file():
@@ -195,8 +190,6 @@ class Checkpointer:
 
     def _refuse_nonfinite(self, state: dict[str, Any], optimizer: Any, step: int) -> None:
         found = nonfinite_entries({k: v for k, v in state.items() if k != "extra"})
-        if isinstance(optimizer, ZeroRedundancyOptimizer):  # this rank's partition
-            found += nonfinite_entries(optimizer.optim.state_dict()["state"], "optimizer")
         if found:
             last = self.steps()
             kept = f"the last good checkpoint is {self.path(last[-1])}" if last else \
@@ -240,39 +233,21 @@ class Checkpointer:
             optimizer.init_state()
         state = self._state(model, optimizer, {**extra, "step": 0})
         load_dcp(state, path, no_dist=not _distributed(), remedy=remedy)
-        zero1 = None
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            zero1 = self._read_zero1(path, remedy)
         _agree(lambda: native_format.check_finite(
-            {k: v for k, v in state.items() if k != "extra"} | {"zero1": zero1}, path,
+            {k: v for k, v in state.items() if k != "extra"}, path,
             "weights and optimizer state"))
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            set_model_state_dict(model, state["model"])
-            if zero1 is not None:
-                optimizer.load_state_dict(zero1)
-        else:
-            self._set_state(model, optimizer, state)
+        self._set_state(model, optimizer, state)
         log.info("resumed from %s (step %d)", path, state["extra"]["step"])
         return state["extra"]
-
-    def _read_zero1(self, path: Path, remedy: str) -> dict[str, Any] | None:
-        """The consolidated ZeRO-1 optimizer state (each rank keeps its own partition of it)."""
-        zero1 = path / ZERO1_FILE
-        if not zero1.is_file():
-            log.warning("%s has no ZeRO-1 optimizer state: optimizer starts fresh", path)
-            return None
-        try:
-            return torch.load(zero1, weights_only=True, map_location="cpu")
-        except Exception as e:  # damaged, or objects beyond plain data (refused unpickled)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CheckpointError(f"{zero1} cannot be loaded safely ({type(e).__name__}: "
-                                  f"{first}); {remedy}") from None
 
     def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         """Put loaded model and optimizer state (as `_state` lays it out) into place."""
         if isinstance(optimizer, torch.optim.Optimizer):
             set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
+        elif isinstance(optimizer, PartitionedOptimizer):
+            set_model_state_dict(model, state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         else:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])

@@ -90,7 +90,7 @@ class TrainStep:
             else:
                 loss_sum = self._micro_batches(batches, n_valid)
         loss = par.reduce_loss(loss_sum) / n_valid
-        par.sync_gradients(self.model.parameters())  # ZeRO-0 with TP/PP only
+        par.sync_gradients(self.model.parameters())  # ZeRO-0/1 with TP/PP only
         with phase("optimizer"):
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)

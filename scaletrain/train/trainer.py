@@ -162,15 +162,10 @@ class Trainer:
     def _build_optimizer(self) -> Any:
         cfg = self.cfg
         if self.par.mode == "zero1" and self.par.enabled:
-            from scaletrain.parallel.ddp import zero1_optimizer
-            from scaletrain.train.optim import param_groups
+            from scaletrain.train.zero1 import PartitionedOptimizer
 
-            if cfg.optimizer.name != "adamw":
-                raise ConfigError("parallel.data_parallel zero1 supports optimizer.name adamw")
-            o = cfg.optimizer
-            return zero1_optimizer(param_groups(self.model, o.weight_decay), torch.optim.AdamW,
-                                   self.par.mesh["dp_cp"], lr=o.lr, betas=(o.beta1, o.beta2),
-                                   eps=o.eps)
+            return PartitionedOptimizer(self.model, cfg.optimizer, self.device,
+                                        self.par.mesh.group("dp_cp"), cfg.parallel.bucket_cap_mb)
         return build_optimizer(self.model, cfg.optimizer, self.device, cfg.precision.param_dtype)
 
     def _build_data(self) -> None:

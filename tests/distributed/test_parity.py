@@ -133,12 +133,15 @@ LAYOUTS_4 = [
     # ZeRO-0 with TP / PP: replicas of the sharded model, gradients all-reduced by the step
     ("ddp-x-tp", ["--parallel.data_parallel", "ddp", "--parallel.tp", "2"], 2, 2),
     ("ddp-x-pp", ["--parallel.data_parallel", "ddp", "--parallel.pp", "2"], 2, 2),
+    # ZeRO-1 with TP / PP: the same, the optimizer state partitioned over the replicas
+    ("zero1-x-tp", ["--parallel.data_parallel", "zero1", "--parallel.tp", "2"], 2, 2),
+    ("zero1-x-pp", ["--parallel.data_parallel", "zero1", "--parallel.pp", "2"], 2, 2),
     ("fsdp-x-tp-moe", ["--parallel.tp", "2"], 2, 2, MOE),
     ("pp-x-ep", ["--parallel.pp", "2", "--parallel.ep", "2"], 2, 2, MOE),
     ("ep4-bias", ["--parallel.ep", "4"], 4, 2, [*MOE, "--model.moe_bias_update_rate", "0.01"]),
 ]
-LOW_4 = {"ddp-x-tp": ("fp16",), "fsdp-x-tp": ("bf16", "fp16"), "hsdp-x-tp": ("bf16",),
-         "pp-x-fsdp": ("bf16",), "pp-x-tp": ("bf16",)}
+LOW_4 = {"ddp-x-tp": ("fp16",), "zero1-x-tp": ("bf16", "fp16"), "fsdp-x-tp": ("bf16", "fp16"),
+         "hsdp-x-tp": ("bf16",), "pp-x-fsdp": ("bf16",), "pp-x-tp": ("bf16",)}
 LAYOUTS_8 = [("pp-x-tp-x-fsdp", ["--parallel.pp", "2", "--parallel.tp", "2"], 2, 2)]
 LOW_8 = {"pp-x-tp-x-fsdp": ("bf16",)}
 
@@ -200,8 +203,14 @@ def test_two_rank_layouts_match_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_four_rank_layouts_match_one_process(tmp_path: Path) -> None:
-    table, low, _ = _run(tmp_path, tmp_path / "cache", 4, LAYOUTS_4, LOW_4)
+    table, low, result = _run(tmp_path, tmp_path / "cache", 4, LAYOUTS_4, LOW_4)
     _check(4, table, low)
+    for rank in result:  # ZeRO-1 keeps half the optimizer state of its ZeRO-0 twin
+        for name in ("tp", "pp"):
+            ddp = rank[f"ddp-x-{name}"]["bytes"]
+            zero1 = rank[f"zero1-x-{name}"]["bytes"]
+            assert zero1["params"] == ddp["params"], name
+            assert zero1["optim"] <= 0.55 * ddp["optim"], name
 
 
 @pytest.mark.distributed

@@ -56,8 +56,7 @@ def local_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
         if isinstance(m, FSDPModule):
             m.reshard()
     params = sum(nbytes(p) for p in model.parameters())
-    opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer  # ZeRO-1 wraps one
-    state = sum(nbytes(v) for s in opt.state.values() for v in s.values()
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.ndim > 0)
     return {"params": params, "optim": state}
 

@@ -1,0 +1,183 @@
+"""ZeRO-1 in every layout: the optimizer state partitioned over the data-parallel ranks.
+
+Each data-parallel rank owns whole parameters (greedy, largest first, to the least-loaded rank),
+keeps optimizer state for its own ones only and steps only them; after the step every owner
+broadcasts its updated parameters to the other ranks, in buckets of `bucket_cap_mb`. Gradients
+arrive already summed over the data-parallel ranks (DDP's hooks, or
+`Parallelism.sync_gradients` with tensor/pipeline parallelism), so clipping and the fp16 scaler
+see the full gradients on every rank exactly as in ZeRO-0.
+
+Parameters may be DTensors (tensor parallelism): ownership and broadcasts use each rank's
+local shard, which the data-parallel peers of a rank hold with the same shape. The state dict
+is keyed by parameter name (the FQNs of `get_model_state_dict`) in the layout of
+`get_optimizer_state_dict`, each rank holding the entries of the parameters it owns, so DCP
+writes every entry once and any layout (another world size, ZeRO-3, one process) loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from scaletrain.config import OptimizerConfig
+from scaletrain.parallel.parallelize import clean_name
+from scaletrain.train.optim import make_optimizer, param_groups
+
+_AMP_ATTRS = ("found_inf", "grad_scale")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def assign_owners(sizes: list[int], ranks: int) -> list[int]:
+    """The owning rank of each parameter (by element count): largest first, each to the rank
+    with the fewest elements so far (ties: the lowest rank)."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class PartitionedOptimizer:
+    """ZeRO-1 around a torch optimizer (see the module docstring). `param_groups` lists every
+    parameter (the LR schedule and the fp16 scaler act on it); the inner optimizer holds the
+    owned ones and takes its hyperparameters from `param_groups` at each step."""
+
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, device: torch.device,
+                 group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
+        self.group = group
+        self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
+        self.param_groups = param_groups(model, cfg.weight_decay)
+        names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.names = [names[id(p)] for p in self.params]
+        owners = assign_owners([_local(p).numel() for p in self.params], self.ranks)
+        self.owner = {id(p): r for p, r in zip(self.params, owners, strict=True)}
+        inner_groups = [{**g, "params": [p for p in g["params"] if self._mine(p)]}
+                        for g in self.param_groups]
+        self.inner = make_optimizer(inner_groups, cfg, device)
+        self.inner_names = [names[id(p)] for g in inner_groups for p in g["params"]]
+        self.param_groups = [{**self.inner.defaults, **g} for g in self.param_groups]
+
+    def _mine(self, p: torch.Tensor) -> bool:
+        return self.owner[id(p)] == self.rank
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """The inner optimizer can skip an inf/NaN step on the device (`found_inf`)."""
+        return getattr(self.inner, "_step_supports_amp_scaling", False)
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the owned parameters, then hand every updated parameter to all ranks."""
+        for full, mine in zip(self.param_groups, self.inner.param_groups, strict=True):
+            mine.update({k: v for k, v in full.items() if k != "params"})
+        passed = [a for a in _AMP_ATTRS if hasattr(self, a)]
+        for a in passed:
+            setattr(self.inner, a, getattr(self, a))
+        try:
+            self.inner.step()
+        finally:
+            for a in passed:
+                delattr(self.inner, a)
+        self._broadcast_params()
+
+    def _buckets(self, owner: int) -> Iterator[list[torch.Tensor]]:
+        """The local tensors of `owner`'s parameters, by dtype, in buckets of bucket_bytes."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.params:
+            if self.owner[id(p)] == owner:
+                t = _local(p)
+                by_dtype.setdefault(t.dtype, []).append(t)
+        for tensors in by_dtype.values():
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for t in tensors:
+                bucket.append(t)
+                size += t.numel() * t.element_size()
+                if size >= self.bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+            if bucket:
+                yield bucket
+
+    def _broadcast_params(self) -> None:
+        for owner in range(self.ranks):
+            for bucket in self._buckets(owner):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                dist.broadcast(flat, group=self.group, group_src=owner)
+                if owner != self.rank:
+                    for t, part in zip(bucket, flat.split([t.numel() for t in bucket]),
+                                       strict=True):
+                        t.copy_(part.view_as(t))
+
+    # --- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """{"state": {name: state of an owned parameter}, "param_groups": [hyperparameters and
+        the names of every parameter]}: the layout of `get_optimizer_state_dict`."""
+        inner = self.inner.state_dict()
+        names = {id(p): n for p, n in zip(self.params, self.names, strict=True)}
+        return {
+            "state": {self.inner_names[i]: s for i, s in inner["state"].items()},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [names[id(p)] for p in g["params"]]}
+                             for g in self.param_groups],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the owned parameters' entries of a name-keyed optimizer state (from any
+        layout) and the saved hyperparameters."""
+        index = {n: i for i, n in enumerate(self.inner_names)}
+        missing = [n for n in self.inner_names if n not in state["state"]]
+        if missing:
+            raise KeyError(f"optimizer state has no entry for {missing[:3]}")
+        saved = state["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(saved)} parameter groups, this run "
+                             f"{len(self.param_groups)}")
+        for g, s in zip(self.param_groups, saved, strict=True):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        start = 0
+        inner_groups = []
+        for g, s in zip(self.inner.param_groups, saved, strict=True):
+            n = len(g["params"])
+            inner_groups.append({**{k: v for k, v in s.items() if k != "params"},
+                                 "params": list(range(start, start + n))})
+            start += n
+        self.inner.load_state_dict({
+            "state": {index[n]: state["state"][n] for n in self.inner_names},
+            "param_groups": inner_groups,
+        })
+
+    def init_state(self) -> None:
+        """Create the owned parameters' optimizer state (a zero-learning-rate step on zero
+        gradients) so a checkpoint can be loaded into it."""
+        owned = [p for g in self.inner.param_groups for p in g["params"]]
+        for p in owned:
+            p.grad = torch.zeros_like(p)
+        saved = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+        self.inner.step()
+        for g, lr in zip(self.inner.param_groups, saved, strict=True):
+            g["lr"] = lr
+        for p in owned:
+            p.grad = None

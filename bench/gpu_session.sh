@@ -21,7 +21,7 @@ python3 -c "import torch, tyro, scaletrain; print('torch', torch.__version__, to
 
 case "${1:-train}" in
   train)
-    for ac in none selective full; do
+    for ac in none partial full; do
       timeout 240 python3 bench/train_gpu.py --batches 4 --ac "$ac" --no-compile --steps 8 \
         --warmup 2 --json "$RES/train_gpu_${ac}_eager.json"
     done
@@ -29,7 +29,7 @@ case "${1:-train}" in
       --json "$RES/train_gpu_none_compiled.json"
     ;;
   compiled)
-    for ac in selective full; do
+    for ac in partial full; do
       timeout 280 python3 bench/train_gpu.py --batches 4 --ac "$ac" --steps 8 --warmup 3 \
         --json "$RES/train_gpu_${ac}_compiled.json"
     done

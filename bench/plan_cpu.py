@@ -36,7 +36,7 @@ RSS_CASES = [
     ("debug", 8, 256, "fp32", "none"),
     ("debug", 8, 256, "fp32", "full"),
     ("debug", 4, 512, "bf16", "none"),
-    ("wide", 4, 512, "fp32", "selective"),
+    ("wide", 4, 512, "fp32", "partial"),
 ]
 
 
@@ -47,8 +47,8 @@ def saved_bytes_table() -> list[dict]:
     from scaletrain.profiling.saved_bytes import measure_saved_bytes
 
     rows = []
-    modes = [AC(), AC(mode="full"), AC(mode="selective", every=2),
-             AC(mode="selective", every=1, scope="attention")]
+    modes = [AC(), AC(mode="full"), AC(mode="partial", every=2),
+             AC(mode="partial", every=1, scope="attention")]
     for (name, shape), (mbs, seq), (dt, pd), ac in itertools.product(
             SHAPES.items(), [(2, 128), (4, 256)], [("fp32", "fp32"), ("bf16", "fp32"),
                                                    ("bf16", "bf16")], modes):
@@ -57,7 +57,7 @@ def saved_bytes_table() -> list[dict]:
         spec = ActivationSpec(mbs=mbs, seq_len=seq, compute_dtype=dt, residual_dtype=pd,
                               recompute=ac.mode, every=ac.every, scope=ac.scope, kernels="cpu")
         est = activation_bytes(args, spec).autograd_saved
-        mode = ac.mode if ac.mode != "selective" else f"sel/{ac.scope}/{ac.every}"
+        mode = ac.mode if ac.mode != "partial" else f"sel/{ac.scope}/{ac.every}"
         rows.append({"model": name, "mbs": mbs, "seq": seq, "dtype": dt, "param_dtype": pd,
                      "recompute": mode, "measured": measured, "estimate": est,
                      "error": est / measured - 1})

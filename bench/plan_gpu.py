@@ -63,7 +63,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="plan-gpu-"))
     rows = []
     for model, shapes in GRID.items():
-        for ac in ("none", "selective", "full"):
+        for ac in ("none", "partial", "full"):
             for mbs, seq in shapes:
                 try:
                     r = one(model, ac, mbs, seq, work)

@@ -1,7 +1,7 @@
 """Training throughput on one CUDA GPU: Llama-3.2-1B dimensions, bf16, seq 2048, compiled.
 
     python bench/train_gpu.py                     # search the largest micro-batch that fits
-    python bench/train_gpu.py --batches 4,8 --ac selective
+    python bench/train_gpu.py --batches 4,8 --ac partial
     python bench/train_gpu.py --fused-loss --fp8 rowwise   # chunked loss + FP8 (SM89+)
 
 For each micro-batch size (1, 2, 4, 8, ... until one runs out of memory) a fresh `Trainer` is
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="override the preset's depth")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    p.add_argument("--ac", default="none", choices=["none", "selective", "full"],
+    p.add_argument("--ac", default="none", choices=["none", "partial", "full"],
                    help="activation checkpointing mode")
     p.add_argument("--no-compile", action="store_true", help="eager instead of torch.compile")
     p.add_argument("--batches", default=None,

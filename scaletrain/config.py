@@ -160,6 +160,13 @@ def resolve_batch(t: TrainingConfig, dp: int) -> tuple[int, int]:
     return t.global_batch_size, ga
 
 
+SELECTIVE_IS_AMBIGUOUS = (
+    "activation_checkpoint.mode selective is ambiguous: Megatron-LM's selective recomputation "
+    "(the core attention only) is what SDPA/flash attention already does, so it is `none` here; "
+    "scaletrain's block-level mode is `partial` (every `activation_checkpoint.every`-th block, "
+    "or its attention part with `activation_checkpoint.scope attention`)")
+
+
 def validate(cfg: Config) -> list[str]:
     """Every problem in `cfg`, each one sentence naming the field and the fix."""
     errors: list[str] = []
@@ -181,6 +188,8 @@ def validate(cfg: Config) -> list[str]:
                     f"data.seq_len ({cfg.data.seq_len}) exceeds model max_seq_len "
                     f"({args.max_seq_len}); lower it or set --model.max_seq_len"
                 )
+    if cfg.activation_checkpoint.mode == "selective":
+        errors.append(SELECTIVE_IS_AMBIGUOUS)
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_schedule
     positive = {
         "training.steps": t.steps, "training.micro_batch_size": t.micro_batch_size,

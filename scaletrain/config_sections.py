@@ -199,12 +199,15 @@ class PrecisionConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective"] = "none"
-    """`full`: recompute every block in backward; `selective`: see `every` and `scope`."""
+    mode: Literal["none", "full", "partial", "selective"] = "none"
+    """`full`: recompute every block in backward; `partial`: every `every`-th block (or its
+    attention part, `scope`). `selective` is refused as ambiguous: Megatron-LM's selective
+    recomputation (core attention only) is what SDPA/flash attention already does (`none`
+    here)."""
     every: int = 2
-    """Selective: checkpoint every n-th block."""
+    """Partial: checkpoint every n-th block."""
     scope: Literal["block", "attention"] = "block"
-    """Selective: recompute the whole block, or only its attention part."""
+    """Partial: recompute the whole block, or only its attention part."""
 
 
 @dataclass

@@ -34,8 +34,8 @@ def _grads_and_saved_bytes(args: ModelArgs, ac: ActivationCheckpointConfig,
     "ac",
     [
         ActivationCheckpointConfig(mode="full"),
-        ActivationCheckpointConfig(mode="selective", every=2),
-        ActivationCheckpointConfig(mode="selective", every=1, scope="attention"),
+        ActivationCheckpointConfig(mode="partial", every=2),
+        ActivationCheckpointConfig(mode="partial", every=1, scope="attention"),
     ],
     ids=["full", "every-2nd", "attention"],
 )
@@ -54,11 +54,11 @@ def test_checkpointing_keeps_gradients_and_saves_fewer_bytes(
     assert ckpt_bytes < plain_bytes
 
 
-def test_full_saves_less_than_selective() -> None:
+def test_full_saves_less_than_partial() -> None:
     args = ModelArgs(dim=64, n_layers=4, n_heads=4, vocab_size=128, ffn_dim=96, max_seq_len=64)
     tokens = torch.randint(0, 128, (4, 33))
     _, full, _ = _grads_and_saved_bytes(args, ActivationCheckpointConfig(mode="full"), tokens)
     _, half, _ = _grads_and_saved_bytes(
-        args, ActivationCheckpointConfig(mode="selective", every=2), tokens
+        args, ActivationCheckpointConfig(mode="partial", every=2), tokens
     )
     assert full < half

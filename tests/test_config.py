@@ -98,3 +98,12 @@ def test_help_shows_field_docstrings() -> None:
     proc = _cli("train", "--help")
     assert proc.returncode == 0
     assert "Micro-batches accumulated per optimizer step" in proc.stdout
+
+
+def test_megatron_selective_name_is_refused_with_the_meaning_of_each_mode() -> None:
+    cfg = Config()
+    cfg.activation_checkpoint.mode = "selective"
+    errors = validate(cfg)
+    assert len(errors) == 1 and "Megatron-LM's selective" in errors[0] and "partial" in errors[0]
+    cfg.activation_checkpoint.mode = "partial"
+    assert validate(cfg) == []

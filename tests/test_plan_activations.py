@@ -30,9 +30,9 @@ FAMILY_SHAPES["moe-shared"] = FAMILY_SHAPES["moe"].replace(
 MODES = {
     "none": AC(),
     "full": AC(mode="full"),
-    "every-2nd": AC(mode="selective", every=2),
-    "every-3rd": AC(mode="selective", every=3),
-    "attention": AC(mode="selective", every=1, scope="attention"),
+    "every-2nd": AC(mode="partial", every=2),
+    "every-3rd": AC(mode="partial", every=3),
+    "attention": AC(mode="partial", every=1, scope="attention"),
 }
 PRECISIONS = {"fp32": ("fp32", "fp32"), "autocast": ("bf16", "fp32"), "bf16": ("bf16", "bf16")}
 

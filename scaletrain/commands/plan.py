@@ -87,8 +87,9 @@ def _estimate_main(argv: list[str]) -> int:
     p.add_argument("--vpp", type=_positive, default=1, help="model chunks per pipeline rank")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    p.add_argument("--every", type=_positive, default=2, help="selective: every n-th block")
+    p.add_argument("--recompute", choices=["none", "partial", "full"], default="none",
+                   help="partial: every n-th block (--every), or its attention (--scope)")
+    p.add_argument("--every", type=_positive, default=2, help="partial: every n-th block")
     p.add_argument("--scope", choices=["block", "attention"], default="block")
     p.add_argument("--offload", action="store_true",
                    help="one process: optimizer state and masters on CPU (optimizer.offload)")
@@ -194,13 +195,12 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
 
 
 def _recompute_label(lay: Layout) -> str:
-    """Our `selective` is block-level (every n-th block, or its attention part), not
-    Megatron's selective recomputation of the core attention only: say which."""
-    if lay.recompute != "selective":
+    """`partial` recomputation in words: which blocks, whole or attention part."""
+    if lay.recompute != "partial":
         return lay.recompute
     what = "block" if lay.scope == "block" else "attention part of the block"
     nth = {1: "every", 2: "every 2nd", 3: "every 3rd"}.get(lay.every, f"every {lay.every}th")
-    return f"selective ({what}, {nth} block; not Megatron's core-attention selective)"
+    return f"partial ({what}, {nth} block)"
 
 
 def _finetune_lines(plan: Plan) -> list[str]:

@@ -15,7 +15,7 @@ log = logging.getLogger("scaletrain.parallel")
 def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> int:
     """Wrap blocks of `model.layers` so their activations are recomputed in backward.
 
-    `full`: every block; `selective` with scope `block`: every `cfg.every`-th block; scope
+    `full`: every block; `partial` with scope `block`: every `cfg.every`-th block; scope
     `attention`: only the attention sub-module of those blocks. The wrapper keeps parameter
     names unchanged, so checkpoints and state dicts do not depend on this setting.
     Returns the number of modules wrapped.
@@ -24,9 +24,9 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> int:
         return 0
     wrapped = 0
     for index, (name, block) in enumerate(list(model.layers.items())):
-        if cfg.mode == "selective" and index % cfg.every != cfg.every - 1:
+        if cfg.mode == "partial" and index % cfg.every != cfg.every - 1:
             continue
-        if cfg.mode == "selective" and cfg.scope == "attention":
+        if cfg.mode == "partial" and cfg.scope == "attention":
             block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
         else:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)

@@ -40,7 +40,7 @@ scheme each rank keeps the gathered keys and values of the whole sequence.
 
 Recomputation (`parallel/activation_checkpoint.py`): a checkpointed block keeps only its input
 (r T h); a checkpointed attention keeps its input (the norm output, r T h) and the rest of the
-block as usual. `selective` checkpoints every `every`-th block (or its attention). While a
+block as usual. `partial` checkpoints every `every`-th block (or its attention). While a
 checkpointed region is recomputed in backward its activations exist once more (`recompute`).
 """
 
@@ -53,7 +53,7 @@ from scaletrain.models.args import ModelArgs
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 Kernels = Literal["cpu", "cuda"]
-RecomputeMode = Literal["none", "selective", "full"]
+RecomputeMode = Literal["none", "partial", "full"]
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ class Advice:
 
 def _changes(lay: Layout) -> Iterator[tuple[str, Layout]]:
     d = lay.dims
-    for mode in ("selective", "full"):
-        if lay.recompute != mode and not (lay.recompute == "full" and mode == "selective"):
+    for mode in ("partial", "full"):
+        if lay.recompute != mode and not (lay.recompute == "full" and mode == "partial"):
             yield f"--activation_checkpoint.mode {mode}", lay.replace(recompute=mode)
     multi = d.world_size > 1
     if multi and d.dp * d.cp > 1:

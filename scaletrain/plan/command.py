@@ -78,7 +78,7 @@ def train_flags(model: str, args: ModelArgs, lay: Layout) -> list[str]:
     if lay.optimizer != "adamw":
         flags += ["--optimizer.name", lay.optimizer]
     flags += ["--activation_checkpoint.mode", lay.recompute]
-    if lay.recompute == "selective":
+    if lay.recompute == "partial":
         flags += ["--activation_checkpoint.every", str(lay.every),
                   "--activation_checkpoint.scope", lay.scope]
     return flags

@@ -64,7 +64,7 @@ class Layout:
     """ZeRO-2/3: dtype FSDP gathers the fp32 shards in (`parallel.fsdp_param_dtype`); bf16
     needs no autocast weight copies and halves the all-gathers."""
     pp_microbatches: int | None = None
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "partial", "full"] = "none"
     every: int = 2
     scope: Literal["block", "attention"] = "block"
     kernels: Literal["cpu", "cuda"] = "cuda"

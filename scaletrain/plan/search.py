@@ -37,7 +37,7 @@ from scaletrain.plan.estimate import (
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import stage_params
 
-RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
+RECOMPUTE_COST = {"none": 0, "partial": 1, "full": 2}
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
             if gbs % dp:
                 continue
             for zero, recompute, mbs, vpp, ep in itertools.product(
-                    range(max_zero + 1), ("none", "selective", "full"), (1, 2, 4, 8, 16),
+                    range(max_zero + 1), ("none", "partial", "full"), (1, 2, 4, 8, 16),
                     (1, 2, 4), _ep_degrees(args, dp)):
                 cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp, zero,
                                  recompute, mbs, vpp, model, ep)

@@ -197,7 +197,7 @@ _REMEDIES: dict[str, list[tuple[str, str, str]]] = {
                              "GPUs per node"),
     ],
     "memory": [
-        ("activation_checkpoint.mode", "selective", "recompute activations instead of storing "
+        ("activation_checkpoint.mode", "partial", "recompute activations instead of storing "
                                                     "them ('full' saves the most)"),
         ("training.micro_batch_size", "/2", "smaller micro-batches ..."),
         ("training.grad_accum_steps", "x2", "... with more accumulation keep the global batch"),

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from scaletrain.finetune.lora_fused import lora_linear
+
 log = logging.getLogger("scaletrain.finetune")
 
 # Short target names -> our module names inside a block (and the HF Llama names PEFT uses).
@@ -112,8 +114,13 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """No extra full-size activation: dropout only when p > 0, no dtype copy of `x` under
-        autocast (the matmul casts), and the scaling applied to the r-wide intermediate."""
+        """A dense base without dropout takes the fused path (`lora_fused.py`: no full-size
+        update tensor, no stored 16-bit weight copy). Otherwise (quantized base, dropout): no
+        extra full-size activation beyond dropout's, no dtype copy of `x` under autocast (the
+        matmul casts), and the scaling applied to the r-wide intermediate."""
+        if type(self.base) is nn.Linear and not isinstance(self.dropout, nn.Dropout):
+            return lora_linear(x, self.base.weight, self.base.bias, self.lora_A.weight,
+                               self.lora_B.weight, self.scaling)
         out = self.base(x)
         h = self.dropout(x) if isinstance(self.dropout, nn.Dropout) else x
         if h.dtype != self.lora_A.weight.dtype and not torch.is_autocast_enabled(h.device.type):

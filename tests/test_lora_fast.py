@@ -107,6 +107,8 @@ def _run(layer: LoRALinear, x: torch.Tensor, dtype: torch.dtype | None
 @pytest.mark.parametrize("train_base", [False, True])
 def test_fused_lora_equals_the_composed_layer(bias: bool, train_base: bool) -> None:
     fused, composed = _pair(bias)
+    assert "LoRALinearFunction" in type(fused(torch.randn(2, 64)).grad_fn).__name__
+    assert "LoRALinearFunction" not in type(composed(torch.randn(2, 64)).grad_fn).__name__
     if train_base:  # the fused node also serves a trainable base (weight and bias gradients)
         fused.base.requires_grad_(True)
         composed.base.requires_grad_(True)
@@ -149,3 +151,26 @@ def test_fused_lora_under_bf16_autocast_keeps_no_weight_copy() -> None:
     weight_copy = 96 * 64 * 2
     assert saved(fused) <= x.numel() * 2 + r_wide
     assert saved(composed) >= x.numel() * 2 + weight_copy  # autocast keeps the bf16 weight
+
+
+def test_fused_qlora_equals_bitsandbytes_layer_with_adapter() -> None:
+    pytest.importorskip("bitsandbytes")
+    from scaletrain.finetune.qlora import to_nf4
+
+    torch.manual_seed(0)
+    dense = nn.Linear(128, 96, bias=True)
+    fused = LoRALinear(to_nf4(dense, torch.float32), 4, 8.0)
+    with torch.no_grad():
+        fused.lora_B.weight.normal_()
+    x = torch.randn(2, 7, 128)
+    assert "LoRALinearFunction" in type(fused(x.requires_grad_(True)).grad_fn).__name__
+    y, grads = _run(fused, x, None)
+    # reference: bitsandbytes' own layer (it dequantizes inside) plus the adapter, by autograd
+    a = fused.lora_A.weight.detach().clone().requires_grad_(True)
+    b = fused.lora_B.weight.detach().clone().requires_grad_(True)
+    x2 = x.clone().requires_grad_(True)
+    ref = fused.base(x2) + fused.scaling * (x2 @ a.T @ b.T)
+    ref.square().sum().backward()
+    torch.testing.assert_close(y, ref.detach(), rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, (x2.grad, a.grad, b.grad), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)

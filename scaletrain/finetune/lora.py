@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from scaletrain.finetune.lora_fused import lora_linear
+
 log = logging.getLogger("scaletrain.finetune")
 
 # Short target names -> our module names inside a block (and the HF Llama names PEFT uses).
@@ -74,6 +76,17 @@ def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _is_nf4(base: nn.Module) -> bool:
+    """A bitsandbytes 4-bit layer (QLoRA's base), without importing bitsandbytes."""
+    return type(base).__name__ == "Linear4bit" and hasattr(base.weight, "quant_state")
+
+
+def _dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(weight.data, weight.quant_state)
+
+
 def _in_out(base: nn.Module) -> tuple[int, int]:
     return int(base.in_features), int(base.out_features)
 
@@ -112,8 +125,17 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """No extra full-size activation: dropout only when p > 0, no dtype copy of `x` under
-        autocast (the matmul casts), and the scaling applied to the r-wide intermediate."""
+        """A dense or NF4 base without dropout takes the fused path (`lora_fused.py`: no
+        full-size update tensor, no stored 16-bit weight copy). Otherwise (dropout): no
+        extra full-size activation beyond dropout's, no dtype copy of `x` under autocast (the
+        matmul casts), and the scaling applied to the r-wide intermediate."""
+        if not isinstance(self.dropout, nn.Dropout):
+            a, b, base = self.lora_A.weight, self.lora_B.weight, self.base
+            if type(base) is nn.Linear:
+                return lora_linear(x, base.weight, base.bias, a, b, self.scaling)
+            if _is_nf4(base):
+                return lora_linear(x, base.weight, base.bias, a, b, self.scaling,
+                                   dense=_dequantize_nf4, compute_dtype=base.compute_dtype)
         out = self.base(x)
         h = self.dropout(x) if isinstance(self.dropout, nn.Dropout) else x
         if h.dtype != self.lora_A.weight.dtype and not torch.is_autocast_enabled(h.device.type):

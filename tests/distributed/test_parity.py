@@ -136,6 +136,9 @@ LAYOUTS_4 = [
     # ZeRO-1 with TP / PP: the same, the optimizer state partitioned over the replicas
     ("zero1-x-tp", ["--parallel.data_parallel", "zero1", "--parallel.tp", "2"], 2, 2),
     ("zero1-x-pp", ["--parallel.data_parallel", "zero1", "--parallel.pp", "2"], 2, 2),
+    # ZeRO-2 (FSDP2 without resharding after forward) with TP / PP
+    ("zero2-x-tp", ["--parallel.data_parallel", "zero2", "--parallel.tp", "2"], 2, 2),
+    ("zero2-x-pp", ["--parallel.data_parallel", "zero2", "--parallel.pp", "2"], 2, 2),
     ("fsdp-x-tp-moe", ["--parallel.tp", "2"], 2, 2, MOE),
     ("pp-x-ep", ["--parallel.pp", "2", "--parallel.ep", "2"], 2, 2, MOE),
     ("ep4-bias", ["--parallel.ep", "4"], 4, 2, [*MOE, "--model.moe_bias_update_rate", "0.01"]),

@@ -13,12 +13,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from scaletrain.config import Config, ConfigError, resolve_batch, to_toml
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import Transformer, build_model
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
@@ -54,16 +56,23 @@ class TrainResult:
     wall_time_s: float = 0.0
 
 
-def fused_loss_problem(parallel: bool, model: Any, custom_forward: bool) -> str | None:
-    """Why `training.fused_loss` cannot run here (None when it can)."""
-    if parallel:
-        return ("training.fused_loss runs on one process only (its head is applied outside the "
-                "model's forward, which DDP/FSDP/TP hooks and the vocabulary-parallel loss do "
-                "not see); set training.fused_loss false for parallel layouts")
-    if custom_forward or not isinstance(model, Transformer):
+def fused_loss_problem(dims: ParallelDims | None, model: Any = None,
+                       custom_forward: bool = False) -> str | None:
+    """Why `training.fused_loss` cannot run with this layout (`dims`, None for one process) and
+    model (None: the layout only), or None when it can."""
+    if dims is not None and dims.pp > 1:
+        return ("training.fused_loss does not run with pipeline parallelism (parallel.pp "
+                f"{dims.pp}: the pipeline schedule calls the head inside the last stage); set "
+                "training.fused_loss false or parallel.pp 1")
+    if model is not None and (custom_forward or not isinstance(_unwrapped(model), Transformer)):
         return ("training.fused_loss needs the plain decoder (language-model pre-training); "
                 "set training.fused_loss false for fine-tuning")
     return None
+
+
+def _unwrapped(model: Any) -> Any:
+    """The Transformer inside DDP's wrapper (the model itself otherwise)."""
+    return getattr(model, "module", model)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -102,8 +111,9 @@ class Trainer:
         fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype, self.par.enabled)
         if fp8:
             raise ConfigError(fp8)
-        if cfg.training.fused_loss and self.par.enabled:  # before any collective or model
-            raise ConfigError(fused_loss_problem(True, None, False) or "")
+        fused = fused_loss_problem(self.par.dims) if cfg.training.fused_loss else None
+        if fused:  # before any collective or model
+            raise ConfigError(fused)
         self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
         self.mbs = cfg.training.micro_batch_size
         if self.par.enabled:
@@ -274,26 +284,36 @@ class Trainer:
 
     def _fused_loss(self) -> tuple[Any, Any]:
         """(loss, forward) of the training step with `training.fused_loss`: the forward gives
-        the final-norm hidden states, the loss applies the head chunk by chunk."""
+        the final-norm hidden states (through the model's own forward, so DDP's and FSDP's
+        hooks run), the loss applies the head chunk by chunk: vocabulary-parallel when the
+        head is sharded over the tensor-parallel ranks (a DTensor)."""
         from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
+        from scaletrain.train.chunked_loss_tp import vocab_parallel_linear_cross_entropy
 
-        problem = fused_loss_problem(self.par.enabled, self.model,
+        problem = fused_loss_problem(self.par.dims if self.par.enabled else None, self.model,
                                      type(self).model_forward is not Trainer.model_forward)
         if problem:
             raise ConfigError(problem)
         chunk, cap = self.cfg.training.loss_chunk_tokens, self.model_args.final_softcap
         if chunk < 1:
             raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {chunk}")
-        model = self.model
+        model, head = self.model, _unwrapped(self.model).output
 
         def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return chunked_linear_cross_entropy(h, model.output.weight, y, chunk, cap)
+            w = head.weight  # read now: FSDP swaps in the gathered weight during forward
+            if isinstance(w, DTensor):
+                return vocab_parallel_linear_cross_entropy(h, w, y, chunk, cap)
+            return chunked_linear_cross_entropy(h, w, y, chunk, cap)
 
-        return loss, lambda x: model.hidden_states(x)
+        def forward(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+            return model(x, positions=positions, hidden=True)
 
-    def model_forward(self, x: Any) -> torch.Tensor:
-        """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids)."""
-        return self.model(x)
+        return loss, forward
+
+    def model_forward(self, x: Any, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids;
+        `positions`: this rank's token positions under context parallelism)."""
+        return self.model(x) if positions is None else self.model(x, positions=positions)
 
     def _guarded_step(self, batches: list[Batch], heartbeat: Any) -> StepOutput:
         """run_step; with several processes a failed collective becomes one clear error

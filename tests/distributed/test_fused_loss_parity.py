@@ -1,0 +1,49 @@
+"""`train` with `--training.fused_loss true` in parallel layouts against the plain loss of one
+process (gloo): the same losses, gradient norms, first-step gradients and validation loss over
+a few steps, with the defaults (gradient clipping at 1.0, accumulation 2, fused AdamW), to the
+tolerances of `test_parity` (the fused loss equals the plain one in fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_parity import GPT2, TIED, _check, _run
+
+FUSED = ["--training.fused_loss", "true", "--training.loss_chunk_tokens", "24"]
+LAYOUTS_2 = [
+    ("fused-tp-sp", ["--parallel.tp", "2", *FUSED], 1, 2),
+    ("fused-tp-nosp", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false", *FUSED],
+     1, 2),
+    ("fused-tp-tied", ["--parallel.tp", "2", *FUSED], 1, 2, TIED),
+    ("fused-ddp", ["--parallel.data_parallel", "ddp", *FUSED], 2, 2),
+    ("fused-zero2", ["--parallel.data_parallel", "zero2", *FUSED], 2, 2),
+    ("fused-zero3-tied", ["--parallel.data_parallel", "zero3", *FUSED], 2, 2, TIED),
+    ("fused-cp", ["--parallel.cp", "2", *FUSED], 1, 2),
+    ("fused-tp-gpt2", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false", *FUSED],
+     1, 2, GPT2),
+]
+LAYOUTS_4 = [
+    ("fused-fsdp-x-tp", ["--parallel.tp", "2", *FUSED], 2, 2),
+    ("fused-fsdp-x-tp-tied", ["--parallel.tp", "2", *FUSED], 2, 2, TIED),
+    ("fused-ddp-x-tp", ["--parallel.data_parallel", "ddp", "--parallel.tp", "2", *FUSED], 2, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized corpus for both tests."""
+    return tmp_path_factory.mktemp("fused-cache")
+
+
+@pytest.mark.distributed
+def test_fused_loss_two_rank_layouts_match_one_process(tmp_path: Path, cache: Path) -> None:
+    table, low, _ = _run(tmp_path, cache, 2, LAYOUTS_2, {"fused-tp-sp": ("bf16",)})
+    _check(2, table, low)
+
+
+@pytest.mark.distributed
+def test_fused_loss_four_rank_layouts_match_one_process(tmp_path: Path, cache: Path) -> None:
+    table, low, _ = _run(tmp_path, cache, 4, LAYOUTS_4, {})
+    _check(4, table, low)

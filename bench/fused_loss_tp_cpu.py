@@ -76,14 +76,13 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -> 
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    profile_memory=True) as prof:
-            with loss_parallel():
-                if variant == "plain":
-                    loss = cross_entropy_sum(model(x), y)
-                else:
-                    loss = vocab_parallel_linear_cross_entropy(model(x, hidden=True),
-                                                               model.output.weight, y, a.chunk)
-                loss.backward()
+                                    profile_memory=True) as prof, loss_parallel():
+            if variant == "plain":
+                loss = cross_entropy_sum(model(x), y)
+            else:
+                loss = vocab_parallel_linear_cross_entropy(model(x, hidden=True),
+                                                           model.output.weight, y, a.chunk)
+            loss.backward()
         seconds = time.perf_counter() - t0
         value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         rows.append({"rank": rank, "variant": variant, "loss": value,

@@ -18,6 +18,7 @@ LAYOUTS_2 = [
      1, 2),
     ("fused-tp-tied", ["--parallel.tp", "2", *FUSED], 1, 2, TIED),
     ("fused-ddp", ["--parallel.data_parallel", "ddp", *FUSED], 2, 2),
+    ("fused-zero1", ["--parallel.data_parallel", "zero1", *FUSED], 2, 2),
     ("fused-zero2", ["--parallel.data_parallel", "zero2", *FUSED], 2, 2),
     ("fused-zero3-tied", ["--parallel.data_parallel", "zero3", *FUSED], 2, 2, TIED),
     ("fused-cp", ["--parallel.cp", "2", *FUSED], 1, 2),
@@ -25,6 +26,7 @@ LAYOUTS_2 = [
      1, 2, GPT2),
 ]
 LAYOUTS_4 = [
+    ("fused-hsdp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", *FUSED], 4, 2),
     ("fused-fsdp-x-tp", ["--parallel.tp", "2", *FUSED], 2, 2),
     ("fused-fsdp-x-tp-tied", ["--parallel.tp", "2", *FUSED], 2, 2, TIED),
     ("fused-ddp-x-tp", ["--parallel.data_parallel", "ddp", "--parallel.tp", "2", *FUSED], 2, 2),

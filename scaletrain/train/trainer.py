@@ -20,7 +20,6 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import Transformer, build_model
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
-from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
@@ -56,15 +55,10 @@ class TrainResult:
     wall_time_s: float = 0.0
 
 
-def fused_loss_problem(dims: ParallelDims | None, model: Any = None,
-                       custom_forward: bool = False) -> str | None:
-    """Why `training.fused_loss` cannot run with this layout (`dims`, None for one process) and
-    model (None: the layout only), or None when it can."""
-    if dims is not None and dims.pp > 1:
-        return ("training.fused_loss does not run with pipeline parallelism (parallel.pp "
-                f"{dims.pp}: the pipeline schedule calls the head inside the last stage); set "
-                "training.fused_loss false or parallel.pp 1")
-    if model is not None and (custom_forward or not isinstance(_unwrapped(model), Transformer)):
+def fused_loss_problem(model: Any, custom_forward: bool) -> str | None:
+    """Why `training.fused_loss` cannot run with this model (None when it can). Every parallel
+    layout runs it: vocabulary-parallel under TP, on the last stage under PP."""
+    if custom_forward or not isinstance(_unwrapped(model), Transformer):
         return ("training.fused_loss needs the plain decoder (language-model pre-training); "
                 "set training.fused_loss false for fine-tuning")
     return None
@@ -111,9 +105,6 @@ class Trainer:
         fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype, self.par.enabled)
         if fp8:
             raise ConfigError(fp8)
-        fused = fused_loss_problem(self.par.dims) if cfg.training.fused_loss else None
-        if fused:  # before any collective or model
-            raise ConfigError(fused)
         self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
         self.mbs = cfg.training.micro_batch_size
         if self.par.enabled:
@@ -125,9 +116,16 @@ class Trainer:
         self.model_args = self._model_args()
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
+        self.loss_fn = cross_entropy_sum
+        if cfg.compile.enabled and not self.par.enabled:
+            self.loss_fn = torch.compile(cross_entropy_sum)
+        step_loss, step_forward = (lambda logits, y: self.loss_fn(logits, y)), self.model_forward
+        if cfg.training.fused_loss:
+            step_loss, step_forward = self._fused_loss()
         if self.par.dims.pp > 1:
-            self.par.attach_pipeline(self.model, cross_entropy_sum, self.ga,
-                                     lambda: precision.autocast(self.device, self.dtype))
+            self.par.attach_pipeline(self.model, step_loss, self.ga,
+                                     lambda: precision.autocast(self.device, self.dtype),
+                                     hidden=cfg.training.fused_loss)
         if cfg.precision.param_dtype == "bf16":
             for p in self.model.parameters():  # buffers (RoPE frequencies) stay fp32
                 p.data = p.data.to(torch.bfloat16)
@@ -135,12 +133,6 @@ class Trainer:
                                    cfg.training.steps)
         self.scaler = precision.grad_scaler(
             self.device, self.dtype, sharded=self.par.enabled and not self.par.ddp_wrapped)
-        self.loss_fn = cross_entropy_sum
-        if cfg.compile.enabled and not self.par.enabled:
-            self.loss_fn = torch.compile(cross_entropy_sum)
-        step_loss, step_forward = (lambda logits, y: self.loss_fn(logits, y)), self.model_forward
-        if cfg.training.fused_loss:
-            step_loss, step_forward = self._fused_loss()
         self.has_moe = self.model_args.is_moe
         self.step_fn = TrainStep(self.model, self.optimizer, self.par, self.device, self.dtype,
                                  step_loss, cfg.training.max_grad_norm, self.scaler, step_forward)
@@ -285,22 +277,23 @@ class Trainer:
     def _fused_loss(self) -> tuple[Any, Any]:
         """(loss, forward) of the training step with `training.fused_loss`: the forward gives
         the final-norm hidden states (through the model's own forward, so DDP's and FSDP's
-        hooks run), the loss applies the head chunk by chunk: vocabulary-parallel when the
-        head is sharded over the tensor-parallel ranks (a DTensor)."""
+        hooks run; under PP the last stage's), the loss applies the head chunk by chunk:
+        vocabulary-parallel when the head is sharded over the tensor-parallel ranks (a
+        DTensor)."""
         from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
         from scaletrain.train.chunked_loss_tp import vocab_parallel_linear_cross_entropy
 
-        problem = fused_loss_problem(self.par.dims if self.par.enabled else None, self.model,
+        problem = fused_loss_problem(self.model,
                                      type(self).model_forward is not Trainer.model_forward)
         if problem:
             raise ConfigError(problem)
         chunk, cap = self.cfg.training.loss_chunk_tokens, self.model_args.final_softcap
         if chunk < 1:
             raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {chunk}")
-        model, head = self.model, _unwrapped(self.model).output
+        model, core = self.model, _unwrapped(self.model)
 
         def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            w = head.weight  # read now: FSDP swaps in the gathered weight during forward
+            w = core.output.weight  # read now: FSDP swaps in the gathered weight in forward
             if isinstance(w, DTensor):
                 return vocab_parallel_linear_cross_entropy(h, w, y, chunk, cap)
             return chunked_linear_cross_entropy(h, w, y, chunk, cap)

@@ -6,7 +6,8 @@ tolerances of `test_parity` (the fused loss equals the plain one in fp32).
 The suite runs one layout per mechanism (vocabulary-parallel TP with and without sequence
 parallelism, tied and GPT-2 heads, DDP's hooks, FSDP's gathered head, context parallel, the
 pipeline's last stage); SCALETRAIN_FUSED_ALL=1 adds the layouts that share those mechanisms
-(ZeRO-1/2, HSDP, more pipeline schedules, untied FSDP x TP)."""
+(ZeRO-1/2, HSDP, more pipeline schedules, untied FSDP x TP, expert parallel and TP with
+Mixture-of-Experts)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_parity import GPT2, TIED, _check, _run
+from tests.distributed.test_parity import GPT2, MOE, TIED, _check, _run
 
 FUSED = ["--training.fused_loss", "true", "--training.loss_chunk_tokens", "24"]
 ALL = os.environ.get("SCALETRAIN_FUSED_ALL") == "1"
@@ -38,6 +39,8 @@ EXTRA_2 = [
     ("fused-pp-1f1b", ["--parallel.pp", "2", "--parallel.pp_schedule", "1F1B", *FUSED], 1, 4),
     ("fused-pp-izb", ["--parallel.pp", "2", "--parallel.pp_schedule", "InterleavedZeroBubble",
                       "--parallel.pp_virtual_stages", "2", *FUSED], 1, 4),
+    ("fused-ep", ["--parallel.ep", "2", *FUSED], 2, 2, MOE),
+    ("fused-tp-moe", ["--parallel.tp", "2", *FUSED], 1, 2, MOE),
 ]
 LAYOUTS_4 = [
     ("fused-fsdp-x-tp-tied", ["--parallel.tp", "2", *FUSED], 2, 2, TIED),

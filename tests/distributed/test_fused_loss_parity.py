@@ -6,7 +6,7 @@ tolerances of `test_parity` (the fused loss equals the plain one in fp32).
 The suite runs one layout per mechanism (vocabulary-parallel TP with and without sequence
 parallelism, tied and GPT-2 heads, DDP's hooks, FSDP's gathered head, context parallel, the
 pipeline's last stage); SCALETRAIN_FUSED_ALL=1 adds the layouts that share those mechanisms
-(ZeRO-1/2, HSDP, more pipeline schedules, untied FSDP x TP, expert parallel and TP with
+(ZeRO-1/2, HSDP, HSDP x TP, more pipeline schedules, untied FSDP x TP, expert parallel and TP with
 Mixture-of-Experts)."""
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ LAYOUTS_4 = [
 EXTRA_4 = [
     ("fused-hsdp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", *FUSED], 4, 2),
     ("fused-fsdp-x-tp", ["--parallel.tp", "2", *FUSED], 2, 2),
+    ("fused-hsdp-x-tp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                         "--parallel.tp", "2", *FUSED], 2, 2),
 ]
 
 

@@ -148,7 +148,9 @@ class TrainingConfig:
     """New tokens generated as a sample at the end of training (0 = none)."""
     fused_loss: bool = False
     """Compute the output head and cross-entropy chunk by chunk over tokens, never holding the
-    full (tokens x vocabulary) logits (same loss and gradients; one process only)."""
+    full (tokens x vocabulary) logits (same loss and gradients). Runs in every layout; under
+    tensor parallelism it is vocabulary-parallel (each TP rank computes only its vocabulary
+    slice), under pipeline parallelism on the last stage. Not for fine-tuning."""
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the fused loss."""
 

@@ -129,9 +129,9 @@ def test_training_step_with_fused_loss_equals_plain(tmp_path: Path) -> None:
 def test_fused_loss_refused_where_it_cannot_run() -> None:
     model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=11, multiple_of=8,
                                   max_seq_len=8))
-    assert fused_loss_problem(False, model, False) is None
-    assert "one process" in fused_loss_problem(True, model, False)
-    assert "fine-tuning" in fused_loss_problem(False, model, True)
+    assert fused_loss_problem(model, False) is None
+    assert "fine-tuning" in fused_loss_problem(model, True)
+    assert "fine-tuning" in fused_loss_problem(torch.nn.Linear(2, 2), False)
 
 
 def test_fp8_refused_on_cpu_with_exit_2(tmp_path: Path) -> None:

@@ -146,17 +146,20 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos: int = 0,
                 segment_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                key_mask: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
         """Logits for `tokens` (B, S) at positions start_pos.. (with a KV cache: after it).
 
         `segment_ids`: see `hidden_states`. `positions` (seq,) overrides
         `start_pos + arange(seq)` for the RoPE/position tables (a rank holding a non-contiguous
         slice of the sequence passes its own positions). `key_mask` (B, >= start_pos + S) bool
         marks real tokens of a padded batch; False entries (padding) are never attended to.
+        `hidden`: return the final-norm hidden states (B, S, dim) instead of the logits (the
+        fused loss applies the head itself; through `forward`, DDP and FSDP hooks still run).
         """
-        return self.forward_part(tokens, self.layers.keys(), embed=True, head=True,
-                                 start_pos=start_pos, positions=positions, segment_ids=segment_ids,
-                                 key_mask=key_mask)
+        h = self.forward_part(tokens, self.layers.keys(), embed=True, head=not hidden,
+                              start_pos=start_pos, positions=positions, segment_ids=segment_ids,
+                              key_mask=key_mask)
+        return self.norm(h) if hidden else h
 
     def hidden_states(self, tokens: torch.Tensor, start_pos: int = 0,
                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -263,13 +263,15 @@ class Parallelism:
 
     def attach_pipeline(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
                         microbatches: int,
-                        autocast: Callable[[], contextlib.AbstractContextManager] | None = None
-                        ) -> None:
+                        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                        hidden: bool = False) -> None:
         """Build the pipeline stages and schedule (after the model is materialized); each stage
-        forward runs under `autocast` (the run's mixed precision)."""
+        forward runs under `autocast` (the run's mixed precision). `hidden`: the last stage
+        hands `loss_fn` the final-norm hidden states instead of the logits (the fused loss)."""
         assert self.mesh is not None
         for m in self.stage_modules:
             m.autocast = autocast or contextlib.nullcontext
+            m.hidden = hidden
         self.pipe_loss = PipelineLoss(loss_fn)
         self.schedule, self.stages = build_schedule(
             self.stage_modules, self.mesh["pp"], self.cfg.pp_schedule, microbatches,
@@ -358,7 +360,12 @@ class Parallelism:
                 shape = (x.shape[0], x.shape[1] // shards, self.hidden_dim)
                 h = torch.empty(shape, dtype=torch.float32, device=self.device)
                 dist.recv(h, src=owner[sid - 1], group=group)
-            out = mine[sid](x if sid == 0 else h)
+            stage, hidden = mine[sid], mine[sid].hidden
+            stage.hidden = False  # evaluation takes logits and the plain loss
+            try:
+                out = stage(x if sid == 0 else h)
+            finally:
+                stage.hidden = hidden
             if sid == n_stages - 1:
                 part = loss_fn(out, y)
                 loss = (part.full_tensor() if isinstance(part, DTensor) else part).double()

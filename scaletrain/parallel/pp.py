@@ -103,6 +103,9 @@ class StageModule(nn.Module):
         # Under context parallelism (rank, degree, load balance) the stage sees this rank's
         # chunks of the sequence, at their absolute positions.
         self.cp = cp
+        # The last stage returns the final-norm hidden states instead of the logits when the
+        # loss applies the head itself (`training.fused_loss`); set by `attach_pipeline`.
+        self.hidden = False
         object.__setattr__(self, "_model", model)  # not a child: its names stay the model's
         self.spec = spec
         self.layers = nn.ModuleDict({i: model.layers[i] for i in spec.layers})
@@ -120,9 +123,11 @@ class StageModule(nn.Module):
             positions = local_positions(seq_len * degree, rank, degree, balance, x.device)
         else:
             positions = torch.arange(seq_len, device=x.device)
+        hidden = self.hidden and self.spec.head
         with self.autocast():
-            return self._model.forward_part(x, self.spec.layers, embed=self.spec.embed,
-                                            head=self.spec.head, positions=positions)
+            h = self._model.forward_part(x, self.spec.layers, embed=self.spec.embed,
+                                         head=self.spec.head and not hidden, positions=positions)
+            return self._model.norm(h) if hidden else h
 
 
 def build_schedule(modules: list[StageModule], pp_mesh: DeviceMesh, name: str,

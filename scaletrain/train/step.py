@@ -57,7 +57,9 @@ class TrainStep:
     """Forward/backward over a step's micro-batches, then clipping and the optimizer.
 
     `forward(inputs) -> logits` is what one micro-batch's inputs go through (fine-tuning passes
-    dictionaries); `loss_fn(logits, targets)` returns the sum of token losses.
+    dictionaries; under context parallelism it is called as `forward(inputs, positions=...)`);
+    `loss_fn(logits, targets)` returns the sum of token losses (with `training.fused_loss` the
+    forward returns hidden states and the loss applies the head).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, par: Parallelism, device: torch.device,
@@ -127,8 +129,8 @@ class TrainStep:
             with sync:
                 with phase("forward"):
                     with self.autocast():
-                        logits = (self.model(x, positions=positions) if positions is not None
-                                  else self.forward(x))
+                        logits = (self.forward(x) if positions is None
+                                  else self.forward(x, positions=positions))
                     token_loss = self.loss_fn(logits, y)
                 with phase("backward"):
                     self._scale(token_loss / n_valid).backward()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from scaletrain.config import Config, ConfigError, resolve_batch, to_toml
 from scaletrain.models.args import ModelArgs
@@ -54,16 +55,18 @@ class TrainResult:
     wall_time_s: float = 0.0
 
 
-def fused_loss_problem(parallel: bool, model: Any, custom_forward: bool) -> str | None:
-    """Why `training.fused_loss` cannot run here (None when it can)."""
-    if parallel:
-        return ("training.fused_loss runs on one process only (its head is applied outside the "
-                "model's forward, which DDP/FSDP/TP hooks and the vocabulary-parallel loss do "
-                "not see); set training.fused_loss false for parallel layouts")
-    if custom_forward or not isinstance(model, Transformer):
+def fused_loss_problem(model: Any, custom_forward: bool) -> str | None:
+    """Why `training.fused_loss` cannot run with this model (None when it can). Every parallel
+    layout runs it: vocabulary-parallel under TP, on the last stage under PP."""
+    if custom_forward or not isinstance(_unwrapped(model), Transformer):
         return ("training.fused_loss needs the plain decoder (language-model pre-training); "
                 "set training.fused_loss false for fine-tuning")
     return None
+
+
+def _unwrapped(model: Any) -> Any:
+    """The Transformer inside DDP's wrapper (the model itself otherwise)."""
+    return getattr(model, "module", model)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -102,8 +105,6 @@ class Trainer:
         fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype, self.par.enabled)
         if fp8:
             raise ConfigError(fp8)
-        if cfg.training.fused_loss and self.par.enabled:  # before any collective or model
-            raise ConfigError(fused_loss_problem(True, None, False) or "")
         self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
         self.mbs = cfg.training.micro_batch_size
         if self.par.enabled:
@@ -115,9 +116,16 @@ class Trainer:
         self.model_args = self._model_args()
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
+        self.loss_fn = cross_entropy_sum
+        if cfg.compile.enabled and not self.par.enabled:
+            self.loss_fn = torch.compile(cross_entropy_sum)
+        step_loss, step_forward = (lambda logits, y: self.loss_fn(logits, y)), self.model_forward
+        if cfg.training.fused_loss:
+            step_loss, step_forward = self._fused_loss()
         if self.par.dims.pp > 1:
-            self.par.attach_pipeline(self.model, cross_entropy_sum, self.ga,
-                                     lambda: precision.autocast(self.device, self.dtype))
+            self.par.attach_pipeline(self.model, step_loss, self.ga,
+                                     lambda: precision.autocast(self.device, self.dtype),
+                                     hidden=cfg.training.fused_loss)
         if cfg.precision.param_dtype == "bf16":
             for p in self.model.parameters():  # buffers (RoPE frequencies) stay fp32
                 p.data = p.data.to(torch.bfloat16)
@@ -125,12 +133,6 @@ class Trainer:
                                    cfg.training.steps)
         self.scaler = precision.grad_scaler(
             self.device, self.dtype, sharded=self.par.enabled and not self.par.ddp_wrapped)
-        self.loss_fn = cross_entropy_sum
-        if cfg.compile.enabled and not self.par.enabled:
-            self.loss_fn = torch.compile(cross_entropy_sum)
-        step_loss, step_forward = (lambda logits, y: self.loss_fn(logits, y)), self.model_forward
-        if cfg.training.fused_loss:
-            step_loss, step_forward = self._fused_loss()
         self.has_moe = self.model_args.is_moe
         self.step_fn = TrainStep(self.model, self.optimizer, self.par, self.device, self.dtype,
                                  step_loss, cfg.training.max_grad_norm, self.scaler, step_forward)
@@ -269,26 +271,37 @@ class Trainer:
 
     def _fused_loss(self) -> tuple[Any, Any]:
         """(loss, forward) of the training step with `training.fused_loss`: the forward gives
-        the final-norm hidden states, the loss applies the head chunk by chunk."""
+        the final-norm hidden states (through the model's own forward, so DDP's and FSDP's
+        hooks run; under PP the last stage's), the loss applies the head chunk by chunk:
+        vocabulary-parallel when the head is sharded over the tensor-parallel ranks (a
+        DTensor)."""
         from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
+        from scaletrain.train.chunked_loss_tp import vocab_parallel_linear_cross_entropy
 
-        problem = fused_loss_problem(self.par.enabled, self.model,
+        problem = fused_loss_problem(self.model,
                                      type(self).model_forward is not Trainer.model_forward)
         if problem:
             raise ConfigError(problem)
         chunk, cap = self.cfg.training.loss_chunk_tokens, self.model_args.final_softcap
         if chunk < 1:
             raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {chunk}")
-        model = self.model
+        model, core = self.model, _unwrapped(self.model)
 
         def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return chunked_linear_cross_entropy(h, model.output.weight, y, chunk, cap)
+            w = core.output.weight  # read now: FSDP swaps in the gathered weight in forward
+            if isinstance(w, DTensor):
+                return vocab_parallel_linear_cross_entropy(h, w, y, chunk, cap)
+            return chunked_linear_cross_entropy(h, w, y, chunk, cap)
 
-        return loss, lambda x: model.hidden_states(x)
+        def forward(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+            return model(x, positions=positions, hidden=True)
 
-    def model_forward(self, x: Any) -> torch.Tensor:
-        """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids)."""
-        return self.model(x)
+        return loss, forward
+
+    def model_forward(self, x: Any, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids;
+        `positions`: this rank's token positions under context parallelism)."""
+        return self.model(x) if positions is None else self.model(x, positions=positions)
 
     def _guarded_step(self, batches: list[Batch], heartbeat: Any) -> StepOutput:
         """run_step; with several processes a failed collective becomes one clear error

@@ -5,9 +5,13 @@ of the hidden units), output and down projections row-wise (partial sums reduced
 sequence parallelism the norms and the residual stream between blocks are sharded along the
 sequence: the all-reduce after a row-wise layer becomes a reduce-scatter and the input of the
 next column-wise layer an all-gather (together the same bytes as the all-reduce). The norms and
-the residual stream then take 1/tp of their memory, but DTensor's column-wise layers save their
-all-gathered (full-sequence) input for backward, so the activation memory is not 1/tp overall
-(`plan/activations.py` counts what is saved).
+the residual stream then take 1/tp of their memory, and the column-wise q/k/v and w1/w3
+projections keep only the sequence shard of their input for backward, which all-gathers it
+again (`sp_regather.py`, as Megatron-LM does; DTensor's `ColwiseParallel` would keep the
+gathered input, t times the bytes): every activation of the block is divided by tp, at the
+cost of one more all-gather per attention and MLP in backward. The arithmetic is DTensor's
+(bitwise equal); `regather=False` keeps DTensor's path. The head still keeps its gathered input
+(once per model). `plan/activations.py` counts what is saved; `plan/comm.py` the collectives.
 The embedding is vocabulary-parallel (row-wise over vocabulary rows); the head is column-wise
 over the vocabulary and, with `loss_parallel`, its logits stay sharded: the cross-entropy is
 computed on the shards and the full logits are never gathered.

@@ -196,8 +196,10 @@ class ColwiseFromShard(ParallelStyle):
         def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             weight, bias = self.weight, self.bias
             call = gather.current
-            if call is None or x is not call.full:
-                full = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+            if call is None or x is not call.full:  # not the module's gathered input
+                full = x.redistribute(weight.device_mesh, [Replicate()]) \
+                    if isinstance(x, DTensor) else \
+                    DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
                 return F.linear(full, weight, bias).to_local()
             shard = call.shard_in(_compute_dtype(x))
             return _ColwiseFromShard.apply(x, shard, weight.to_local(),

@@ -155,6 +155,23 @@ def _dtensor_layers(mesh: Any) -> dict[str, float]:
     return out
 
 
+def _projection_alone(mesh: Any) -> float:
+    """A `ColwiseFromShard` projection called outside its module (no gathered input): the
+    DTensor path, a whole-sequence input, this rank's columns of the output."""
+    from scaletrain.models.transformer import build_model
+    from scaletrain.parallel.tp import apply_tp
+
+    args = SHAPES["gqa"]
+    model = build_model(args, seed=0)
+    ref = model.layers["0"].attention.wq.weight.detach().clone()
+    apply_tp(model, mesh, sequence_parallel=True, loss_parallel=False)
+    x = torch.randn(MBS, SEQ, args.dim, generator=torch.Generator().manual_seed(2))
+    got = model.layers["0"].attention.wq(x)
+    rows = ref.shape[0] // TP
+    want = x @ ref[dist.get_rank() * rows:(dist.get_rank() + 1) * rows].T
+    return float((got - want).abs().max())
+
+
 def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -164,7 +181,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     result = {"saved": _saved_bytes(mesh), "bitwise": _regather_equals_dtensor(mesh),
-              "layers": _dtensor_layers(mesh)}
+              "layers": _dtensor_layers(mesh), "alone": _projection_alone(mesh)}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -234,3 +251,9 @@ def test_norm_and_gated_activation_on_dtensors(results: list[dict]) -> None:
                 assert got[f"norm-{dtype}-saved"] == c * rows * h + 4 * rows
             # the gated activation keeps its two inputs' shards
             assert got[f"act-{dtype}-saved"] == 2 * c * 2 * 8 * 64 // TP
+
+
+@pytest.mark.distributed
+def test_projection_called_alone_takes_the_dtensor_path(results: list[dict]) -> None:
+    for rank in results:
+        assert rank["alone"] <= 1e-5

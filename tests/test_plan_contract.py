@@ -99,14 +99,20 @@ def test_dry_run_exit_codes(capsys: pytest.CaptureFixture[str],
     assert rc == 0, err
 
 
-def test_sequence_parallel_moves_the_same_bytes_as_plain_tensor_parallel() -> None:
+def test_sequence_parallel_moves_plain_tensor_parallels_bytes_plus_the_regathers() -> None:
+    """Each all-reduce becomes an all-gather + reduce-scatter (the same bytes); backward
+    all-gathers the attention and MLP inputs once more (2 per layer and micro-batch)."""
     args = get_preset("llama3-8b")
     for recompute in ("none", "full"):
         lay = Layout(dims=ParallelDims(tp=2, dp_shard=1), mbs=1, seq_len=4096,
                      recompute=recompute)
-        sp = estimate(args, lay.replace(sequence_parallel=True)).comm_bytes_by_dim["tp"]
+        sp = estimate(args, lay.replace(sequence_parallel=True))
         plain = estimate(args, lay.replace(sequence_parallel=False)).comm_bytes_by_dim["tp"]
-        assert sp == plain > 0
+        layers = args.n_layers
+        one = (2 - 1) / 2 * 4096 * args.dim * 2  # an all-gather of the bf16 activation
+        assert sp.comm_bytes_by_dim["tp"] == pytest.approx(plain + 2 * layers * one, abs=8)
+        assert sp.comm_bytes_per_step["all_gather"] == pytest.approx(
+            sp.comm_bytes_per_step["reduce_scatter"] + 2 * layers * one, abs=8)
 
 
 def test_search_proposes_only_what_the_trainer_runs_and_commands_reproduce_it() -> None:

@@ -23,8 +23,9 @@ class RMSNorm(nn.Module):
 
     A 16-bit input (bf16 parameters, or FSDP gathering them in bf16) goes through `_RMSNormFn`,
     which keeps the input in its own dtype and the fp32 1/rms per row for backward instead of
-    an fp32 copy of the input. Inputs that are DTensors (sequence-parallel norms) keep the
-    composite path, which DTensor shards.
+    an fp32 copy of the input. It works on DTensors too (sequence-parallel norms: the input
+    sharded over the sequence, the weight replicated; its gradient comes out as a partial sum,
+    as from the composite). fp32 inputs take the composite `F.rms_norm` (fused on CUDA).
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.bfloat16, torch.float16) and not _is_dtensor(x, self.weight):
+        if x.dtype in (torch.bfloat16, torch.float16):
             return _RMSNormFn.apply(x, self.weight, self.eps, self.unit_offset)
         w = self.weight.float()
         if self.unit_offset:
@@ -43,10 +44,6 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         (nn.init.zeros_ if self.unit_offset else nn.init.ones_)(self.weight)
-
-
-def _is_dtensor(*tensors: torch.Tensor) -> bool:
-    return any(hasattr(t, "placements") for t in tensors)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -69,7 +66,9 @@ class _RMSNormFn(torch.autograd.Function):
         w = weight.float() + 1.0 if ctx.unit_offset else weight.float()
         normed = x.float() * rstd
         g = grad.float()
-        grad_w = (g * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        # Summed over the leading dims (not a reshape to 2-D, which a DTensor sharded over the
+        # sequence could only do after gathering it).
+        grad_w = (g * normed).sum(tuple(range(x.ndim - 1))).to(weight.dtype)
         gw = g * w
         grad_x = rstd * (gw - normed * (gw * normed).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_w, None, None
@@ -104,10 +103,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            a, b = self.w1(x), self.w3(x)
-            if _is_dtensor(a, b):  # tensor parallel without local outputs: composite
-                return self.w2(self.act(a) * b)
-            return self.w2(_GatedAct.apply(a, b, self.act))
+            return self.w2(_GatedAct.apply(self.w1(x), self.w3(x), self.act))
         return self.w2(self.act(self.w1(x)))
 
 

@@ -5,9 +5,13 @@ of the hidden units), output and down projections row-wise (partial sums reduced
 sequence parallelism the norms and the residual stream between blocks are sharded along the
 sequence: the all-reduce after a row-wise layer becomes a reduce-scatter and the input of the
 next column-wise layer an all-gather (together the same bytes as the all-reduce). The norms and
-the residual stream then take 1/tp of their memory, but DTensor's column-wise layers save their
-all-gathered (full-sequence) input for backward, so the activation memory is not 1/tp overall
-(`plan/activations.py` counts what is saved).
+the residual stream then take 1/tp of their memory, and the column-wise q/k/v and w1/w3
+projections keep only the sequence shard of their input for backward, which all-gathers it
+again (`sp_regather.py`, as Megatron-LM does; DTensor's `ColwiseParallel` would keep the
+gathered input, t times the bytes): every activation of the block is divided by tp, at the
+cost of one more all-gather per attention and MLP in backward. The arithmetic is DTensor's
+(bitwise equal); `regather=False` keeps DTensor's path. The head still keeps its gathered input
+(once per model). `plan/activations.py` counts what is saved; `plan/comm.py` the collectives.
 The embedding is vocabulary-parallel (row-wise over vocabulary rows); the head is column-wise
 over the vocabulary and, with `loss_parallel`, its logits stay sharded: the cross-entropy is
 computed on the shards and the full logits are never gathered.
@@ -30,13 +34,19 @@ from torch.distributed.tensor.parallel import (
 
 from scaletrain.models.moe import MoE
 from scaletrain.parallel.moe_tp import apply_moe_tp
+from scaletrain.parallel.sp_regather import ColwiseFromShard, GatherSequence
 
 log = logging.getLogger("scaletrain.parallel")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-             loss_parallel: bool) -> None:
-    """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place."""
+             loss_parallel: bool, regather: bool = True) -> None:
+    """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place.
+
+    `regather` (sequence parallelism only): the column-wise projections save the sequence
+    shard of their input and all-gather it again in backward (`sp_regather.py`); False keeps
+    DTensor's `PrepareModuleInput` + `ColwiseParallel`, which save the gathered input (the
+    same numbers, t times the bytes; kept to measure the difference)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -61,24 +71,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         plan: dict[str, object] = {
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            **_colwise_plan("attention", ("wq", "wk", "wv"), seq,
+                            sequence_parallel and regather, n_inputs=3),
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
         if isinstance(block.feed_forward, MoE):
             plan.update(_moe_plan(block.feed_forward, tp_mesh, seq, sequence_parallel))
         else:
-            plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(seq,),
-                                                   desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            })
-            if block.feed_forward.w3 is not None:  # GPT-2's GELU MLP has no gate
-                plan["feed_forward.w3"] = ColwiseParallel()
+            # GPT-2's GELU MLP has no gate (w3)
+            names = ("w1", "w3") if block.feed_forward.w3 is not None else ("w1",)
+            plan.update(_colwise_plan("feed_forward", names, seq,
+                                      sequence_parallel and regather, n_inputs=1))
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
@@ -91,6 +95,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
             _replicate(block.ffn_norm, tp_mesh)
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)",
              tp_mesh.size(), sequence_parallel, loss_parallel)
+
+
+def _colwise_plan(module: str, projections: tuple[str, ...], seq: object, regather: bool,
+                  n_inputs: int) -> dict[str, object]:
+    """The input of `module` (sharded over the sequence under sequence parallelism) made whole
+    for its column-wise `projections`: by DTensor (which saves the gathered input in each
+    projection) or, with `regather`, by `GatherSequence` + `ColwiseFromShard` (which save the
+    shard and gather it again in backward)."""
+    if regather:
+        gather = GatherSequence()
+        return {module: gather, **{f"{module}.{p}": ColwiseFromShard(gather)
+                                   for p in projections}}
+    rest = (None,) * (n_inputs - 1)
+    return {module: PrepareModuleInput(input_layouts=(seq, *rest),
+                                       desired_input_layouts=(Replicate(), *rest)),
+            **{f"{module}.{p}": ColwiseParallel() for p in projections}}
 
 
 def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq: object, sequence_parallel: bool

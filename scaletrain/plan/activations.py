@@ -10,7 +10,7 @@ Llama block (flash SDPA: no s x s scores; true for the CPU flash kernel and CUDA
 - RMSNorm (x2): `x.float()` (4Th), the rstd (4T) and, on CPU where rms_norm is composite,
   x * rstd (4Th); the fused CUDA kernel keeps only x and rstd. A 16-bit residual stream
   (bf16 parameters) goes through `_RMSNormFn`: the input in its own dtype (r Th) and the rstd
-  (4T), on every device (sequence-parallel norms keep the composite path).
+  (4T), on every device (also the sequence-parallel norms, whose inputs are DTensors).
 - its output feeds the projections: one saved tensor (c T h) when c == r; under autocast with
   an fp32 residual each projection saves its own c-byte cast (3 for q/k/v, 2 for w1/w3, 1 for
   the head).
@@ -34,9 +34,12 @@ GPT-2 block: LayerNorm keeps its input plus fp32 mean and rstd (r Th + 8T), GELU
 w2 its output (2 c T f), learned positions keep the position ids.
 
 Tensor parallel (degree t) divides heads, ffn width and vocabulary; sequence parallel also
-divides the norm and residual tensors by t, while the projections keep their all-gathered input
-(as DTensor tensor parallelism does). Context parallel divides T by cp; with the all-gather-KV
-scheme each rank keeps the gathered keys and values of the whole sequence.
+divides the norm and residual tensors by t, and the q/k/v and w1/w3 projections keep only the
+sequence shard of their input (one c-byte copy per module, gathered again in backward:
+`parallel/sp_regather.py`); with `sp_regather=False` (DTensor's path) they keep the gathered
+input. The head still keeps its gathered input (once per model). Context parallel divides T
+by cp; with the all-gather-KV scheme each rank keeps the gathered keys and values of the whole
+sequence.
 
 Recomputation (`parallel/activation_checkpoint.py`): a checkpointed block keeps only its input
 (r T h); a checkpointed attention keeps its input (the norm output, r T h) and the rest of the
@@ -71,6 +74,10 @@ class ActivationSpec:
     every: int = 2
     scope: Literal["block", "attention"] = "block"
     kernels: Kernels = "cuda"
+    sp_regather: bool = True
+    """Sequence parallel: the column-wise projections save their input's sequence shard and
+    all-gather it again in backward (`parallel/sp_regather.py`, the trainer's path); False:
+    DTensor's path, which saves the gathered input."""
 
     @property
     def tokens(self) -> int:
@@ -90,14 +97,21 @@ def _norm(args: ModelArgs, spec: ActivationSpec, input_bytes: int | None = None)
     r = DTYPE_BYTES[spec.residual_dtype] if input_bytes is None else input_bytes
     if args.arch == "gpt2":  # native layer_norm: the input as it comes, fp32 mean and rstd
         return r * tn * h + 8 * tn
-    if r < 4 and not (spec.tp > 1 and spec.sequence_parallel):
-        return r * tn * h + 4 * tn  # `_RMSNormFn`: the 16-bit input and the fp32 1/rms
+    if r < 4:  # `_RMSNormFn` (also on sequence-parallel DTensors): the 16-bit input and
+        return r * tn * h + 4 * tn  # the fp32 1/rms
     extra = 4 * tn * h if spec.kernels == "cpu" else 0
     return 4 * tn * h + 4 * tn + extra
 
 
-def _norm_output(args: ModelArgs, spec: ActivationSpec, consumers: int) -> int:
+def _norm_output(args: ModelArgs, spec: ActivationSpec, consumers: int,
+                 regathered: bool = False) -> int:
+    """What the projections reading a norm's output save of it: the output itself (c == r) or
+    each projection's cast of it (autocast over an fp32 residual); with `regathered` (the
+    attention and MLP inputs under sequence parallelism) one c-byte copy of the sequence shard
+    for all of them."""
     c, r = DTYPE_BYTES[spec.compute_dtype], DTYPE_BYTES[spec.residual_dtype]
+    if regathered and spec.tp > 1 and spec.sequence_parallel and spec.sp_regather:
+        return c * spec.norm_tokens * args.dim
     copies = 1 if c == r else consumers
     return copies * c * spec.tokens * args.dim
 
@@ -117,7 +131,7 @@ def _attention_core(args: ModelArgs, spec: ActivationSpec) -> int:
         k_and_v = 2 * c * kv_tokens * a * d
     qk_norms = 0
     if args.qk_norm:
-        if c < 4 and t == 1:  # `_RMSNormFn`: the 16-bit q/k and the fp32 1/rms per head
+        if c < 4:  # `_RMSNormFn`: the 16-bit q/k and the fp32 1/rms per head
             qk_norms = (c * spec.tokens * d + 4 * spec.tokens) * (a + g)
         else:
             per = 2 if spec.kernels == "cpu" else 1  # fp32 input (+ x * rstd on CPU), rstd
@@ -158,11 +172,11 @@ def plain_layer(args: ModelArgs, spec: ActivationSpec) -> dict[str, int]:
     """Bytes one block without recomputation keeps, by component."""
     n_mlp_in = 1 if args.arch == "gpt2" else 2
     mlp = (_moe(args, spec) if args.is_moe
-           else _norm_output(args, spec, n_mlp_in) + _mlp(args, spec))
+           else _norm_output(args, spec, n_mlp_in, regathered=True) + _mlp(args, spec))
     return {
         "norms": 2 * _norm(args, spec) + (2 * _norm(args, spec, DTYPE_BYTES[spec.compute_dtype])
                                           if args.post_norms else 0),
-        "attention": _norm_output(args, spec, 3) + _attention_core(args, spec),
+        "attention": _norm_output(args, spec, 3, regathered=True) + _attention_core(args, spec),
         "mlp": mlp,
     }
 

@@ -14,7 +14,9 @@ send the tensor itself.
 - tensor parallel: per layer and micro-batch two all-reduces of the (b s h) activation in
   forward and two in backward; with sequence parallelism each becomes an all-gather plus a
   reduce-scatter, which move the same bytes as the all-reduce (ring all-reduce =
-  reduce-scatter + all-gather). Full recomputation repeats the forward ones.
+  reduce-scatter + all-gather), and backward all-gathers the attention and MLP inputs once
+  more (the projections keep only their sequence shard: `parallel/sp_regather.py`), two more
+  all-gathers. Full recomputation repeats the forward ones.
 - context parallel (all-gather KV): keys and values gathered in forward, their gradients
   reduce-scattered in backward, per layer and micro-batch.
 - pipeline: each micro-batch sends its activation forward and its gradient back, once per
@@ -82,8 +84,10 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
         count = 4 + (2 if lay.recompute == "full" else 0)
         total = layers * m * count * 2 * per_collective  # an all-reduce is 2 x (n-1)/n S
         if lay.sequence_parallel:
-            kinds["all_gather"] += total / 2
+            regather = layers * m * 2 * per_collective  # backward: attention and MLP inputs
+            kinds["all_gather"] += total / 2 + regather
             kinds["reduce_scatter"] += total / 2
+            total += regather
         else:
             kinds["all_reduce"] += total
         by_dim["tp"] += total

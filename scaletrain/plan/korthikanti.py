@@ -46,12 +46,21 @@ def first_stage_bytes(n_layers: int, per_layer: float, pp: int = 1,
     return n_layers * per_layer * factor
 
 
-def llama_layer_bytes(args: ModelArgs, tokens: int) -> float:
+def llama_layer_bytes(args: ModelArgs, tokens: int, t: int = 1,
+                      sequence_parallel: bool = False) -> float:
     """The paper's per-layer count (section 4.1, 16-bit activations) adapted to a Llama block
     with flash attention (no s x s scores: the 5 a s / h term goes), no dropout (the masks go),
     grouped-query attention (K, V of g heads of size d) and a gated MLP of width f: the two
     norms' inputs 2 x 2sbh; attention: QKV input 2sbh, Q 2sbh, K and V 2 x 2 s b g d, the output
     projection's input 2sbh; MLP: its input 2sbh, the gate's two f-wide inputs 4 s b f, the down
-    projection's input 2 s b f. Total (12 h + 4 g d + 6 f) bytes per token (`tokens` = s b)."""
+    projection's input 2 s b f. Total (12 h + 4 g d + 6 f) bytes per token (`tokens` = s b).
+
+    Tensor parallel over t ranks (the paper's table 2, s b h (10 + 24/t) without the attention
+    scores): the norms' inputs and the QKV and MLP inputs stay whole on every rank (8 h; the
+    paper's 10 also counts two dropout masks), the rest is divided by t: 8 h + (4 h + 4 g d +
+    6 f) / t. With sequence parallelism everything is divided by t: (12 h + 4 g d + 6 f) / t
+    (the paper's s b h 34 / t)."""
     h, f, gd = args.dim, args.hidden_dim, args.kv_heads * args.head_dim
-    return tokens * (12 * h + 4 * gd + 6 * f)
+    if sequence_parallel and t > 1:
+        return tokens * (12 * h + 4 * gd + 6 * f) / t
+    return tokens * (8 * h + (4 * h + 4 * gd + 6 * f) / t)

@@ -95,6 +95,11 @@ LAYOUTS_2 = [
     ("tp-sp", ["--parallel.tp", "2"], 1, 2),
     ("tp-nosp", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false",
                  "--parallel.loss_parallel", "false"], 1, 2),
+    # sequence parallel re-gathers the projections' inputs in backward; under checkpointing the
+    # recomputed forward gathers again (whole blocks; every 2nd block's attention only)
+    ("tp-sp-ac", ["--parallel.tp", "2", "--activation_checkpoint.mode", "full"], 1, 2),
+    ("tp-sp-ac-attn", ["--parallel.tp", "2", "--activation_checkpoint.mode", "selective",
+                       "--activation_checkpoint.scope", "attention"], 1, 2),
     ("tp-gpt2", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false"], 1, 2, GPT2),
     ("cp", ["--parallel.cp", "2"], 1, 2),
     ("cp-nolb", ["--parallel.cp", "2", "--parallel.cp_load_balance", "false"], 1, 2),
@@ -116,7 +121,7 @@ LAYOUTS_2 = [
 # Low-precision runs of one layout per technique (each adds a run to the spawn); fp16 uses the
 # loss scaler (sharded where gradients differ between ranks).
 LOW_2 = {"ep": ("bf16",), "tp-moe": ("bf16",), "ddp": ("bf16",), "zero1": ("bf16",),
-         "zero3": ("bf16", "fp16"), "tp-sp": ("bf16",), "cp": ("bf16",),
+         "zero3": ("bf16", "fp16"), "tp-sp": ("bf16",), "tp-sp-ac": ("bf16",), "cp": ("bf16",),
          "pp-gpipe": ("bf16", "fp16"), "pp-ZBVZeroBubble": ("bf16",)}
 LAYOUTS_4 = [
     ("hsdp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"], 4, 2),

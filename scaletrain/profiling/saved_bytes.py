@@ -14,6 +14,7 @@ from scaletrain.config import ActivationCheckpointConfig
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import build_model
 from scaletrain.parallel.activation_checkpoint import apply_ac
+from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
 from scaletrain.train.loss import cross_entropy_sum
 
 _PASS_THROUGH = ("TBackward0", "ToCopyBackward0", "ViewBackward0", "TransposeBackward0",
@@ -42,8 +43,10 @@ def _from_parameter(t: torch.Tensor) -> bool:
 
 def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "fp32",
                         param_dtype: str = "fp32",
-                        ac: ActivationCheckpointConfig | None = None) -> SavedBytes:
-    """Run one forward + loss of a fresh model and count the bytes saved for backward."""
+                        ac: ActivationCheckpointConfig | None = None,
+                        fused_loss: bool = False, loss_chunk: int = 4096) -> SavedBytes:
+    """Run one forward + loss of a fresh model and count the bytes saved for backward
+    (`fused_loss`: the trainer's chunked head + cross-entropy instead of logits + loss)."""
     model = build_model(args, seed=0)
     if ac is not None:
         apply_ac(model, ac)
@@ -65,9 +68,15 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with autocast:
-            logits = model(tokens[:, :-1])
-        loss = cross_entropy_sum(logits, tokens[:, 1:])
-    del loss, logits
+            if fused_loss:
+                h = model(tokens[:, :-1], hidden=True)
+                loss = chunked_linear_cross_entropy(h, model.output.weight, tokens[:, 1:],
+                                                    loss_chunk, args.final_softcap)
+            else:
+                logits = model(tokens[:, :-1])
+        if not fused_loss:
+            loss = cross_entropy_sum(logits, tokens[:, 1:])
+    del loss
     return SavedBytes(activations=sum(seen.values()), weight_copies=sum(copies.values()))
 
 

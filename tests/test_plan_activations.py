@@ -83,3 +83,36 @@ def test_estimate_is_linear_in_the_batch_except_shared_tables() -> None:
     two = _estimate(args, 2, 64, "bf16", "bf16", AC())
     fixed = 2 * 64 * args.head_dim * 2 + 4  # RoPE cos/sin tables and the loss's scalar
     assert two - fixed == 2 * (one - fixed)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape", [*SHAPES, "qwen3", "gemma2", "moe"])
+def test_fused_loss_saved_bytes_match_the_estimate(shape: str, precision: str) -> None:
+    """The chunked head + loss keeps d loss/d h and d loss/d W instead of logits: counted."""
+    args = SHAPES.get(shape) or FAMILY_SHAPES[shape]
+    dtype, param_dtype = PRECISIONS[precision]
+    for mbs, seq in ((2, 16), (3, 40)):
+        measured = measure_saved_bytes(args, mbs, seq, dtype, param_dtype, fused_loss=True,
+                                       loss_chunk=7).activations
+        spec = ActivationSpec(mbs=mbs, seq_len=seq, compute_dtype=dtype,
+                              residual_dtype=param_dtype, kernels="cpu", fused_loss=True,
+                              loss_chunk=7)
+        assert activation_bytes(args, spec).autograd_saved == pytest.approx(measured, rel=0.01)
+
+
+def test_fused_loss_in_the_plan_of_a_large_vocabulary() -> None:
+    from scaletrain.models.args import get_preset
+    from scaletrain.parallel.dims import ParallelDims
+    from scaletrain.plan.estimate import Layout, estimate
+
+    args = get_preset("llama3-8b")
+    lay = Layout(dims=ParallelDims(), mbs=1, seq_len=8192, precision="bf16", param_dtype="bf16")
+    plain, fused = estimate(args, lay), estimate(args, lay.replace(fused_loss=True))
+    gib = 2**30
+    # plain: fp32 log-softmax (4 B x 8192 x 128,256) kept + logits and two fp32 buffers
+    assert plain.memory_bytes["logits_loss"] / gib == pytest.approx(10 * 8192 * 128256 / gib)
+    # fused: one 4096-token chunk (fp32 logits, fp32 gradient, its bf16 copy)
+    assert fused.memory_bytes["logits_loss"] / gib == pytest.approx(10 * 4096 * 128256 / gib)
+    assert plain.peak_bytes - fused.peak_bytes > 2 * gib
+    smaller = estimate(args, lay.replace(fused_loss=True, loss_chunk=1024))
+    assert smaller.memory_bytes["logits_loss"] * 4 == fused.memory_bytes["logits_loss"]

@@ -91,6 +91,10 @@ def _estimate_main(argv: list[str]) -> int:
                    help="partial: every n-th block (--every), or its attention (--scope)")
     p.add_argument("--every", type=_positive, default=2, help="partial: every n-th block")
     p.add_argument("--scope", choices=["block", "attention"], default="block")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="head + cross-entropy chunk by chunk, no logits (training.fused_loss)")
+    p.add_argument("--loss-chunk", type=_positive, default=4096,
+                   help="tokens per fused-loss chunk (training.loss_chunk_tokens)")
     p.add_argument("--offload", action="store_true",
                    help="one process: optimizer state and masters on CPU (optimizer.offload)")
     p.add_argument("--cpu-offload", action="store_true",
@@ -128,6 +132,7 @@ def _estimate_main(argv: list[str]) -> int:
                  precision=a.precision,
                  param_dtype=a.param_dtype, grad_convention=a.grad_convention,
                  optimizer=a.optimizer, offload=a.offload, recompute=a.recompute,
+                 fused_loss=a.fused_loss, loss_chunk=a.loss_chunk,
                  every=a.every, scope=a.scope, kernels=a.kernels)
     plan = estimate(args, lay)
     if a.method != "pretrain":

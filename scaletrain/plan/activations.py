@@ -78,6 +78,10 @@ class ActivationSpec:
     """Sequence parallel: the column-wise projections save their input's sequence shard and
     all-gather it again in backward (`parallel/sp_regather.py`, the trainer's path); False:
     DTensor's path, which saves the gathered input."""
+    fused_loss: bool = False
+    """`training.fused_loss`: the head and cross-entropy chunk by chunk (`train/chunked_loss`)."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the fused loss (`training.loss_chunk_tokens`)."""
 
     @property
     def tokens(self) -> int:
@@ -252,7 +256,13 @@ def activation_bytes(args: ModelArgs, spec: ActivationSpec, layer_indices: range
     if args.arch == "llama" and len(indices):
         rope = 2 * (spec.seq_len // spec.cp) * args.head_dim * r
     head = loss = 0
-    if last_stage:
+    if last_stage and spec.fused_loss:
+        # Forward already computes the gradients backward needs and keeps them: d loss / d h
+        # (h's dtype, the whole sequence on every TP rank) and d loss / d W of the local vocab
+        # rows (fp32); no logits, log-softmax or targets are kept.
+        head = _norm(args, spec) + DTYPE_BYTES[spec.residual_dtype] * t_ids * args.dim
+        loss = 4 * (args.vocab_size // spec.tp) * args.dim
+    elif last_stage:
         head = _norm(args, spec) + _norm_output(args, spec, 1)
         loss = 4 * t_ids * args.vocab_size // spec.tp + 8 * t_ids + 4
         if args.final_softcap is not None:  # tanh keeps its output: the capped logits
@@ -270,6 +280,11 @@ def activation_bytes(args: ModelArgs, spec: ActivationSpec, layer_indices: range
 
 def logits_buffer_bytes(args: ModelArgs, spec: ActivationSpec) -> int:
     """Transient loss memory beyond the saved log-softmax: the logits themselves (c bytes, alive
-    through backward) and two fp32 gradient buffers of logits size in the loss backward."""
+    through backward) and two fp32 gradient buffers of logits size in the loss backward. The
+    fused loss holds one chunk at a time: its fp32 logits, the fp32 softmax-minus-one-hot and
+    that gradient's copy in the compute dtype."""
     c = DTYPE_BYTES[spec.compute_dtype]
-    return (c + 8) * spec.tokens * args.vocab_size // spec.tp
+    vocab = args.vocab_size // spec.tp
+    if spec.fused_loss:
+        return (8 + (c if c < 4 else 0)) * min(spec.loss_chunk, spec.tokens) * vocab
+    return (c + 8) * spec.tokens * vocab

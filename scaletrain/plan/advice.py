@@ -53,6 +53,8 @@ def _changes(lay: Layout) -> Iterator[tuple[str, Layout]]:
                        + (" --parallel.dp_shard -1 --parallel.dp_replicate 1"
                           if dims != d else ""),
                        lay.replace(zero=zero, dims=dims))
+    if not lay.fused_loss:
+        yield "--training.fused_loss true", lay.replace(fused_loss=True)
     if lay.fsdp and lay.fsdp_param_dtype == "fp32" and lay.precision == "bf16":
         yield "--parallel.fsdp_param_dtype bf16", lay.replace(fsdp_param_dtype="bf16")
     if lay.fsdp and not lay.cpu_offload:

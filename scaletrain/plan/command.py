@@ -77,6 +77,9 @@ def train_flags(model: str, args: ModelArgs, lay: Layout) -> list[str]:
         flags += ["--precision.param_dtype", lay.stored_dtype]
     if lay.optimizer != "adamw":
         flags += ["--optimizer.name", lay.optimizer]
+    if lay.fused_loss:
+        flags += ["--training.fused_loss", "true", "--training.loss_chunk_tokens",
+                  str(lay.loss_chunk)]
     flags += ["--activation_checkpoint.mode", lay.recompute]
     if lay.recompute == "partial":
         flags += ["--activation_checkpoint.every", str(lay.every),

@@ -68,6 +68,9 @@ class Layout:
     every: int = 2
     scope: Literal["block", "attention"] = "block"
     kernels: Literal["cpu", "cuda"] = "cuda"
+    fused_loss: bool = False
+    """`training.fused_loss`: no logits tensor; one chunk of `loss_chunk` tokens at a time."""
+    loss_chunk: int = 4096
 
     @property
     def stored_dtype(self) -> str:
@@ -256,7 +259,8 @@ def _spec(args: ModelArgs, lay: Layout) -> ActivationSpec:
         mbs=lay.mbs, seq_len=lay.seq_len, compute_dtype=lay.precision,
         residual_dtype=lay.stored_dtype, tp=lay.dims.tp,
         sequence_parallel=lay.sequence_parallel, cp=lay.dims.cp, recompute=lay.recompute,
-        every=lay.every, scope=lay.scope, kernels=lay.kernels,
+        every=lay.every, scope=lay.scope, kernels=lay.kernels, fused_loss=lay.fused_loss,
+        loss_chunk=lay.loss_chunk,
     )
 
 

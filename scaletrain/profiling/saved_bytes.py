@@ -17,6 +17,7 @@ from scaletrain.config import ActivationCheckpointConfig
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import build_model
 from scaletrain.parallel.activation_checkpoint import apply_ac
+from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
 from scaletrain.train.loss import cross_entropy_sum
 
 if TYPE_CHECKING:
@@ -60,8 +61,11 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
                         param_dtype: str = "fp32",
                         ac: ActivationCheckpointConfig | None = None,
                         tp_mesh: DeviceMesh | None = None, sequence_parallel: bool = False,
-                        regather: bool = True) -> SavedBytes:
-    """Run one forward + loss of a fresh model and count the bytes saved for backward.
+                        regather: bool = True, fused_loss: bool = False,
+                        loss_chunk: int = 4096) -> SavedBytes:
+    """Run one forward + loss of a fresh model and count the bytes saved for backward
+    (`fused_loss`: the trainer's chunked head + cross-entropy instead of logits + loss; one
+    process only).
 
     With `tp_mesh` (call it on every rank of the mesh) the model is tensor parallel
     (`apply_tp`, sequence parallel as asked, the head's logits gathered) and this rank's bytes
@@ -93,9 +97,15 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with autocast:
-            logits = model(tokens[:, :-1])
-        loss = cross_entropy_sum(logits, tokens[:, 1:])
-    del loss, logits
+            if fused_loss:
+                h = model(tokens[:, :-1], hidden=True)
+                loss = chunked_linear_cross_entropy(h, model.output.weight, tokens[:, 1:],
+                                                    loss_chunk, args.final_softcap)
+            else:
+                logits = model(tokens[:, :-1])
+        if not fused_loss:
+            loss = cross_entropy_sum(logits, tokens[:, 1:])
+    del loss
     return SavedBytes(activations=sum(seen.values()), weight_copies=sum(copies.values()))
 
 

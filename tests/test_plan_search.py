@@ -51,7 +51,7 @@ def test_llama3_70b_on_eight_nodes_shards_or_splits_the_model() -> None:
                       and c.layout.dims.tp * c.layout.dims.pp > 1]
     assert {c.layout.zero for c in model_parallel} == {0, 1}
     assert all(not c.plan.trainer_problems for c in every)
-    assert any(c.layout.zero == 1 and c.layout.dims.tp > 1 for c in fitting[:3])
+    assert any(c.layout.zero == 1 and c.layout.dims.tp > 1 for c in fitting[:10])
 
 
 def test_llama3_405b_context_parallel_only_for_long_sequences() -> None:

@@ -119,15 +119,19 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     layers = max(1, sp.layers)
     c = DTYPE_BYTES[lay.precision]
     # Tensor parallel: per layer and micro-batch 4 all-reduce-equivalents (6 with full
-    # recomputation) of the (b s h) activation; under SP each is an all-gather + reduce-scatter.
+    # recomputation) of the (b s h) activation; under SP each is an all-gather + reduce-scatter,
+    # plus the backward re-gathers of the attention and MLP inputs (as `plan/comm.py` counts).
     tp = 0.0
     if d.tp > 1:
         act = tokens_mb * args.dim * c
         k = per_node(1, d.tp, gpn)
-        one = (fabric.time("all_gather", act, d.tp, k) + fabric.time("reduce_scatter", act,
-                                                                      d.tp, k)
-               if lay.sequence_parallel else fabric.time("all_reduce", act, d.tp, k))
-        tp = layers * m * (4 + (2 if lay.recompute == "full" else 0)) * one
+        count = 4 + (2 if lay.recompute == "full" else 0)
+        if lay.sequence_parallel:
+            gather = fabric.time("all_gather", act, d.tp, k)
+            tp = layers * m * (count * (gather + fabric.time("reduce_scatter", act, d.tp, k))
+                               + 2 * gather)
+        else:
+            tp = layers * m * count * fabric.time("all_reduce", act, d.tp, k)
     cp = 0.0
     if d.cp > 1:
         kv = 2 * lay.mbs * lay.seq_len * (args.kv_heads // d.tp) * args.head_dim * c

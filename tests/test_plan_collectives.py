@@ -52,3 +52,7 @@ def test_search_at_16k_gpus_lays_out_like_published_runs() -> None:
         d = c.layout.dims
         assert d.tp == 8 and d.pp > 1 and c.layout.zero < 3
         assert d.dp * c.layout.mbs <= 2048  # the global batch bounds data parallelism
+    # Meta's own layout is among the top 3 (it is #1 since SP keeps 1/tp of every activation
+    # and ZeRO-1 composes with TP/PP)
+    assert any((c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp) == (8, 16, 128)
+               for c in fitting[:3])

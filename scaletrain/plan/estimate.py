@@ -220,7 +220,8 @@ def peak_bytes(mem: dict[str, int], grad_accum: int) -> int:
     - the optimizer step: every gradient, no activations.
 
     Measured on an H200 (bench/plan_gpu.py): within 5 % for llama3.2-1b without and with
-    selective recomputation, +10 % with full recomputation; `total` was 15-31 % high.
+    partial recomputation (then named selective), +10 % with full recomputation; `total` was
+    15-31 % high.
     """
     states = mem["weights"] + mem["master_weights"] + mem["optimizer"] + mem["comm_buffers"]
     forward = (states + mem["activations"] + mem["logits_loss"] + mem["cast_weights"]

@@ -98,7 +98,7 @@ LAYOUTS_2 = [
     # sequence parallel re-gathers the projections' inputs in backward; under checkpointing the
     # recomputed forward gathers again (whole blocks; every 2nd block's attention only)
     ("tp-sp-ac", ["--parallel.tp", "2", "--activation_checkpoint.mode", "full"], 1, 2),
-    ("tp-sp-ac-attn", ["--parallel.tp", "2", "--activation_checkpoint.mode", "selective",
+    ("tp-sp-ac-attn", ["--parallel.tp", "2", "--activation_checkpoint.mode", "partial",
                        "--activation_checkpoint.scope", "attention"], 1, 2),
     ("tp-gpt2", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false"], 1, 2, GPT2),
     ("cp", ["--parallel.cp", "2"], 1, 2),

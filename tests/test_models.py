@@ -115,3 +115,23 @@ def test_init_values_stream_the_seeded_model_one_parameter_at_a_time() -> None:
         assert set(values) == names
         for name, value in values.items():
             assert torch.equal(value, reference[name]), name
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_mlp_compiles_whole_and_matches_eager(act: str) -> None:
+    """`_GatedAct`'s backward uses aten's activation backward kernels, so torch.compile traces
+    the MLP in one graph (a nested autograd call there would be a graph break)."""
+    from scaletrain.models.layers import FeedForward
+
+    torch.manual_seed(0)
+    ff = FeedForward(ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_dim=48,
+                               mlp_act=act))
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    compiled = torch.compile(ff, fullgraph=True, backend="aot_eager")
+    compiled(x).square().sum().backward()
+    got = [x.grad.clone(), *(p.grad.clone() for p in ff.parameters())]
+    x.grad = None
+    ff.zero_grad()
+    ff(x).square().sum().backward()
+    for g, r in zip(got, [x.grad, *(p.grad for p in ff.parameters())], strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)

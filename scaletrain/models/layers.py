@@ -86,6 +86,12 @@ _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+# d act(a) / d a times `grad`: the kernels autograd itself runs for these activations (no
+# nested autograd in a backward, which torch.compile cannot trace).
+_ACT_BACKWARDS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "silu": lambda grad, a: torch.ops.aten.silu_backward(grad, a),
+    "gelu_tanh": lambda grad, a: torch.ops.aten.gelu_backward(grad, a, approximate="tanh"),
+}
 
 
 class FeedForward(nn.Module):
@@ -96,14 +102,15 @@ class FeedForward(nn.Module):
         super().__init__()
         hidden, bias = args.hidden_dim, args.has_bias
         self.gated = args.arch == "llama"
-        self.act = _ACTS[args.mlp_act] if self.gated else _ACTS["gelu_tanh"]
+        self.act_name = args.mlp_act if self.gated else "gelu_tanh"
+        self.act = _ACTS[self.act_name]
         self.w1 = nn.Linear(args.dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, args.dim, bias=bias)
         self.w3 = nn.Linear(args.dim, hidden, bias=False) if self.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(_GatedAct.apply(self.w1(x), self.w3(x), self.act))
+            return self.w2(_GatedAct.apply(self.w1(x), self.w3(x), self.act_name))
         return self.w2(self.act(self.w1(x)))
 
 
@@ -113,20 +120,16 @@ class _GatedAct(torch.autograd.Function):
     input; this keeps two, as Megatron-LM's fused SwiGLU does."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
-                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.act = act
-        return act(a) * b
+        return _ACTS[act](a) * b
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         a, b = ctx.saved_tensors
-        with torch.enable_grad():
-            a_ = a.detach().requires_grad_()
-            h = ctx.act(a_)
-        (grad_a,) = torch.autograd.grad(h, a_, grad * b)
-        return grad_a, grad * h.detach(), None
+        grad_a = _ACT_BACKWARDS[ctx.act](grad * b, a)
+        return grad_a, grad * _ACTS[ctx.act](a), None
 
 
 # The MLP slot of the block: `args -> module` taking and returning (batch, seq, dim). A family

@@ -146,7 +146,7 @@ def _dtensor_layers(mesh: Any) -> dict[str, float]:
         bd = distribute_tensor(b, mesh, [Shard(2)]).requires_grad_()
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            h = _GatedAct.apply(ad, bd, _ACTS["silu"])
+            h = _GatedAct.apply(ad, bd, "silu")
         h.backward(torch.ones_like(h))
         out[f"act-{tag}-out"] = float((h.full_tensor() - _ACTS["silu"](a) * b).abs().max())
         out[f"act-{tag}-da"] = float((ad.grad.full_tensor() - ar.grad).abs().max())

@@ -1,8 +1,10 @@
 """FP8 training through torchao's float8 linears (tensorwise or rowwise scaling).
 
 Where it runs: a CUDA device of compute capability 8.9 or newer (Ada, Hopper and later), and
-the CPU (torch implements the scaled fp8 matmuls there: slow, meant for correctness checks and
-tests), with torchao installed and bf16 autocast. Everywhere else `fp8_problem` names why, and
+the CPU for correctness checks and tests: there torchao's emulation quantizes inputs, weights
+and gradients to fp8 with the same scales and multiplies the fp8 values in fp32 (bit-equal to
+torch's CPU `_scaled_mm`, which is ~100x slower). It needs torchao and bf16 autocast (fp32
+runs too: fp8 matmuls, everything else fp32). Everywhere else `fp8_problem` names why, and
 the trainer refuses with a ConfigError (exit 2) before building anything. Which parallel
 layouts combine with fp8 is a layout question: `parallel/feasibility.py`.
 
@@ -17,6 +19,7 @@ fp32 (or `fsdp_param_dtype`) weights and each matmul casts them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -81,14 +84,17 @@ def apply_fp8(model: nn.Module, mode: str, device: torch.device | None = None, *
     from torchao.float8.float8_linear import Float8Linear
 
     global _cpu_logged
-    if device is not None and device.type == "cpu" and not _cpu_logged:
+    cpu = device is not None and device.type == "cpu"
+    if cpu and not _cpu_logged:
         _cpu_logged = True
-        log.warning("fp8 on the CPU: torch emulates the fp8 matmuls (slow); use it to check "
-                    "correctness, not for speed")
+        log.warning("fp8 on the CPU is emulated (values and scales as on a GPU, matmuls in "
+                    "fp32): use it to check correctness, not for speed")
     if mode == "tensorwise":
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
     else:
         config = Float8LinearConfig.from_recipe_name(mode)
+    if cpu:  # torch's CPU _scaled_mm gives the same values ~100x slower than the emulation
+        config = dataclasses.replace(config, emulate=True)
     convert_to_float8_training(model, config=config, module_filter_fn=_keep)
     n = sum(isinstance(m, Float8Linear) for m in model.modules())
     log.info("fp8 (%s): %d linear layers converted to torchao float8%s", mode, n,

@@ -173,10 +173,11 @@ class Parallelism:
             self.stage_specs = prune_for_stages(model, self.pp_rank, d.pp, cfg.pp_virtual_stages,
                                                 cfg.pp_schedule)
         fsdp = self.mode in ("zero2", "zero3") and d.dp_replicate * d.dp_shard * d.cp > 1
-        # Float8 linears replace the plain ones on the meta model, before TP and FSDP wrap them
-        # (FSDP then all-gathers tensorwise-scaled weights in fp8).
-        apply_fp8(model, self.fp8, self.device, fsdp=fsdp)
-        self.fp8_all_gather = fsdp and fsdp_all_gather(self.fp8)
+        # Float8 linears replace the plain ones on the meta model, before TP and FSDP wrap them.
+        # FSDP alone all-gathers tensorwise-scaled weights in fp8; with TP it gathers them in
+        # full precision (torchao's fp8 gather would scale each TP shard by its own amax).
+        self.fp8_all_gather = fsdp and d.tp == 1 and fsdp_all_gather(self.fp8)
+        apply_fp8(model, self.fp8, self.device, fsdp=self.fp8_all_gather)
         if d.tp > 1:  # float8 linears shard like plain ones; TP gathers bf16 activations
             apply_tp(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                      loss_parallel=cfg.loss_parallel)

@@ -92,3 +92,16 @@ def test_step_metrics_report_the_fp8_peak_alongside(tmp_path: Path) -> None:
                      data_wait_s=0.0, world_size=1, flops_per_token=bf16 / 2000,
                      peak_flops=bf16, baseline=MemoryBaseline(CPU), peak_flops_fp8=fp8)
     assert m.mfu == pytest.approx(0.5) and m.mfu_fp8 == pytest.approx(0.5 * 989 / 1979)
+
+
+def test_dry_run_plan_reports_the_fp8_layout_refusal(tmp_path: Path) -> None:
+    """`train --dry-run` asks the same feasibility check: precision.fp8 reaches it."""
+    from scaletrain.plan.estimate import trainer_problems
+    from scaletrain.plan.from_config import layout_from_config
+    from tests.trainer_helpers import tiny_config
+
+    cfg = tiny_config(tmp_path / "o", tmp_path / "c", "--precision.fp8", "tensorwise",
+                      "--parallel.data_parallel", "zero3", "--parallel.cpu_offload", "true")
+    lay = layout_from_config(cfg, CPU, 2)
+    assert lay.fp8 == "tensorwise"
+    assert any("precision.fp8" in p for p in trainer_problems(cfg.model.to_model_args(), lay))

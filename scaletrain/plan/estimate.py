@@ -68,6 +68,9 @@ class Layout:
     every: int = 2
     scope: Literal["block", "attention"] = "block"
     kernels: Literal["cpu", "cuda"] = "cuda"
+    fp8: str = "none"
+    """`precision.fp8` (carried for the trainer's layout check; memory and time are estimated
+    as for `precision`)."""
 
     @property
     def stored_dtype(self) -> str:
@@ -109,7 +112,7 @@ class Layout:
             pp_virtual_stages=self.vpp, pp_microbatches=self.pp_microbatches,
             cpu_offload=self.cpu_offload, sequence_parallel=self.sequence_parallel,
             precision=self.precision,
-            param_dtype=self.stored_dtype, optimizer_offload=self.offload)
+            param_dtype=self.stored_dtype, optimizer_offload=self.offload, fp8=self.fp8)
 
     def replace(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)

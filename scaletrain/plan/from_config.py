@@ -36,6 +36,7 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
         offload=cfg.optimizer.offload, cpu_offload=par.cpu_offload and distributed,
         fsdp_param_dtype=par.fsdp_param_dtype, recompute=ac.mode, every=ac.every,
         scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
+        fp8=cfg.precision.fp8,
     )
 
 

@@ -12,8 +12,10 @@ x TP) in fp32: the first loss is equal (measured 7.6e-8), later steps differ a l
 1.2e-6, gradient norm 1.3e-3): a TP-split sum rounds differently by an ulp, its amax and so the
 (non-power-of-two) tensorwise scale follow, and elements near an fp8 rounding boundary (e4m3
 steps are 6 %, e5m2 12 %) flip. With power-of-two scales forced, the same TP run matched to
-1e-7, which locates the difference there. Each check also asserts that one process without fp8
-differs by more than 10x its tolerance (fp8 really ran in the layout).
+1e-7, which locates the difference there. CP is not bit-comparable (scales taken over tokens
+cover one rank's half of each sequence) and is held to the bf16 layout tolerance. The other
+checks also assert that one process without fp8 differs by more than 10x their tolerance (fp8
+really ran in the layout).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ SAME_MATMULS_TOL = 1e-6  # the same fp8 matmuls as the reference
 TP_FIRST_LOSS_TOL = 1e-6  # tensorwise TP, fp32: the first forward (measured 7.6e-8)
 TP_LOSS_TOL = 2e-4  # later steps carry fp8 rounding flips (measured 1.2e-6; 6e-5 seen)
 TP_NORM_TOL = 1e-2  # (measured 1.3e-3; 4e-3 seen)
+LOW_TOL = 2e-2  # CP in bf16: test_parity's tolerance for bf16 layouts against one process
 REF = ["--training.micro_batch_size", "4", "--training.grad_accum_steps", "4"]
 DP2 = ["--training.micro_batch_size", "4", "--training.grad_accum_steps", "2"]
 
@@ -55,6 +58,9 @@ LAYOUTS = [
                                               "--parallel.pp_schedule", "1F1B"]),
     ("tp-tensorwise-fp32", "tensorwise", "fp32", [*REF, "--parallel.tp", "2"]),
     ("tp-rowwise-fp32", "rowwise", "fp32", [*REF, "--parallel.tp", "2"]),
+    # CP halves each sequence: the scales over tokens (tensorwise; rowwise's gradient-weight
+    # casts) cover one rank's half (measured: loss 3.4e-5, gradient norm 1.1e-3)
+    ("cp-rowwise", "rowwise", "bf16", [*REF, "--parallel.cp", "2"]),
 ]
 # 4 ranks: FSDP (fp8 all-gather) x TP on a 2-D mesh; HSDP
 LAYOUTS_4 = [
@@ -110,7 +116,9 @@ def _check(refs: dict, layouts: list, world: int, tmp_path: Path) -> None:
         gathered = 28 if recipe == "tensorwise" and name.startswith(("zero3", "hsdp")) else 0
         assert all(rank[name]["fp8_gathered"] == gathered for rank in result), name
         fp8_effect = _rel(plain["losses"], ref["losses"])  # what skipping fp8 would change
-        if "tp" in name.split("-") and recipe == "tensorwise":
+        if name.startswith("cp"):  # other scales, and bf16 CP alone differs by 1.9e-3
+            assert max(*dloss, dnorm) <= LOW_TOL, (name, dloss, dnorm)
+        elif "tp" in name.split("-") and recipe == "tensorwise":
             assert fp8_effect[0] > 10 * TP_FIRST_LOSS_TOL, fp8_effect
             assert dloss[0] <= TP_FIRST_LOSS_TOL, (name, dloss)
             assert max(dloss) <= TP_LOSS_TOL and dnorm <= TP_NORM_TOL, (name, dloss, dnorm)

@@ -117,3 +117,18 @@ def test_fine_tuning_refuses_fp8(tmp_path: Path) -> None:
                        "rowwise"], prog="scaletrain finetune")
     with pytest.raises(ConfigError, match="precision.fp8 none for fine-tuning"):
         FinetuneTrainer(cfg)
+
+
+@needs_torchao
+def test_trainer_mfu_peaks_with_fp8(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MFU against the bf16 peak (whatever the autocast dtype), the fp8 peak alongside; both
+    absent from a run without fp8 keeps its dtype's peak and no fp8 one."""
+    from scaletrain.train import trainer as trainer_mod
+    from tests.trainer_helpers import tiny_config
+
+    monkeypatch.setattr(trainer_mod, "device_name", lambda _: "H100-SXM")
+    t = trainer_mod.Trainer(tiny_config(tmp_path / "a", tmp_path / "c", "--precision.fp8",
+                                        "tensorwise"))  # fp32 autocast in the tiny config
+    assert (t.peak_flops, t.peak_flops_fp8) == (989e12, 1979e12)
+    plain = trainer_mod.Trainer(tiny_config(tmp_path / "b", tmp_path / "c"))
+    assert (plain.peak_flops, plain.peak_flops_fp8) == (67e12, None)

@@ -142,11 +142,11 @@ class Trainer:
         if cfg.checkpoint.resume:
             self._resume()
         self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
-        peak = peak_tflops(device_name(self.device), self.dtype)
-        self.peak_flops = None if peak is None else peak * 1e12
         # fp8: MFU stays against the bf16 peak; the fp8 peak's share is reported alongside.
-        peak8 = (peak_tflops(device_name(self.device), "fp8")
-                 if cfg.precision.fp8 != "none" else None)
+        fp8 = cfg.precision.fp8 != "none"
+        peak = peak_tflops(device_name(self.device), "bf16" if fp8 else self.dtype)
+        self.peak_flops = None if peak is None else peak * 1e12
+        peak8 = peak_tflops(device_name(self.device), "fp8") if fp8 else None
         self.peak_flops_fp8 = None if peak8 is None else peak8 * 1e12
         if self.peak_flops is None:
             log.warning("MFU: no peak-FLOPS entry for device '%s' in %s; mfu is reported as null",

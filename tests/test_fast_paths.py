@@ -134,19 +134,21 @@ def test_fused_loss_refused_where_it_cannot_run() -> None:
     assert "fine-tuning" in fused_loss_problem(torch.nn.Linear(2, 2), False)
 
 
-def test_fp8_refused_on_cpu_with_exit_2(tmp_path: Path) -> None:
-    """precision.fp8 on a CPU run: a ConfigError naming the requirement; exit 2 from the CLI."""
+def test_fp8_refused_with_exit_2(tmp_path: Path) -> None:
+    """precision.fp8 where it cannot run (here: fp16 autocast): a ConfigError naming the
+    requirement; exit 2 from the CLI. Where it runs: tests/test_fp8.py."""
     from scaletrain.config import ConfigError
-    from scaletrain.train.fp8 import fp8_problem
+    from scaletrain.parallel.fp8 import fp8_problem
 
-    assert fp8_problem("none", torch.device("cpu"), "bf16", False) is None
-    with pytest.raises(ConfigError, match="compute capability 8.9"):
-        Trainer(tiny_config(tmp_path / "f", tmp_path / "c", "--precision.fp8", "rowwise"))
+    assert fp8_problem("none", torch.device("cpu"), "bf16") is None
+    fp16 = ("--precision.dtype", "fp16")
+    with pytest.raises(ConfigError, match="precision.dtype bf16"):
+        Trainer(tiny_config(tmp_path / "f", tmp_path / "c", *fp16, "--precision.fp8", "rowwise"))
     import subprocess
     import sys
 
     from tests.trainer_helpers import tiny_argv
-    argv = tiny_argv(tmp_path / "g", tmp_path / "c", "--precision.fp8", "tensorwise")
+    argv = tiny_argv(tmp_path / "g", tmp_path / "c", *fp16, "--precision.fp8", "tensorwise")
     run = subprocess.run([sys.executable, "-m", "scaletrain", "train", *argv],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]

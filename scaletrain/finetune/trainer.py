@@ -99,6 +99,9 @@ class FinetuneTrainer(Trainer):
         if ft.method == "qlora" and cfg.precision.param_dtype != "fp32":
             raise ConfigError("--method qlora keeps its own 4-bit base; use precision.param_dtype "
                               "fp32 (the adapters are small) and finetune.quant_compute_dtype")
+        if cfg.precision.fp8 != "none":  # the fine-tuning model is built without apply_fp8
+            raise ConfigError("precision.fp8 is for pre-training (scaletrain train) so far; set "
+                              "precision.fp8 none for fine-tuning")
         self.ft = ft
         if ft.method in ("lora", "qlora"):
             self.checkpointer_cls = AdapterCheckpointer

@@ -59,6 +59,8 @@ class RunLayout:
     """`precision.param_dtype` (single-process 16-bit parameters)."""
     optimizer_offload: bool = False
     """`optimizer.offload` (single-process master weights and state in host memory)."""
+    fp8: str = "none"
+    """`precision.fp8`: none, tensorwise or rowwise (torchao float8 linears)."""
 
 
 def schedule_problems(name: str, pp: int, virtual: int, microbatches: int) -> list[str]:
@@ -76,6 +78,21 @@ def schedule_problems(name: str, pp: int, virtual: int, microbatches: int) -> li
     if name not in SINGLE_STAGE and name != "LoopedBFS" and microbatches % pp:
         out.append(f"parallel.pp_schedule {name} needs the micro-batch count ({microbatches}) "
                    f"to be a multiple of parallel.pp ({pp})")
+    return out
+
+
+def fp8_problems(lay: RunLayout) -> list[str]:
+    """The layouts `precision.fp8` does not combine with (yet). Whether the device and the
+    dtype can run fp8 at all is `parallel.fp8.fp8_problem`."""
+    if lay.fp8 == "none" or lay.dims.world_size == 1:
+        return []
+    out = []
+    if lay.cpu_offload:
+        out.append("precision.fp8 with parallel.cpu_offload is not supported yet; set one of "
+                   "them off")
+    if lay.dims.ep > 1:
+        out.append("precision.fp8 with expert parallelism (parallel.ep) is not supported yet; "
+                   "set precision.fp8 none or parallel.ep 1")
     return out
 
 
@@ -113,6 +130,7 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
         if micro != lay.grad_accum:
             out.append(f"parallel.pp_microbatches ({micro}) must equal the accumulation steps "
                        f"({lay.grad_accum}): the micro-batches of a step are the pipeline's")
+    out += fp8_problems(lay)
     if lay.cpu_offload and lay.mode not in ("zero2", "zero3"):
         out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")
     if d.world_size > 1:  # fp16 runs in every layout (the step's sharded loss scaler)

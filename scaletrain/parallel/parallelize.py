@@ -33,6 +33,7 @@ from scaletrain.parallel.ddp import apply_ddp
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.ep import apply_ep
 from scaletrain.parallel.feasibility import RunLayout, layout_problems, resolve_mode
+from scaletrain.parallel.fp8 import apply_fp8, fsdp_all_gather, precompute_scales
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.mesh import ParallelMesh, env_world, init_process_group
 from scaletrain.parallel.pp import (
@@ -75,8 +76,10 @@ class Parallelism:
     """Resolved layout + mesh + the per-step distributed operations."""
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, fp8: str = "none") -> None:
         self.cfg, self.device = cfg, device
+        self.fp8 = fp8
+        """`precision.fp8`: the linears become torchao float8 linears before any wrapping."""
         self.rank, world, _ = env_world()
         world = world_size or world
         self.dims = ParallelDims.resolve(world, pp=cfg.pp, dp_replicate=cfg.dp_replicate,
@@ -91,6 +94,9 @@ class Parallelism:
         self.stage_specs: list = []
         self.stage_modules: list[nn.Module] = []
         self.grad_sync_group: dist.ProcessGroup | None = None
+        self.fp8_all_gather = False
+        """FSDP all-gathers fp8 weights: their scales are precomputed after each optimizer
+        step (`precompute_fp8_scales`)."""
 
     # --- validation and start-up -----------------------------------------------------------
     def problems(self, args: ModelArgs, seq_len: int, grad_accum: int) -> list[str]:
@@ -101,7 +107,7 @@ class Parallelism:
             dims=self.dims, mode=self.mode, seq_len=seq_len, grad_accum=grad_accum,
             pp_schedule=cfg.pp_schedule, pp_virtual_stages=cfg.pp_virtual_stages,
             pp_microbatches=cfg.pp_microbatches, cpu_offload=cfg.cpu_offload,
-            sequence_parallel=cfg.sequence_parallel))
+            sequence_parallel=cfg.sequence_parallel, fp8=self.fp8))
 
     def validate(self, args: ModelArgs, seq_len: int, grad_accum: int) -> None:
         problems = self.problems(args, seq_len, grad_accum)
@@ -153,6 +159,7 @@ class Parallelism:
         d, cfg, mesh = self.dims, self.cfg, self.mesh
         if self.ddp_wrapped:
             model = build_model(args, self.device, seed=seed)
+            apply_fp8(model, self.fp8, self.device)
             if d.cp > 1:
                 cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
             self._set_balance_group(model)
@@ -165,7 +172,13 @@ class Parallelism:
         if d.pp > 1:
             self.stage_specs = prune_for_stages(model, self.pp_rank, d.pp, cfg.pp_virtual_stages,
                                                 cfg.pp_schedule)
-        if d.tp > 1:
+        fsdp = self.mode in ("zero2", "zero3") and d.dp_replicate * d.dp_shard * d.cp > 1
+        # Float8 linears replace the plain ones on the meta model, before TP and FSDP wrap them.
+        # FSDP alone all-gathers tensorwise-scaled weights in fp8; with TP it gathers them in
+        # full precision (torchao's fp8 gather would scale each TP shard by its own amax).
+        self.fp8_all_gather = fsdp and d.tp == 1 and fsdp_all_gather(self.fp8)
+        apply_fp8(model, self.fp8, self.device, fsdp=self.fp8_all_gather)
+        if d.tp > 1:  # float8 linears shard like plain ones; TP gathers bf16 activations
             apply_tp(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                      loss_parallel=cfg.loss_parallel)
         if d.ep > 1:
@@ -184,7 +197,7 @@ class Parallelism:
             # step (`sync_gradients`) as Megatron's data parallelism does (ZeRO-1 then
             # partitions the optimizer: `train/zero1.py`).
             self.grad_sync_group = mesh.group("dp_cp")
-        elif d.dp_replicate * d.dp_shard * d.cp > 1:
+        elif fsdp:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flattened dim.*")
                 fsdp_mesh = (mesh.root["dp_replicate", "dp_shard_cp"] if d.dp_replicate > 1
@@ -202,6 +215,12 @@ class Parallelism:
     def ddp_wrapped(self) -> bool:
         """DDP/ZeRO-1 of the whole model (no tensor or pipeline parallelism): torch's DDP."""
         return self.mode in ("ddp", "zero1") and self.dims.tp == 1 and self.dims.pp == 1
+
+    def precompute_fp8_scales(self, model: nn.Module) -> None:
+        """After the optimizer step: the fp8 all-gather's weight scales for the next step (a
+        no-op unless FSDP gathers fp8 weights)."""
+        if self.fp8_all_gather:
+            precompute_scales(model)
 
     @torch.no_grad()
     def sync_gradients(self, params: Iterable[torch.Tensor]) -> None:

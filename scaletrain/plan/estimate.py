@@ -71,6 +71,9 @@ class Layout:
     fused_loss: bool = False
     """`training.fused_loss`: no logits tensor; one chunk of `loss_chunk` tokens at a time."""
     loss_chunk: int = 4096
+    fp8: str = "none"
+    """`precision.fp8` (carried for the trainer's layout check; memory and time are estimated
+    as for `precision`)."""
 
     @property
     def stored_dtype(self) -> str:
@@ -112,7 +115,7 @@ class Layout:
             pp_virtual_stages=self.vpp, pp_microbatches=self.pp_microbatches,
             cpu_offload=self.cpu_offload, sequence_parallel=self.sequence_parallel,
             precision=self.precision,
-            param_dtype=self.stored_dtype, optimizer_offload=self.offload)
+            param_dtype=self.stored_dtype, optimizer_offload=self.offload, fp8=self.fp8)
 
     def replace(self, **changes: Any) -> Layout:
         return dataclasses.replace(self, **changes)

@@ -37,6 +37,7 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
         fsdp_param_dtype=par.fsdp_param_dtype, recompute=ac.mode, every=ac.every,
         scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
         fused_loss=cfg.training.fused_loss, loss_chunk=cfg.training.loss_chunk_tokens,
+        fp8=cfg.precision.fp8,
     )
 
 

@@ -42,6 +42,9 @@ class StepMetrics:
     """Memory in use before the model was built (CPU: interpreter, libraries and data)."""
     step_time_s: float
     data_wait_s: float
+    mfu_fp8: float | None = None
+    """With `precision.fp8`: `tflops` over the device's fp8 peak, alongside `mfu` (which stays
+    against the bf16 peak, so fp8 and bf16 runs compare); absent otherwise."""
     moe: dict[str, Any] | None = None
     """Mixture-of-Experts models, at log steps: per-layer tokens per expert over the log
     interval (all data-parallel ranks), their max/mean, router entropy and auxiliary loss, and
@@ -51,7 +54,8 @@ class StepMetrics:
 def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, tokens: int,
                  step_time_s: float, data_wait_s: float, world_size: int,
                  flops_per_token: float, peak_flops: float | None,
-                 baseline: MemoryBaseline, moe: dict[str, Any] | None = None) -> StepMetrics:
+                 baseline: MemoryBaseline, moe: dict[str, Any] | None = None,
+                 peak_flops_fp8: float | None = None) -> StepMetrics:
     """One step's metrics under the per-device convention; `tokens` are the job's tokens of
     the step (global batch x sequence length)."""
     tps = tokens / step_time_s
@@ -61,6 +65,7 @@ def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, tokens:
         step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
         tokens_per_s_per_device=per_device, tflops=achieved / 1e12,
         mfu=None if peak_flops is None else achieved / peak_flops,
+        mfu_fp8=None if peak_flops_fp8 is None else achieved / peak_flops_fp8,
         peak_mem_gib=baseline.peak_above_gib(), mem_baseline_gib=baseline.gib,
         step_time_s=step_time_s, data_wait_s=data_wait_s, moe=moe,
     )
@@ -161,8 +166,9 @@ class MetricsLogger:
 
     def log_step(self, m: StepMetrics) -> None:
         row = asdict(m)
-        if row["moe"] is None:
-            del row["moe"]
+        for key in ("moe", "mfu_fp8"):
+            if row[key] is None:
+                del row[key]
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
@@ -177,6 +183,8 @@ class MetricsLogger:
                                  info=f"loss {m.loss:.3f} {m.tokens_per_s:,.0f} tok/s")
         if m.step % self.log_interval == 0 or m.step == 1:
             mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}%"
+            if m.mfu_fp8 is not None:
+                mfu += f" (of the fp8 peak {100 * m.mfu_fp8:.1f}%)"
             log.info(
                 "step %5d | loss %.4f | lr %.2e | grad %.3f | %8.0f tok/s | %.2f TFLOP/s/device | "
                 "mfu %s | mem %.2f GiB (+%.2f baseline) | %.3f s (data %.3f s)",

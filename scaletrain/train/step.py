@@ -102,6 +102,7 @@ class TrainStep:
             if self.scaler is None:  # the scaler skips inf/NaN gradients itself
                 bad = bad | ~torch.isfinite(grad_norm)
             self._optimizer_step(bad)
+            par.precompute_fp8_scales(self.model)  # FSDP's fp8 all-gather only
             self.optimizer.zero_grad(set_to_none=True)
             if self.has_moe:  # auxiliary-loss-free balancing (no-op unless configured)
                 update_expert_bias(self.model, lambda t: par.all_reduce(t, "dp_cp"))

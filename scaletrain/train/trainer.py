@@ -20,6 +20,7 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import Transformer, build_model
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.fp8 import apply_fp8, fp8_problem
 from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
@@ -28,7 +29,6 @@ from scaletrain.runtime import resolve_device
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.evaluate import evaluate
-from scaletrain.train.fp8 import apply_fp8, fp8_problem
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
 from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
@@ -88,7 +88,7 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
         # Degrees from the config and torchrun's world size; checked before any collective.
-        self.par = Parallelism(cfg.parallel, self.device)
+        self.par = Parallelism(cfg.parallel, self.device, fp8=cfg.precision.fp8)
         self.is_main = self.par.is_main
         seed_everything(cfg.training.seed, cfg.training.deterministic)
         self.output = Path(cfg.output)
@@ -102,7 +102,7 @@ class Trainer:
         if cfg.optimizer.offload and self.dtype == "fp16":
             raise ConfigError("optimizer.offload does not support fp16 loss scaling; "
                               "use precision.dtype bf16 or fp32")
-        fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype, self.par.enabled)
+        fp8 = fp8_problem(cfg.precision.fp8, self.device, self.dtype)
         if fp8:
             raise ConfigError(fp8)
         self.ga = resolve_batch(cfg.training, self.par.dims.dp)[1]  # GBS = MBS x GA x DP
@@ -144,8 +144,12 @@ class Trainer:
         if cfg.checkpoint.resume:
             self._resume()
         self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
-        peak = peak_tflops(device_name(self.device), self.dtype)
+        # fp8: MFU stays against the bf16 peak; the fp8 peak's share is reported alongside.
+        fp8 = cfg.precision.fp8 != "none"
+        peak = peak_tflops(device_name(self.device), "bf16" if fp8 else self.dtype)
         self.peak_flops = None if peak is None else peak * 1e12
+        peak8 = peak_tflops(device_name(self.device), "fp8") if fp8 else None
+        self.peak_flops_fp8 = None if peak8 is None else peak8 * 1e12
         if self.peak_flops is None:
             log.warning("MFU: no peak-FLOPS entry for device '%s' in %s; mfu is reported as null",
                         device_name(self.device), self.dtype)
@@ -205,7 +209,7 @@ class Trainer:
         n = sum(p.numel() for p in model.parameters())
         log.info("model %s: %s parameters, %s on %s", self.cfg.model.name, f"{n:,}",
                  self.dtype, self.device)
-        apply_fp8(model, self.cfg.precision.fp8)
+        apply_fp8(model, self.cfg.precision.fp8, self.device)
         apply_ac(model, self.cfg.activation_checkpoint)
         apply_compile(model, self.cfg.compile)
         model.train()
@@ -425,6 +429,7 @@ class Trainer:
                 tokens=tokens, step_time_s=step_time, data_wait_s=data_wait,
                 world_size=self.par.dims.world_size, flops_per_token=self.flops_per_token,
                 peak_flops=self.peak_flops, baseline=self.mem_baseline,
+                peak_flops_fp8=self.peak_flops_fp8,
                 moe=moe if step == steps[-1][0] else None))
 
     def sample(self, max_new_tokens: int) -> str | None:

@@ -61,6 +61,15 @@ def local_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
     return {"params": params, "optim": state}
 
 
+def fp8_gathered(model: torch.nn.Module) -> int:
+    """How many parameters FSDP all-gathers in fp8 (torchao's fp8 weight wrapper inside)."""
+    def local(p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    return sum(type(local(p)).__name__ == "WeightWithDynamicFloat8CastTensor"
+               for p in model.parameters())
+
+
 def train_steps(trainer: Any, steps: int, grads_of: Callable[[], dict[str, torch.Tensor]] | None,
                 norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`steps` training steps; their losses and, with `grads_of`, what it returns just before
@@ -101,7 +110,8 @@ def run_trainer(argv: list[str], steps: int, capture: bool = True,
                                 (lambda: full_grads(trainer.model)) if capture else None, norms)
     val = trainer.evaluate()
     out = {"losses": losses, "norms": norms, "grads": grads, "val": val,
-           "bytes": local_bytes(trainer.model, trainer.optimizer)}
+           "bytes": local_bytes(trainer.model, trainer.optimizer),
+           "fp8_gathered": fp8_gathered(trainer.model)}
     if save:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

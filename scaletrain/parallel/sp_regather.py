@@ -186,8 +186,9 @@ class ColwiseFromShard(ParallelStyle):
         self.gather = gather
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"ColwiseFromShard needs an nn.Linear, got {type(module).__name__}")
+        if type(module) is not nn.Linear:  # its forward is replaced: a subclass's would be lost
+            raise TypeError(f"ColwiseFromShard needs a plain nn.Linear, got "
+                            f"{type(module).__name__}")
         for name, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(name, nn.Parameter(
                 distribute_tensor(p, device_mesh, [Shard(0)]), requires_grad=p.requires_grad))

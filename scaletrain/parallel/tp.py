@@ -72,7 +72,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
     for block in model.layers.values():
         plan: dict[str, object] = {
             **_colwise_plan("attention", ("wq", "wk", "wv"), seq,
-                            sequence_parallel and regather, n_inputs=3),
+                            sequence_parallel and regather
+                            and _plain_linears(block.attention, ("wq", "wk", "wv")),
+                            n_inputs=3),
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
         if isinstance(block.feed_forward, MoE):
@@ -81,7 +83,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
             # GPT-2's GELU MLP has no gate (w3)
             names = ("w1", "w3") if block.feed_forward.w3 is not None else ("w1",)
             plan.update(_colwise_plan("feed_forward", names, seq,
-                                      sequence_parallel and regather, n_inputs=1))
+                                      sequence_parallel and regather
+                                      and _plain_linears(block.feed_forward, names), n_inputs=1))
             plan["feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
@@ -95,6 +98,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
             _replicate(block.ffn_norm, tp_mesh)
     log.info("tensor parallel over %d ranks (sequence parallel %s, loss parallel %s)",
              tp_mesh.size(), sequence_parallel, loss_parallel)
+
+
+def _plain_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """The projections are plain `nn.Linear`s, which the re-gather path computes itself; other
+    linears (torchao's float8 ones) keep their own forward on DTensor's path."""
+    return all(type(getattr(module, n)) is nn.Linear for n in names)
 
 
 def _colwise_plan(module: str, projections: tuple[str, ...], seq: object, regather: bool,

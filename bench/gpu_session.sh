@@ -41,6 +41,8 @@ case "${1:-train}" in
     timeout 500 python3 bench/finetune_cpu.py --device cuda --models 1b \
       --methods full,freeze,lora-r8,lora-r16 --steps 8 --batch 4 --seq-len 512 \
       --precision bf16 --json "$RES/finetune_gpu.json"
+    timeout 120 python3 bench/lora_layer.py --device cuda --tokens 16384 \
+      --out "$RES/lora_layer_gpu.txt"
     ;;
   largest)
     timeout 400 python3 bench/train_gpu.py --batches 16,32 --ac none --steps 6 --warmup 3 \

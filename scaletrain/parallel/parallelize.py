@@ -187,6 +187,12 @@ class Parallelism:
             cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
         apply_ac(model, ac)
         apply_compile(model, compile_cfg)
+        if compile_cfg.enabled and d.tp > 1 and model.tok_embeddings is not None:
+            # The first compiled block must not get the embedding's `DTensor.to_local()` view:
+            # AOTAutograd's input handling rebases that view's history, and its gradient would
+            # then skip the DTensor conversion (a plain tensor reaches the embedding's
+            # redistribute in backward). A copy of one (batch, seq, dim) activation avoids it.
+            model.tok_embeddings.register_forward_hook(lambda _m, _i, out: out.clone())
         # Pipeline stages are views over the rank's model; each is its own FSDP root.
         shards = d.tp if d.tp > 1 and cfg.sequence_parallel else 1
         cp_of_stage = (self.cp_rank, d.cp, cfg.cp_load_balance) if d.cp > 1 else None

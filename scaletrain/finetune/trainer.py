@@ -224,11 +224,6 @@ class FinetuneTrainer(Trainer):
 
         return apply_ddp(model, self.par.mesh["dp_cp"], self.cfg.parallel.bucket_cap_mb)
 
-    @property
-    def core(self) -> nn.Module:
-        """The model without its DDP wrapper."""
-        return getattr(self.model, "module", self.model)
-
     def _write_meta(self) -> None:
         ft = self.ft
         meta = {

@@ -58,15 +58,10 @@ class TrainResult:
 def fused_loss_problem(model: Any, custom_forward: bool) -> str | None:
     """Why `training.fused_loss` cannot run with this model (None when it can). Every parallel
     layout runs it: vocabulary-parallel under TP, on the last stage under PP."""
-    if custom_forward or not isinstance(_unwrapped(model), Transformer):
+    if custom_forward or not isinstance(model, Transformer):
         return ("training.fused_loss needs the plain decoder (language-model pre-training); "
                 "set training.fused_loss false for fine-tuning")
     return None
-
-
-def _unwrapped(model: Any) -> Any:
-    """The Transformer inside DDP's wrapper (the model itself otherwise)."""
-    return getattr(model, "module", model)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -282,14 +277,14 @@ class Trainer:
         from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
         from scaletrain.train.chunked_loss_tp import vocab_parallel_linear_cross_entropy
 
-        problem = fused_loss_problem(self.model,
+        problem = fused_loss_problem(self.core,
                                      type(self).model_forward is not Trainer.model_forward)
         if problem:
             raise ConfigError(problem)
         chunk, cap = self.cfg.training.loss_chunk_tokens, self.model_args.final_softcap
         if chunk < 1:
             raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {chunk}")
-        model, core = self.model, _unwrapped(self.model)
+        model, core = self.model, self.core
 
         def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             w = core.output.weight  # read now: FSDP swaps in the gathered weight in forward
@@ -301,6 +296,11 @@ class Trainer:
             return model(x, positions=positions, hidden=True)
 
         return loss, forward
+
+    @property
+    def core(self) -> Any:
+        """The model without its DDP wrapper."""
+        return getattr(self.model, "module", self.model)
 
     def model_forward(self, x: Any, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for one micro-batch's inputs (fine-tuning passes inputs beyond token ids;

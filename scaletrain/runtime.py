@@ -40,3 +40,13 @@ def resolve_dtype(cfg: PrecisionConfig, device: torch.device) -> str:
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     return "bf16" if device.type == "cpu" and cpu_has_fast_bf16() else "fp32"
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `x` runs in here: the autocast dtype when autocast is on for its
+    device (and `x` is floating point), else `x`'s own. For autograd Functions that turn
+    autocast off inside and cast themselves, as autocast would have."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    return x.dtype

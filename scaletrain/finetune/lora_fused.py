@@ -28,13 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from scaletrain.runtime import matmul_dtype
+
 Dense = Callable[[torch.Tensor], torch.Tensor]
 """Turns the stored base weight into the dense (out, in) matrix (QLoRA: NF4 dequantization)."""
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def _dense(weight: torch.Tensor, dense: Dense | None, dtype: torch.dtype) -> torch.Tensor:
@@ -46,7 +43,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 a: torch.Tensor, b: torch.Tensor, scaling: float, dense: Dense | None,
                 compute_dtype: torch.dtype | None) -> torch.Tensor:
-        dt = compute_dtype or _compute_dtype(x)
+        dt = compute_dtype or matmul_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dt)
             out = F.linear(xc, _dense(weight, dense, dt), None if bias is None else bias.to(dt))

@@ -35,6 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from scaletrain.runtime import matmul_dtype
+
 SEQ_DIM = 1
 
 
@@ -107,13 +109,6 @@ class _Call:
         self.users -= 1
         self.regathered = full if self.users > 0 else None
         return full
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.is_floating_point():
-        return torch.get_autocast_dtype(device)
-    return x.dtype
 
 
 class _ColwiseFromShard(torch.autograd.Function):
@@ -202,7 +197,7 @@ class ColwiseFromShard(ParallelStyle):
                     if isinstance(x, DTensor) else \
                     DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
                 return F.linear(full, weight, bias).to_local()
-            shard = call.shard_in(_compute_dtype(x))
+            shard = call.shard_in(matmul_dtype(x))
             return _ColwiseFromShard.apply(x, shard, weight.to_local(),
                                            None if bias is None else bias.to_local(), call)
 

@@ -27,16 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaletrain.runtime import matmul_dtype
 from scaletrain.train.loss import IGNORE_INDEX
 
 DEFAULT_CHUNK = 4096
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    dev = t.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return t.dtype
 
 
 @dataclass(frozen=True)
@@ -65,7 +59,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 chunk: int, softcap: float | None, shard: VocabShard | None) -> torch.Tensor:
-        dt = _compute_dtype(h)
+        dt = matmul_dtype(h)
         h2 = h.reshape(-1, h.shape[-1])
         y = targets.reshape(-1)
         w = weight.to(dt)

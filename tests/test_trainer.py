@@ -88,9 +88,12 @@ def test_training_writes_metrics_and_learns(tmp_path: Path, cache: Path) -> None
     assert result.checkpoint is not None and (result.checkpoint / "meta.json").is_file()
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, cache: Path) -> None:
+@pytest.mark.parametrize("extra", [(), ("--optimizer.offload", "true")], ids=["plain", "offload"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, cache: Path,
+                                                 extra: tuple[str, ...]) -> None:
     out = tmp_path / "run"
-    argv = ("--training.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5")
+    argv = ("--training.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5",
+            *extra)
     full = Trainer(tiny_config(out, cache, *argv)).train()
     ckpts = sorted((out / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step-0000003", "step-0000006"]

@@ -138,16 +138,24 @@ class MasterWeightOptimizer:
 
     def init_state(self) -> None:
         """Create empty optimizer state so a checkpoint can be loaded into it."""
-        for m in self.masters:
-            m.grad = torch.zeros_like(m)
-        saved = [g["lr"] for g in self.inner.param_groups]
-        for g in self.inner.param_groups:
-            g["lr"] = 0.0
-        self.inner.step()
-        for g, lr in zip(self.inner.param_groups, saved):
-            g["lr"] = lr
-        for m in self.masters:
-            m.grad = None
+        create_state(self.inner)
+
+
+def create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of `optimizer` its state (a zero-learning-rate step on zero
+    gradients, which leaves the parameters as they are), so a checkpoint can be loaded into
+    it; the gradients are cleared again."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved, strict=True):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,

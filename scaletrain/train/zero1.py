@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import OptimizerConfig
 from scaletrain.parallel.parallelize import clean_name
-from scaletrain.train.optim import make_optimizer, param_groups
+from scaletrain.train.optim import create_state, make_optimizer, param_groups
 
 _AMP_ATTRS = ("found_inf", "grad_scale")
 
@@ -168,16 +168,6 @@ class PartitionedOptimizer:
         })
 
     def init_state(self) -> None:
-        """Create the owned parameters' optimizer state (a zero-learning-rate step on zero
-        gradients) so a checkpoint can be loaded into it."""
-        owned = [p for g in self.inner.param_groups for p in g["params"]]
-        for p in owned:
-            p.grad = torch.zeros_like(p)
-        saved = [g["lr"] for g in self.inner.param_groups]
-        for g in self.inner.param_groups:
-            g["lr"] = 0.0
-        self.inner.step()
-        for g, lr in zip(self.inner.param_groups, saved, strict=True):
-            g["lr"] = lr
-        for p in owned:
-            p.grad = None
+        """Create the owned parameters' optimizer state so a checkpoint can be loaded into
+        it."""
+        create_state(self.inner)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from scaletrain.finetune.lora_fused import lora_linear
+from scaletrain.finetune.qlora import dequantize_weight, is_nf4
 
 log = logging.getLogger("scaletrain.finetune")
 
@@ -76,17 +77,6 @@ def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _is_nf4(base: nn.Module) -> bool:
-    """A bitsandbytes 4-bit layer (QLoRA's base), without importing bitsandbytes."""
-    return type(base).__name__ == "Linear4bit" and hasattr(base.weight, "quant_state")
-
-
-def _dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
-    import bitsandbytes.functional as bnbf
-
-    return bnbf.dequantize_4bit(weight.data, weight.quant_state)
-
-
 def _in_out(base: nn.Module) -> tuple[int, int]:
     return int(base.in_features), int(base.out_features)
 
@@ -106,6 +96,11 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=weight.device, dtype=dtype)
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=weight.device, dtype=dtype)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.fused: str | None = None
+        """`dense` or `nf4`: the base and adapter run as one node (`lora_fused.py`); None
+        (dropout, or another kind of base): composed by autograd."""
+        if dropout == 0:
+            self.fused = "dense" if type(base) is nn.Linear else "nf4" if is_nf4(base) else None
         self.reset_lora()
         for p in self.base.parameters():
             p.requires_grad_(False)
@@ -129,13 +124,11 @@ class LoRALinear(nn.Module):
         full-size update tensor, no stored 16-bit weight copy). Otherwise (dropout): no
         extra full-size activation beyond dropout's, no dtype copy of `x` under autocast (the
         matmul casts), and the scaling applied to the r-wide intermediate."""
-        if not isinstance(self.dropout, nn.Dropout):
-            a, b, base = self.lora_A.weight, self.lora_B.weight, self.base
-            if type(base) is nn.Linear:
-                return lora_linear(x, base.weight, base.bias, a, b, self.scaling)
-            if _is_nf4(base):
-                return lora_linear(x, base.weight, base.bias, a, b, self.scaling,
-                                   dense=_dequantize_nf4, compute_dtype=base.compute_dtype)
+        if self.fused is not None:
+            base, nf4 = self.base, self.fused == "nf4"
+            return lora_linear(x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight,
+                               self.scaling, dense=dequantize_weight if nf4 else None,
+                               compute_dtype=base.compute_dtype if nf4 else None)
         out = self.base(x)
         h = self.dropout(x) if isinstance(self.dropout, nn.Dropout) else x
         if h.dtype != self.lora_A.weight.dtype and not torch.is_autocast_enabled(h.device.type):

@@ -75,16 +75,25 @@ def quantize_blocks(model: nn.Module, compute_dtype: torch.dtype) -> int:
 
 
 def is_nf4(module: nn.Module) -> bool:
-    bnb = _bnb()
+    """A bitsandbytes 4-bit layer (False when bitsandbytes is not installed)."""
+    try:
+        bnb = _bnb()
+    except ImportError:
+        return False
     return isinstance(module, bnb.nn.Linear4bit)
+
+
+def dequantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The dense (out, in) matrix an NF4 parameter stands for (bitsandbytes' dtype)."""
+    import bitsandbytes.functional as F
+
+    return F.dequantize_4bit(weight.data, weight.quant_state)
 
 
 def dequantize(module: nn.Module) -> torch.Tensor:
     """The dense (out, in) fp32 weight an NF4 layer stands for."""
-    import bitsandbytes.functional as F
-
-    w = module.weight
-    return F.dequantize_4bit(w.data, w.quant_state).float()
+    return dequantize_weight(module.weight).float()
 
 
-__all__ = ["to_nf4", "quantize_blocks", "is_nf4", "dequantize", "BLOCK_SIZE"]
+__all__ = ["to_nf4", "quantize_blocks", "is_nf4", "dequantize", "dequantize_weight",
+           "BLOCK_SIZE"]

@@ -16,7 +16,6 @@ writes every entry once and any layout (another world size, ZeRO-3, one process)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +46,26 @@ def assign_owners(sizes: list[int], ranks: int) -> list[int]:
     return owner
 
 
+def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """`params` by dtype, in buckets of about `bucket_bytes` (of their local shards)."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    out: list[list[nn.Parameter]] = []
+    for same in by_dtype.values():
+        bucket: list[nn.Parameter] = []
+        size = 0
+        for p in same:
+            bucket.append(p)
+            size += _local(p).numel() * p.element_size()
+            if size >= bucket_bytes:
+                out.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            out.append(bucket)
+    return out
+
+
 class PartitionedOptimizer:
     """ZeRO-1 around a torch optimizer (see the module docstring). `param_groups` lists every
     parameter (the LR schedule and the fp16 scaler act on it); the inner optimizer holds the
@@ -56,21 +75,21 @@ class PartitionedOptimizer:
                  group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
         self.group = group
         self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
-        self.bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
-        self.param_groups = param_groups(model, cfg.weight_decay)
+        groups = param_groups(model, cfg.weight_decay)
         names = {id(p): clean_name(n) for n, p in model.named_parameters()}
-        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.params = [p for g in groups for p in g["params"]]
         self.names = [names[id(p)] for p in self.params]
         owners = assign_owners([_local(p).numel() for p in self.params], self.ranks)
-        self.owner = {id(p): r for p, r in zip(self.params, owners, strict=True)}
-        inner_groups = [{**g, "params": [p for p in g["params"] if self._mine(p)]}
-                        for g in self.param_groups]
+        owner = {id(p): r for p, r in zip(self.params, owners, strict=True)}
+        inner_groups = [{**g, "params": [p for p in g["params"] if owner[id(p)] == self.rank]}
+                        for g in groups]
         self.inner = make_optimizer(inner_groups, cfg, device)
         self.inner_names = [names[id(p)] for g in inner_groups for p in g["params"]]
-        self.param_groups = [{**self.inner.defaults, **g} for g in self.param_groups]
-
-    def _mine(self, p: torch.Tensor) -> bool:
-        return self.owner[id(p)] == self.rank
+        self.param_groups = [{**self.inner.defaults, **g} for g in groups]
+        bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
+        self.buckets = [(r, bucket) for r in range(self.ranks) for bucket in _buckets(
+            [p for p in self.params if owner[id(p)] == r], bucket_bytes)]
+        """(owner, parameters) broadcast together after each step: one owner, one dtype."""
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -100,34 +119,14 @@ class PartitionedOptimizer:
                 delattr(self.inner, a)
         self._broadcast_params()
 
-    def _buckets(self, owner: int) -> Iterator[list[torch.Tensor]]:
-        """The local tensors of `owner`'s parameters, by dtype, in buckets of bucket_bytes."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.params:
-            if self.owner[id(p)] == owner:
-                t = _local(p)
-                by_dtype.setdefault(t.dtype, []).append(t)
-        for tensors in by_dtype.values():
-            bucket: list[torch.Tensor] = []
-            size = 0
-            for t in tensors:
-                bucket.append(t)
-                size += t.numel() * t.element_size()
-                if size >= self.bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-            if bucket:
-                yield bucket
-
     def _broadcast_params(self) -> None:
-        for owner in range(self.ranks):
-            for bucket in self._buckets(owner):
-                flat = torch.cat([t.reshape(-1) for t in bucket])
-                dist.broadcast(flat, group=self.group, group_src=owner)
-                if owner != self.rank:
-                    for t, part in zip(bucket, flat.split([t.numel() for t in bucket]),
-                                       strict=True):
-                        t.copy_(part.view_as(t))
+        for owner, params in self.buckets:
+            bucket = [_local(p) for p in params]
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.broadcast(flat, group=self.group, group_src=owner)
+            if owner != self.rank:
+                for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                    t.copy_(part.view_as(t))
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

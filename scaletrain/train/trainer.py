@@ -141,13 +141,14 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
         # fp8: MFU stays against the bf16 peak; the fp8 peak's share is reported alongside.
         fp8 = cfg.precision.fp8 != "none"
-        peak = peak_tflops(device_name(self.device), "bf16" if fp8 else self.dtype)
+        mfu_dtype = "bf16" if fp8 else self.dtype
+        peak = peak_tflops(device_name(self.device), mfu_dtype)
         self.peak_flops = None if peak is None else peak * 1e12
         peak8 = peak_tflops(device_name(self.device), "fp8") if fp8 else None
         self.peak_flops_fp8 = None if peak8 is None else peak8 * 1e12
         if self.peak_flops is None:
             log.warning("MFU: no peak-FLOPS entry for device '%s' in %s; mfu is reported as null",
-                        device_name(self.device), self.dtype)
+                        device_name(self.device), mfu_dtype)
 
     # --- construction -----------------------------------------------------------------------
     def _check_distributed(self) -> None:

@@ -186,3 +186,26 @@ def test_advice_names_changes_that_make_it_fit() -> None:
     assert len(steps) >= 2 and steps[-1].plan.peak_bytes <= budget
     peaks = [big.peak_bytes] + [a.plan.peak_bytes for a in steps]
     assert peaks == sorted(peaks, reverse=True)
+
+
+def test_advice_for_a_fine_tuning_plan_stays_fine_tuning() -> None:
+    """Each change offered for a LoRA plan is re-planned as the same LoRA run (frozen base,
+    adapter-only states), equal to planning the changed layout with the method directly."""
+    from scaletrain.plan.advice import advise, combine
+    from scaletrain.plan.finetune import finetune_plan
+
+    args = get_preset("llama3.1-8b")
+    lay = Layout(dims=ParallelDims(), mbs=8, seq_len=4096, precision="bf16")
+    plan = finetune_plan(estimate(args, lay), "lora", rank=16)
+    budget = 24 * GIB
+    assert plan.peak_bytes > budget
+    found = advise(plan, budget, limit=50)
+    assert found
+    for a in found:
+        assert a.plan.finetune == plan.finetune
+        direct = finetune_plan(estimate(args, a.plan.layout), "lora", rank=16)
+        assert a.plan.peak_bytes == direct.peak_bytes
+        # pretraining states of an 8B model alone exceed 24 GiB; LoRA's do not
+        assert a.plan.memory_bytes["optimizer"] < GIB
+    steps = combine(plan, budget, steps=6)
+    assert steps and steps[-1].plan.peak_bytes <= budget

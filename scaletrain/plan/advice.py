@@ -2,8 +2,9 @@
 
 Each change is one knob the trainer has (recomputation, ZeRO stage, FSDP parameter dtype, CPU
 offload, micro-batch, tensor or pipeline parallelism taken from data parallelism), re-planned
-with the same estimate; the cost is the extra hardware FLOPs (recomputation) or the extra bytes
-communicated per step. Changes the trainer would refuse are not offered.
+with the same estimate (for a fine-tuning plan, as the same fine-tuning method); the cost is
+the extra hardware FLOPs (recomputation) or the extra bytes communicated per step. Changes the
+trainer would refuse are not offered.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scaletrain.parallel.dims import ParallelDims
+from scaletrain.plan import finetune
 from scaletrain.plan.estimate import Layout, Plan, PlanError, estimate, layout_problems
 
 GIB = 2**30
@@ -87,7 +89,7 @@ def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
         if layout_problems(plan.args, lay):
             continue
         try:
-            new = estimate(plan.args, lay)
+            new = finetune.like(estimate(plan.args, lay), plan)
         except PlanError:
             continue
         if new.trainer_problems or new.peak_bytes >= plan.peak_bytes:

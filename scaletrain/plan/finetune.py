@@ -45,6 +45,17 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     mem["total"] = sum(mem.values())
     mem["peak"] = peak_bytes(mem, lay.grad_accum)
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
-            "lora_rank": rank if method in ("lora", "qlora") else None}
+            "lora_rank": rank if method in ("lora", "qlora") else None,
+            "options": {"rank": rank, "train_last": train_last, "freeze_first": freeze_first,
+                        "num_labels": num_labels}}
     return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,
                                cpu_offload_bytes=offloaded, finetune=info)
+
+
+def like(plan: Plan, reference: Plan) -> Plan:
+    """`plan` (a pretraining estimate) as the fine-tuning run `reference` describes, or
+    unchanged when `reference` is a pretraining plan: the advice re-plans each change this way."""
+    if reference.finetune is None:
+        return plan
+    info = reference.finetune
+    return finetune_plan(plan, info["method"], **info["options"])

@@ -188,8 +188,18 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     frozen = mem("--method", "freeze", "--train-last", "2")
     assert lora["memory_bytes"]["total"] < frozen["memory_bytes"]["total"] \
         < full["memory_bytes"]["total"]
-    rc, _, err = _run(capsys, *base, "--method", "lora", "--dp", "2")
-    assert rc == 2 and "fine-tuning runs on one device" in err
+    # Data-parallel fine-tuning is DDP (as the trainer runs it): replicated states, and only
+    # the trainable gradients all-reduced.
+    ddp_pre, ddp_lora = mem("--dp", "2"), mem("--method", "lora", "--lora-rank", "16", "--dp", "2")
+    assert ddp_lora["memory_bytes"]["optimizer"] == lora["memory_bytes"]["optimizer"]
+    share = want.trainable / pre["params"]
+    assert ddp_lora["comm_bytes_per_step"]["all_reduce"] == \
+        int(ddp_pre["comm_bytes_per_step"]["all_reduce"] * share) > 0
+    for bad, message in ((("--method", "lora", "--dp", "2", "--tp", "2"), "DDP only"),
+                         (("--method", "lora", "--dp", "2", "--zero", "3"), "DDP only"),
+                         (("--method", "qlora", "--dp", "2"), "qlora runs on one device")):
+        rc, _, err = _run(capsys, *base, *bad)
+        assert rc == 2 and message in err
 
 
 def test_cli_negative_size_and_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,9 +14,10 @@ METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 
 def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | None = None,
                   freeze_first: int = 0, num_labels: int | None = None) -> Plan:
-    """`plan` with the weights of every parameter (QLoRA: block linears as 4-bit NF4 with
-    double quantization) and gradients, master weights and optimizer state of the trainable
-    ones only, in the layout's precision convention.
+    """`plan` (one device, or DDP replicas as the fine-tuning trainer runs them) with the
+    weights of every parameter (QLoRA: block linears as 4-bit NF4 with double quantization)
+    and gradients, master weights and optimizer state of the trainable ones only, in the
+    layout's precision convention; DDP communicates the trainable gradients only.
 
     Activations keep the full-training estimate: exact for `full`, an upper bound for the
     others (frozen blocks in front of the first trainable one save nothing for backward).
@@ -24,8 +25,14 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     from scaletrain.finetune.estimate import estimate
 
     lay = plan.layout
-    if lay.dims.world_size > 1:
-        raise PlanError("fine-tuning runs on one device; plan it without parallel degrees")
+    d = lay.dims
+    if d.world_size > 1:
+        if d.tp * d.pp * d.cp * d.ep > 1 or lay.zero != 0:
+            raise PlanError("fine-tuning runs data parallel with DDP only: plan it with --dp "
+                            "and --zero 0, without --tp/--pp/--cp/--ep")
+        if method == "qlora":
+            raise PlanError("qlora runs on one device (its 4-bit weights are not "
+                            "DDP-broadcastable); plan lora for data-parallel fine-tuning")
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,
@@ -48,8 +55,13 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             "lora_rank": rank if method in ("lora", "qlora") else None,
             "options": {"rank": rank, "train_last": train_last, "freeze_first": freeze_first,
                         "num_labels": num_labels}}
+    # DDP all-reduces the gradients of trainable parameters only
+    share = ft.trainable / plan.params_per_rank
+    comm = {k: int(v * share) for k, v in plan.comm_bytes_per_step.items()}
+    by_dim = {k: int(v * share) for k, v in plan.comm_bytes_by_dim.items()}
     return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,
-                               cpu_offload_bytes=offloaded, finetune=info)
+                               cpu_offload_bytes=offloaded, finetune=info,
+                               comm_bytes_per_step=comm, comm_bytes_by_dim=by_dim)
 
 
 def like(plan: Plan, reference: Plan) -> Plan:

@@ -345,7 +345,8 @@ class FinetuneConfig:
     lora_targets: str = "q,k,v,o,gate,up,down"
     """Comma-separated modules that get adapters: q, k, v, o, gate, up, down (or HF names)."""
     train_biases: bool = False
-    """LoRA/QLoRA: also train the base model's biases (GPT-2 style models have them)."""
+    """Not supported (refused): LoRA adapters are written for PEFT with bias 'none'; train
+    biases with method full or freeze."""
     train_norms: bool = False
     """LoRA/QLoRA: also train the normalization weights."""
     freeze_embeddings: bool = True

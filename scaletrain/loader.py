@@ -284,6 +284,21 @@ def _load_finetuned(output: Path, device: torch.device | str, dtype: torch.dtype
     return base
 
 
+def model_args_of(path: str | os.PathLike) -> ModelArgs:
+    """The dimensions of any model directory `load_model` reads, without reading weights (a
+    fine-tune gives its base's): what `finetune --dry-run` plans with."""
+    from scaletrain.finetune.base_pin import base_path
+    from scaletrain.models.hf import model_args_from_hf_config, read_hf_config
+    from scaletrain.train.native_format import read_meta
+
+    if (Path(path) / FINETUNE_META).is_file():
+        return model_args_of(base_path(read_finetune_meta(path)))
+    kind, directory = find_checkpoint(path)
+    if kind == "hf":
+        return model_args_from_hf_config(read_hf_config(directory))
+    return ModelArgs.from_dict(read_meta(directory)["model_args"])
+
+
 def load_for_inference(
     path: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -299,4 +314,4 @@ def load_for_inference(
 
 __all__ = ["LoadedModel", "load_model", "load_for_inference", "find_checkpoint",
            "read_chat_template", "read_finetune_meta", "hf_eos_id", "tokenizer_eos_id",
-           "FINETUNE_META", "ADAPTER_DIR"]
+           "FINETUNE_META", "ADAPTER_DIR", "model_args_of"]

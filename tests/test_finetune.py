@@ -224,12 +224,19 @@ def test_param_report_counts_4bit_weights_by_logical_size(tiny_args: ModelArgs) 
 @pytest.mark.parametrize("method,kw", [
     ("full", {}), ("freeze", {"freeze_first": 1}), ("freeze", {"train_last": 1}),
     ("lora", {"rank": 4, "targets": ("q", "v")}), ("lora", {"num_labels": 3}),
-    ("qlora", {"rank": 2})])
+    ("lora", {"rank": 4, "train_norms": True}), ("qlora", {"rank": 2}),
+    ("freeze", {"freeze_first": 1, "gemma": True}),
+    ("lora", {"rank": 2, "train_norms": True, "gemma": True})])
 def test_estimate_matches_the_built_model(method: str, kw: dict, tiny_args: ModelArgs) -> None:
+    """`gemma`: post-norms and q/k norms (Gemma 2 / Qwen3 block shapes)."""
     from scaletrain.finetune.estimate import estimate
+    from scaletrain.finetune.freeze import train_norms
     from scaletrain.finetune.heads import SequenceClassifier
 
+    kw = dict(kw)
     args = tiny_args.replace(ffn_dim=128, tie_embeddings=False)
+    if kw.pop("gemma", False):
+        args = args.replace(post_norms=True, qk_norm=True)
     model = build_model(args, seed=0)
     if method == "freeze":
         freeze_layers(model, first=kw.get("freeze_first", 0), train_last=kw.get("train_last"))
@@ -241,6 +248,8 @@ def test_estimate_matches_the_built_model(method: str, kw: dict, tiny_args: Mode
             quantize_blocks(model, torch.float32)
         apply_lora(model, LoRASettings(rank=kw.get("rank", 8),
                                        targets=kw.get("targets", LoRASettings().targets)))
+        if kw.get("train_norms"):
+            train_norms(model)
     if "num_labels" in kw:
         model = SequenceClassifier(model, kw["num_labels"])
     est = estimate(args, method, **kw)

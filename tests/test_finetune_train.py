@@ -226,3 +226,54 @@ def test_default_seq_len_fits_the_base(bases: dict[str, Path], tmp_path: Path,
                 *argv[:8], "--data.seq_len", str(limit + 1)]
     assert finetune_cmd.main(too_long) == 2  # a length the user chose is not changed
     assert "exceeds the base model's max_seq_len" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("base,method,task,extra", [
+    ("hf", "lora", "sft", ("--finetune.lora_targets", "q,v", "--finetune.train_norms", "true")),
+    ("native", "freeze", "classification", ("--finetune.train_last", "1")),
+    ("native", "full", "sft", ()),
+])
+def test_dry_run_equals_the_run(base: str, method: str, task: str, extra: tuple[str, ...],
+                                bases: dict[str, Path], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`finetune --dry-run --json` (no weights read, no model built) gives the parameter counts
+    and model-state bytes the built run writes to finetune.json."""
+    data = bases["cls" if task == "classification" else "sft"]
+    argv = ft_argv(tmp_path / "run", bases[base], data, method, task, *extra)
+    assert finetune_cmd.main([*argv, "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    FinetuneTrainer(load_config(argv, prog="scaletrain finetune"))  # writes finetune.json
+    meta = json.loads((tmp_path / "run" / "finetune.json").read_text())
+    assert (plan["finetune"]["trainable"], plan["finetune"]["total"]) == \
+        (meta["params"]["trainable"], meta["params"]["total"])
+    mem, built = plan["memory_bytes"], meta["memory_bytes"]
+    assert mem["weights"] == built["frozen_weights"] + built["trainable_weights"]
+    assert mem["gradients"] == built["gradients"]
+    assert mem["optimizer"] == built["optimizer_state"]
+
+
+def test_dry_run_refuses_what_the_run_refuses(bases: dict[str, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    short = tmp_path / "short-base"  # the HF base with a context of 48 positions
+    shutil.copytree(bases["hf"], short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 48}))
+    long_argv = ft_argv(tmp_path / "run", short, bases["sft"], "lora", "sft")
+    assert finetune_cmd.main([*long_argv, "--dry-run"]) == 2  # ft_argv's seq_len is 64
+    assert "exceeds the base model's max_seq_len" in capsys.readouterr().err
+    argv = ft_argv(tmp_path / "run", bases["hf"], bases["sft"], "lora", "sft")
+    assert finetune_cmd.main([*argv, "--finetune.train_biases", "true", "--dry-run"]) == 2
+    assert "train_biases is not supported" in capsys.readouterr().err
+    missing = ft_argv(tmp_path / "run", tmp_path / "nowhere", bases["sft"], "lora", "sft")
+    assert finetune_cmd.main([*missing, "--dry-run"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: DDP, trainable gradients reduced
+    assert finetune_cmd.main([*argv, "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert 0 < plan["comm_bytes_per_step"]["all_reduce"] <= 2 * plan["finetune"]["trainable"] * 4
+    assert finetune_cmd.main([*argv, "--parallel.tp", "2", "--dry-run"]) == 2
+    assert "DDP only" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing

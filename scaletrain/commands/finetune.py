@@ -1,5 +1,8 @@
 """`scaletrain finetune --base DIR --method full|freeze|lora|qlora --task sft|classification
---data PATH --output DIR [--section.field value ...]`.
+--data PATH --output DIR [--section.field value ...] [--dry-run [--json]]`.
+
+`--dry-run` plans the run (parameters, memory per component, whether it fits) without reading
+weights or building anything (`commands/finetune_dry_run.py`).
 
 The short flags are aliases of `--finetune.base`, `--finetune.method`, `--finetune.task` and
 `--finetune.data`; every other field of the config tree (see `--help`) can be set too. The
@@ -30,7 +33,10 @@ def expand_aliases(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    argv = expand_aliases(argv)
+    dry_run = "--dry-run" in argv
+    as_json = dry_run and "--json" in argv
+    argv = expand_aliases([a for a in argv if a not in ("--dry-run", "--json" if dry_run
+                                                         else "--dry-run")])
     own_config = any(a == "--config" or a.startswith("--config=") for a in argv)
     if not own_config:
         argv = ["--config", "finetune", *argv]
@@ -41,6 +47,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"scaletrain finetune: {e}", file=sys.stderr)
         return 2
+    if dry_run:
+        from scaletrain.commands.finetune_dry_run import dry_run as plan_run
+
+        return plan_run(cfg, fit_seq_len, as_json)
     from scaletrain.finetune.base import FinetuneError
     from scaletrain.finetune.freeze import FreezeError
     from scaletrain.finetune.lora import LoRAError

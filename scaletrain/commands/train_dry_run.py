@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from scaletrain.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from scaletrain.plan.estimate import Plan
+    from scaletrain.plan.hardware import Device
 
 EXIT_DOES_NOT_FIT = 3
 
 
 def dry_run(cfg: Config, as_json: bool = False) -> int:
-    from scaletrain.commands.plan import format_plan
-    from scaletrain.plan.advice import advice_lines
-    from scaletrain.plan.estimate import PlanError, plan_json
+    from scaletrain.plan.estimate import PlanError
     from scaletrain.plan.from_config import plan_config
     from scaletrain.runtime import resolve_device
 
@@ -27,6 +30,15 @@ def dry_run(cfg: Config, as_json: bool = False) -> int:
         msg = e.args[0] if isinstance(e, KeyError) else str(e)
         print(f"scaletrain train --dry-run: {msg}", file=sys.stderr)
         return 2
+    return report(plan, device, as_json, "scaletrain train --dry-run")
+
+
+def report(plan: Plan, device: Device | None, as_json: bool, prog: str) -> int:
+    """Print the plan (text with advice when it does not fit, or JSON); the exit code."""
+    from scaletrain.commands.plan import format_plan
+    from scaletrain.plan.advice import advice_lines
+    from scaletrain.plan.estimate import plan_json
+
     fits = device is None or plan.peak_bytes <= device.memory_bytes
     if as_json:
         print(json.dumps(plan_json(plan, device), indent=2))
@@ -37,7 +49,7 @@ def dry_run(cfg: Config, as_json: bool = False) -> int:
         elif not fits:
             print("\n".join(advice_lines(plan, device.memory_bytes)))
     if plan.trainer_problems:
-        print("scaletrain train --dry-run: the trainer cannot run this layout:\n  - "
+        print(f"{prog}: the trainer cannot run this layout:\n  - "
               + "\n  - ".join(plan.trainer_problems), file=sys.stderr)
         return 2
     return 0 if fits else EXIT_DOES_NOT_FIT

@@ -55,20 +55,21 @@ def _expert_lora(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> int:
 def estimate(args: ModelArgs, method: str, *, rank: int = 8,
              targets: tuple[str, ...] = tuple(TARGETS), num_labels: int | None = None,
              train_last: int | None = None, freeze_first: int = 0,
-             freeze_embeddings: bool = True, weight_bytes: int = 4,
+             freeze_embeddings: bool = True, train_norms: bool = False, weight_bytes: int = 4,
              optimizer_states: int = 2) -> FinetuneEstimate:
     """Parameters and bytes (weights, fp32 gradients, `optimizer_states` fp32 tensors per
     trainable parameter: 2 for AdamW) for `method` in full/freeze/lora/qlora.
 
     `num_labels` adds a classification head (trainable; the LM head is then frozen unless tied).
+    `train_norms` (LoRA/QLoRA) also trains every block norm and the final norm.
     QLoRA: block linears at 4 bits + one 8-bit absmax per 64 weights (double quantization);
     the routers and routed experts of MoE blocks stay at `weight_bytes`.
     """
     pc = count_params(args)
     shapes = _linear_shapes(args)
     block_linear = sum(i * o for i, o in shapes.values())
-    norm = args.dim if args.arch == "llama" else 2 * args.dim  # RMSNorm / LayerNorm (+bias)
-    per_block = (pc.attention + pc.mlp) // args.n_layers + 2 * norm
+    final_norm = 2 * args.dim if args.arch == "gpt2" else args.dim  # LayerNorm / RMSNorm
+    per_block = (pc.attention + pc.mlp + pc.norms - final_norm) // args.n_layers
     head = 0 if num_labels is None else num_labels * args.dim
     lora = 0
     if method in ("lora", "qlora"):
@@ -88,7 +89,7 @@ def estimate(args: ModelArgs, method: str, *, rank: int = 8,
             frozen += pc.head
         trainable = pc.total - frozen
     elif method in ("lora", "qlora"):
-        trainable = lora
+        trainable = lora + (pc.norms if train_norms else 0)
     else:
         raise ValueError(f"unknown fine-tuning method '{method}' (full, freeze, lora, qlora)")
     trainable += head

@@ -57,6 +57,14 @@ class ParamReport:
         return self.trainable / max(self.total, 1)
 
 
+def train_norms(model: nn.Module) -> None:
+    """Make every block norm (attention/ffn norms, Gemma 2's post-norms) and the final norm
+    trainable; Qwen3's q/k norms stay frozen (`finetune.train_norms`)."""
+    for name, module in model.named_modules():
+        if name.endswith(("attention_norm", "ffn_norm")) or name == "norm":
+            module.requires_grad_(True)
+
+
 def _logical_numel(p: torch.Tensor) -> int:
     """Elements a parameter stands for (a packed 4-bit weight holds two per byte)."""
     shape = getattr(getattr(p, "quant_state", None), "shape", None)
@@ -105,4 +113,5 @@ def memory_report(model: nn.Module, optimizer_states: int = 2) -> dict[str, int]
     }
 
 
-__all__ = ["freeze_layers", "param_report", "memory_report", "ParamReport", "FreezeError"]
+__all__ = ["freeze_layers", "train_norms", "param_report", "memory_report", "ParamReport",
+           "FreezeError"]

@@ -25,7 +25,7 @@ from scaletrain.config import Config, ConfigError
 from scaletrain.finetune import data as ftdata
 from scaletrain.finetune.base import FinetuneError, load_base
 from scaletrain.finetune.base_pin import base_record, check_base
-from scaletrain.finetune.freeze import freeze_layers, memory_report, param_report
+from scaletrain.finetune.freeze import freeze_layers, memory_report, param_report, train_norms
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
 from scaletrain.finetune.lora import LoRASettings, apply_lora, parse_targets
 from scaletrain.loader import ADAPTER_DIR, FINETUNE_META
@@ -83,6 +83,29 @@ def read_meta(output: str | Path) -> dict[str, Any]:
         raise FinetuneError(f"{path} is missing or damaged: {e}") from None
 
 
+def check_config(cfg: Config) -> None:
+    """The refusals that need neither the model nor the data (`finetune --dry-run` too)."""
+    ft = cfg.finetune
+    if not ft.base:
+        raise ConfigError("finetune.base is required: a HF model directory, a native "
+                          "checkpoint or a training run (--base DIR)")
+    if not ft.data:
+        raise ConfigError("finetune.data is required: a JSON-lines file (--data PATH)")
+    if ft.method == "qlora" and cfg.precision.param_dtype != "fp32":
+        raise ConfigError("--method qlora keeps its own 4-bit base; use precision.param_dtype "
+                          "fp32 (the adapters are small) and finetune.quant_compute_dtype")
+    if ft.train_biases:  # the LoRA targets (Llama-family projections) carry no trained bias
+        raise ConfigError("finetune.train_biases is not supported: LoRA adapters are written "
+                          "for PEFT with bias 'none'; set it false (use --method full or "
+                          "freeze to train biases)")
+    if cfg.precision.fp8 != "none":  # the fine-tuning model is built without apply_fp8
+        raise ConfigError("precision.fp8 is for pre-training (scaletrain train) so far; set "
+                          "precision.fp8 none for fine-tuning")
+    if cfg.training.fused_loss:
+        raise ConfigError("training.fused_loss needs the plain decoder (language-model "
+                          "pre-training); set training.fused_loss false for fine-tuning")
+
+
 class FinetuneTrainer(Trainer):
     """`Trainer` with the base model, method and task of `cfg.finetune`."""
 
@@ -90,18 +113,8 @@ class FinetuneTrainer(Trainer):
         """`fit_seq_len`: data.seq_len is a default, not the user's choice, so it is lowered to
         the base model's max_seq_len where it is longer (instead of an error)."""
         self.fit_seq_len = fit_seq_len
+        check_config(cfg)
         ft = cfg.finetune
-        if not ft.base:
-            raise ConfigError("finetune.base is required: a HF model directory, a native "
-                              "checkpoint or a training run (--base DIR)")
-        if not ft.data:
-            raise ConfigError("finetune.data is required: a JSON-lines file (--data PATH)")
-        if ft.method == "qlora" and cfg.precision.param_dtype != "fp32":
-            raise ConfigError("--method qlora keeps its own 4-bit base; use precision.param_dtype "
-                              "fp32 (the adapters are small) and finetune.quant_compute_dtype")
-        if cfg.precision.fp8 != "none":  # the fine-tuning model is built without apply_fp8
-            raise ConfigError("precision.fp8 is for pre-training (scaletrain train) so far; set "
-                              "precision.fp8 none for fine-tuning")
         self.ft = ft
         if ft.method in ("lora", "qlora"):
             self.checkpointer_cls = AdapterCheckpointer
@@ -192,9 +205,7 @@ class FinetuneTrainer(Trainer):
             torch.manual_seed(self.cfg.training.seed)
             apply_lora(backbone, self.lora)
             if ft.train_norms:
-                for name, module in backbone.named_modules():
-                    if name.endswith(("attention_norm", "ffn_norm")) or name == "norm":
-                        module.requires_grad_(True)
+                train_norms(backbone)
         model: nn.Module = backbone
         if ft.task == "classification":
             torch.manual_seed(self.cfg.training.seed)

@@ -13,7 +13,9 @@ METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 
 
 def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | None = None,
-                  freeze_first: int = 0, num_labels: int | None = None) -> Plan:
+                  freeze_first: int = 0, num_labels: int | None = None,
+                  targets: tuple[str, ...] | None = None, train_norms: bool = False,
+                  freeze_embeddings: bool = True) -> Plan:
     """`plan` (one device, or DDP replicas as the fine-tuning trainer runs them) with the
     weights of every parameter (QLoRA: block linears as 4-bit NF4 with double quantization)
     and gradients, master weights and optimizer state of the trainable ones only, in the
@@ -23,6 +25,7 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     others (frozen blocks in front of the first trainable one save nothing for backward).
     """
     from scaletrain.finetune.estimate import estimate
+    from scaletrain.finetune.lora import TARGETS
 
     lay = plan.layout
     d = lay.dims
@@ -37,7 +40,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,
                       freeze_first=freeze_first, num_labels=num_labels,
-                      weight_bytes=int(per.weights))
+                      targets=targets or tuple(TARGETS), train_norms=train_norms,
+                      freeze_embeddings=freeze_embeddings, weight_bytes=int(per.weights))
     except ValueError as e:
         raise PlanError(str(e)) from None
     states = {"weights": ft.weight_bytes,
@@ -54,7 +58,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None,
             "options": {"rank": rank, "train_last": train_last, "freeze_first": freeze_first,
-                        "num_labels": num_labels}}
+                        "num_labels": num_labels, "targets": targets, "train_norms": train_norms,
+                        "freeze_embeddings": freeze_embeddings}}
     # DDP all-reduces the gradients of trainable parameters only
     share = ft.trainable / plan.params_per_rank
     comm = {k: int(v * share) for k, v in plan.comm_bytes_per_step.items()}

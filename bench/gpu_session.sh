@@ -7,6 +7,11 @@
 #   bash bench/gpu_session.sh largest   # issue 2: larger compiled micro-batches
 #   bash bench/gpu_session.sh profile   # issue 7: profile + diagnose debug / llama3.2-1b,
 #                                       # eager / compiled; the debug model's tokens/s by batch
+#   bash bench/gpu_session.sh mfu       # issue 22: bf16 MFU, llama3.2-1b seq 2048, compiled,
+#                                       # peak memory with and without the fused loss
+#   bash bench/gpu_session.sh fp8       # issue 22: FP8 (tensorwise, rowwise) vs bf16 at 8B-class
+#                                       # layer dims (dim 4096, ffn 14336) trimmed to 4 blocks
+#   bash bench/gpu_session.sh lora      # issue 22: LoRA r=16 vs full fine-tuning, llama3.2-1b
 # Results go to $OUT (or bench/results/gpu); `.whl/` holds wheels the machine lacks (tyro).
 set -u
 RES=${OUT:-bench/results/gpu}
@@ -64,5 +69,25 @@ case "${1:-train}" in
       timeout 200 python3 bench/train_gpu.py --model debug --seq-len 256 --batches 8,64 \
         --ac none --steps 10 --warmup 3 $comp --json "$RES/train_gpu_debug${comp:+_eager}.json"
     done
+    ;;
+  mfu)
+    timeout 280 python3 bench/train_gpu.py --batches 8,16,32 --ac none --steps 8 --warmup 3 \
+      --json "$RES/train_gpu_mfu_bf16.json"
+    timeout 280 python3 bench/train_gpu.py --batches 8,16,32 --ac none --steps 8 --warmup 3 \
+      --fused-loss --json "$RES/train_gpu_mfu_bf16_fused_loss.json"
+    ;;
+  fp8)
+    for fp8 in none tensorwise rowwise; do
+      timeout 180 python3 bench/train_gpu.py --model llama3.1-8b --layers 4 --batches 2,4 \
+        --ac none --steps 8 --warmup 3 --fused-loss --fp8 "$fp8" \
+        --json "$RES/train_gpu_8b4l_fp8_${fp8}.json"
+    done
+    ;;
+  lora)
+    timeout 500 python3 bench/finetune_cpu.py --device cuda --models 1b \
+      --methods full,lora-r16 --steps 8 --batch 4 --seq-len 2048 \
+      --precision bf16 --json "$RES/finetune_gpu_seq2048.json"
+    timeout 90 python3 bench/lora_layer.py --device cuda --tokens 16384 \
+      --out "$RES/lora_layer_gpu.txt"
     ;;
 esac

@@ -4,7 +4,9 @@ classification accuracy, resume for every method, PEFT interop, merge/convert/ge
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -279,3 +281,35 @@ def test_dry_run_refuses_what_the_run_refuses(bases: dict[str, Path], tmp_path: 
     assert finetune_cmd.main([*argv, "--parallel.tp", "2", "--dry-run"]) == 2
     assert "DDP only" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_fp8_full_and_freeze_fine_tuning(bases: dict[str, Path], tmp_path: Path) -> None:
+    """precision.fp8 in fine-tuning: every block linear (frozen ones too) is a float8 linear,
+    training follows the run without fp8 closely but not bit-equal (fp8 really ran), and the
+    output loads as a plain model."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from scaletrain.loader import load_model
+
+    def run(name: str, method: str, *extra: str) -> tuple[FinetuneTrainer, list[float]]:
+        argv = ft_argv(tmp_path / name, bases["native"], bases["sft"], method, "sft",
+                       "--training.steps", "3", *extra)
+        trainer = FinetuneTrainer(load_config(argv, prog="scaletrain finetune"))
+        return trainer, trainer.train().losses
+
+    _, plain = run("plain", "full")
+    fp8, losses = run("fp8", "full", "--precision.fp8", "tensorwise")
+    wq = fp8.model.layers["0"].attention.wq
+    assert isinstance(wq, Float8Linear) and wq.weight.requires_grad
+    assert not isinstance(fp8.model.output, Float8Linear)  # the head stays as it is
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[0] != plain[0] and losses[0] == pytest.approx(plain[0], rel=2e-2)
+    frozen, _ = run("freeze", "freeze", "--finetune.freeze_first", "1", "--precision.fp8",
+                    "rowwise")
+    first = frozen.model.layers["0"].feed_forward.w1
+    assert isinstance(first, Float8Linear) and not first.weight.requires_grad
+    loaded = load_model(tmp_path / "fp8")
+    assert type(loaded.model.layers["0"].attention.wq) is torch.nn.Linear
+    assert torch.equal(loaded.model.layers["0"].attention.wq.weight,
+                       wq.weight.detach().cpu())

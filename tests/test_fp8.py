@@ -107,15 +107,16 @@ def test_dry_run_plan_reports_the_fp8_layout_refusal(tmp_path: Path) -> None:
     assert any("precision.fp8" in p for p in trainer_problems(cfg.model.to_model_args(), lay))
 
 
-def test_fine_tuning_refuses_fp8(tmp_path: Path) -> None:
-    """Fine-tuning builds its model without the fp8 conversion: refused, not ignored."""
+def test_lora_fine_tuning_refuses_fp8(tmp_path: Path) -> None:
+    """LoRA wraps the base linears with adapters: fp8 is refused there, not ignored (full and
+    freeze fine-tuning run it: tests/test_finetune_train.py)."""
     from scaletrain.config import ConfigError, load_config
     from scaletrain.finetune.trainer import FinetuneTrainer
 
     cfg = load_config(["--output", str(tmp_path), "--finetune.base", str(tmp_path / "base"),
                        "--finetune.data", str(tmp_path / "d.jsonl"), "--precision.fp8",
-                       "rowwise"], prog="scaletrain finetune")
-    with pytest.raises(ConfigError, match="precision.fp8 none for fine-tuning"):
+                       "rowwise", "--finetune.method", "lora"], prog="scaletrain finetune")
+    with pytest.raises(ConfigError, match="use fp8 with --method full or freeze"):
         FinetuneTrainer(cfg)
 
 

@@ -32,6 +32,7 @@ from scaletrain.loader import ADAPTER_DIR, FINETUNE_META
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.fp8 import apply_fp8
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.integrity import verification
@@ -98,9 +99,10 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("finetune.train_biases is not supported: LoRA adapters are written "
                           "for PEFT with bias 'none'; set it false (use --method full or "
                           "freeze to train biases)")
-    if cfg.precision.fp8 != "none":  # the fine-tuning model is built without apply_fp8
-        raise ConfigError("precision.fp8 is for pre-training (scaletrain train) so far; set "
-                          "precision.fp8 none for fine-tuning")
+    if cfg.precision.fp8 != "none" and ft.method in ("lora", "qlora"):
+        raise ConfigError(f"precision.fp8 runs the base's linears as torchao float8 linears, "
+                          f"which --method {ft.method} wraps with adapters; use fp8 with "
+                          "--method full or freeze, or set precision.fp8 none")
     if cfg.training.fused_loss:
         raise ConfigError("training.fused_loss needs the plain decoder (language-model "
                           "pre-training); set training.fused_loss false for fine-tuning")
@@ -206,6 +208,8 @@ class FinetuneTrainer(Trainer):
             apply_lora(backbone, self.lora)
             if ft.train_norms:
                 train_norms(backbone)
+        if ft.method in ("full", "freeze"):  # frozen linears run fp8 forward matmuls too
+            apply_fp8(backbone, self.cfg.precision.fp8, self.device)
         model: nn.Module = backbone
         if ft.task == "classification":
             torch.manual_seed(self.cfg.training.seed)

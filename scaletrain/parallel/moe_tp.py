@@ -26,16 +26,28 @@ from scaletrain.models.moe import MoE
 from scaletrain.parallel.ep import shard_experts
 
 
-def apply_moe_tp(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_moe_tp(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                 ep_tp_mesh: DeviceMesh | None = None) -> None:
     """Split `moe`'s routed experts over `tp_mesh` and install the TP dispatcher and output
-    reduction (in place, before FSDP)."""
-    shard_experts(moe.experts, tp_mesh)
+    reduction (in place, before FSDP). With `ep_tp_mesh` (the 2-D `(ep, tp)` mesh of expert
+    parallelism composed with TP, `parallel/ep_tp.py`) the experts are split over both."""
+    if ep_tp_mesh is None:
+        shard_experts(moe.experts, tp_mesh)
+    else:
+        from scaletrain.parallel.ep_tp import shard_experts_2d
+
+        shard_experts_2d(moe.experts, ep_tp_mesh)
     gate = moe.router.gate
     gate.weight = nn.Parameter(DTensor.from_local(gate.weight.detach(), tp_mesh, [Replicate()],
                                                   run_check=False))
     group = tp_mesh.get_group()
-    moe.dispatcher = TPExpertDispatcher(group, tp_mesh.get_local_rank(), tp_mesh.size(),
-                                        moe.n_experts)
+    if ep_tp_mesh is None:
+        moe.dispatcher = TPExpertDispatcher(group, tp_mesh.get_local_rank(), tp_mesh.size(),
+                                            moe.n_experts)
+    else:
+        from scaletrain.parallel.ep_tp import EPTPDispatcher
+
+        moe.dispatcher = EPTPDispatcher(ep_tp_mesh, moe.n_experts)
     # Sum the partial outputs over the TP ranks; under sequence parallelism each keeps its
     # slice of the sequence (the residual stream's layout), else the whole (replicated) sum.
     reduce = _ReduceScatterSeq if sequence_parallel else _AllReduce

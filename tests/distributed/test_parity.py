@@ -160,7 +160,10 @@ LAYOUTS_EP_TP = [
      2, 2, [*MOE, "--model.moe_bias_update_rate", "0.01"]),
 ]
 LOW_EP_TP = {"ep-x-tp": ("bf16",)}
-LAYOUTS_8 = [("pp-x-tp-x-fsdp", ["--parallel.pp", "2", "--parallel.tp", "2"], 2, 2)]
+LAYOUTS_8 = [("pp-x-tp-x-fsdp", ["--parallel.pp", "2", "--parallel.tp", "2"], 2, 2),
+             # EP x TP with dp_shard 4 > ep 2: FSDP shards each expert chunk over
+             # dp_shard_mod_ep 2 (FSDP2's 3-D dp x ep x tp sharding of the experts)
+             ("ep-x-tp-x-fsdp", ["--parallel.ep", "2", "--parallel.tp", "2"], 4, 2, MOE)]
 LOW_8 = {"pp-x-tp-x-fsdp": ("bf16",)}
 
 

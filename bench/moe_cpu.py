@@ -99,8 +99,10 @@ def _train(out: Path, cache: Path, nproc: int, steps: int, extra: list[str]) -> 
             max((r.get("peak_mem_gib") or 0.0) for r in rows))
 
 
-def _model_state_mib(nproc: int, tp: int, ep: int, mbs: int) -> float:
-    """The planner's per-rank weights + gradients + AdamW state (fp32) of debug-moe."""
+def _plan_mib(nproc: int, tp: int, ep: int, mbs: int) -> tuple[float, float]:
+    """The planner's per-rank model state (weights + gradients + AdamW state, fp32) and FSDP
+    buffers (a gathered block, its prefetched successor, its unsharded gradients: EP gathers
+    only the rank's own experts) of debug-moe, in MiB."""
     from scaletrain.parallel.dims import ParallelDims
     from scaletrain.plan.estimate import Layout, estimate
 
@@ -109,7 +111,8 @@ def _model_state_mib(nproc: int, tp: int, ep: int, mbs: int) -> float:
         dims=dims, mbs=mbs, seq_len=256, gbs=mbs * dims.dp, zero=3 if nproc > 1 else 0,
         precision="fp32", param_dtype="fp32", kernels="cpu"))
     m = plan.memory_bytes
-    return (m["weights"] + m["gradients"] + m["master_weights"] + m["optimizer"]) / 2**20
+    state = m["weights"] + m["gradients"] + m["master_weights"] + m["optimizer"]
+    return state / 2**20, m["comm_buffers"] / 2**20
 
 
 def time_layouts(steps: int, mbs: int, four: bool = False) -> list[dict[str, Any]]:
@@ -128,10 +131,11 @@ def time_layouts(steps: int, mbs: int, four: bool = False) -> list[dict[str, Any
             extra = ["--training.micro_batch_size", str(rank_mbs), "--parallel.tp", str(tp),
                      "--parallel.ep", str(ep)]
             tps, peak = _train(Path(tmp) / name.replace(" ", "_"), cache, nproc, steps, extra)
+            state, buffers = _plan_mib(nproc, tp, ep, rank_mbs)
             rows.append({"layout": name, "processes": nproc, "tokens_per_s": tps,
                          "global_batch": 2 * mbs, "rank0_peak_rss_gib": peak,
-                         "plan_model_state_mib_per_rank": _model_state_mib(nproc, tp, ep,
-                                                                           rank_mbs)})
+                         "plan_model_state_mib_per_rank": state,
+                         "plan_fsdp_buffers_mib_per_rank": buffers})
     return rows
 
 
@@ -162,11 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     if a.part in ("all", "layouts"):
         result["layouts"] = time_layouts(a.steps, a.mbs, a.four_ranks)
         print(f"\n{'layout':<30} {'tokens/s (job)':>15} {'rank-0 peak RSS GiB':>20} "
-              f"{'plan state MiB/rank':>20}")
+              f"{'plan state MiB/rank':>20} {'plan FSDP buffers MiB':>22}")
         for r in result["layouts"]:
             print(f"{r['layout']:<30} {r['tokens_per_s']:>15,.0f} "
                   f"{r['rank0_peak_rss_gib']:>20.2f} "
-                  f"{r['plan_model_state_mib_per_rank']:>20.1f}")
+                  f"{r['plan_model_state_mib_per_rank']:>20.1f} "
+                  f"{r['plan_fsdp_buffers_mib_per_rank']:>22.1f}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 

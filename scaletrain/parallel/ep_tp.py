@@ -37,9 +37,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from scaletrain.models.moe import GroupedExperts
+from scaletrain.models.moe import GroupedExperts, MoE
 from scaletrain.parallel.ep import EPDispatcher
-from scaletrain.parallel.moe_tp import TPExpertDispatcher
+from scaletrain.parallel.moe_tp import TPExpertDispatcher, replicate_routing
+
+
+def apply_moe_ep_tp(moe: MoE, tp_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh,
+                    sequence_parallel: bool) -> None:
+    """Split `moe`'s routed experts over the 2-D `ep_tp_mesh` (ep, tp), install the EP x TP
+    dispatcher, the replicated router and the TP output reduction (in place, before FSDP;
+    called by `apply_tp` for each MoE block)."""
+    shard_experts_2d(moe.experts, ep_tp_mesh)
+    moe.dispatcher = EPTPDispatcher(ep_tp_mesh, moe.n_experts)
+    replicate_routing(moe, tp_mesh, sequence_parallel)
 
 
 def shard_experts_2d(experts: GroupedExperts, ep_tp_mesh: DeviceMesh) -> None:
@@ -85,4 +95,4 @@ class EPTPDispatcher(TPExpertDispatcher):
         return torch.cat(parts)
 
 
-__all__ = ["EPTPDispatcher", "shard_experts_2d"]
+__all__ = ["EPTPDispatcher", "apply_moe_ep_tp", "shard_experts_2d"]

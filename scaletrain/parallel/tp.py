@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletrain.models.moe import MoE
+from scaletrain.parallel.ep_tp import apply_moe_ep_tp
 from scaletrain.parallel.moe_tp import apply_moe_tp
 from scaletrain.parallel.sp_regather import ColwiseFromShard, GatherSequence
 
@@ -131,7 +132,10 @@ def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq: object, sequence_parallel: boo
               ep_tp_mesh: DeviceMesh | None = None) -> dict[str, object]:
     """A Mixture-of-Experts MLP: the whole sequence in (as a plain tensor), experts split
     over the TP ranks (`parallel/moe_tp.py`), shared experts column/row parallel."""
-    apply_moe_tp(moe, tp_mesh, sequence_parallel, ep_tp_mesh)
+    if ep_tp_mesh is None:
+        apply_moe_tp(moe, tp_mesh, sequence_parallel)
+    else:  # expert parallelism composed with TP: experts over (ep, tp)
+        apply_moe_ep_tp(moe, tp_mesh, ep_tp_mesh, sequence_parallel)
     plan: dict[str, object] = {
         "feed_forward": PrepareModuleInput(input_layouts=(seq,),
                                            desired_input_layouts=(Replicate(),),

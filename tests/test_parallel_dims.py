@@ -54,6 +54,13 @@ def test_expert_parallel_degree_is_checked_with_its_fix() -> None:
     assert "zero2 or zero3" in problems(moe, dims, "ddp")
     assert "n_experts (8) must be divisible by parallel.ep" in problems(
         moe, ParallelDims.resolve(16, dp_shard=16, ep=16))
-    assert "parallel.ep with parallel.tp" in problems(
-        moe, ParallelDims.resolve(4, dp_shard=2, tp=2, ep=2))
+    # EP x TP: the experts split over both degrees (parallel/ep_tp.py)
+    assert problems(moe, ParallelDims.resolve(4, dp_shard=2, tp=2, ep=2)) == ""
+    assert problems(moe, ParallelDims.resolve(8, dp_shard=4, tp=2, ep=2)) == ""
+    assert "divisible by parallel.ep x parallel.tp (4 x 4)" in problems(
+        moe, ParallelDims.resolve(16, dp_shard=4, tp=4, ep=4))
+    assert "zero2 or zero3" in problems(moe, ParallelDims.resolve(4, dp_shard=2, tp=2, ep=2),
+                                        "zero1")
+    assert "without pipeline parallelism" in problems(
+        moe, ParallelDims.resolve(8, pp=2, dp_shard=2, tp=2, ep=2))
     assert problems(moe, ParallelDims.resolve(2, dp_shard=1, tp=2)) == ""  # experts over TP

@@ -148,3 +148,54 @@ def test_search_proposes_expert_parallel_degrees_the_trainer_accepts() -> None:
         d = c.layout.dims
         assert d.dp_shard % d.ep == 0 and (d.ep == 1 or c.layout.zero >= 2)
         assert (f"--parallel.ep {d.ep}" in c.command) == (d.ep > 1)
+
+
+def test_ep_x_tp_plan_counts_experts_split_over_both() -> None:
+    """EP composed with TP (`parallel/ep_tp.py`): a rank gathers 1/(ep x tp) of each layer's
+    experts, and sends only its TP share (1/tp) of the routed pairs over EP."""
+    from scaletrain.models.args import get_preset
+    from scaletrain.parallel.dims import ParallelDims
+    from scaletrain.parallel.feasibility import layout_problems
+    from scaletrain.plan.comm import expert_params
+    from scaletrain.plan.estimate import Layout, estimate
+
+    args = get_preset("qwen3-30b-a3b")
+    plans = {ep: estimate(args, Layout(dims=ParallelDims(dp_shard=8, tp=2, ep=ep), mbs=1,
+                                       seq_len=4096, gbs=16, zero=3, precision="bf16",
+                                       param_dtype="fp32", fsdp_param_dtype="bf16"))
+             for ep in (1, 4)}
+    assert not layout_problems(args, plans[4].layout.run_layout())  # the trainer runs it
+    assert plans[4].memory_bytes["weights"] == plans[1].memory_bytes["weights"]
+    # FSDP's buffers: one block gathered, its prefetched successor and its gradients (3 x 2
+    # bytes); EP leaves out the 3/4 of the rank's 1/tp of the experts that other ranks hold.
+    saved = plans[1].memory_bytes["comm_buffers"] - plans[4].memory_bytes["comm_buffers"]
+    assert abs(saved - expert_params(args, 1) / 2 * 3 / 4 * 3 * 2) <= 8
+    tokens_k = 4096 * args.n_experts_per_token
+    expected = args.n_layers * 2 * 4 * 3 / 4 * tokens_k * args.dim * 2 / 2
+    assert plans[4].comm_bytes_per_step["all_to_all"] == int(expected)
+    # FSDP's all-gathers (twice per micro-batch under ZeRO-3, 2 micro-batches, bf16): the
+    # rank's 1/tp of the experts over the 8 dp_shard ranks without EP; with EP its quarter of
+    # them over the dp_shard / ep = 2 ranks that hold the same ones (TP's gathers are equal).
+    experts = expert_params(args, args.n_layers) / 2
+    fewer = 2 * 2 * 2 * experts * (7 / 8 - 1 / 2 / 4)
+    got = plans[1].comm_bytes_per_step["all_gather"] - plans[4].comm_bytes_per_step["all_gather"]
+    assert abs(got - fewer) <= 64
+
+
+def test_search_proposes_ep_x_tp_the_trainer_accepts() -> None:
+    from scaletrain.models.args import get_preset
+    from scaletrain.parallel.feasibility import layout_problems
+    from scaletrain.plan.estimate import Layout
+    from scaletrain.plan.hardware import get_device
+    from scaletrain.plan.search import Cluster, search
+
+    args = get_preset("qwen3-30b-a3b").replace(n_layers=8, n_experts=8)
+    fitting, rest = search(args, Cluster(get_device("H100"), 16), 4096, 4096 * 64,
+                           Layout(precision="bf16"), model="qwen3-30b-a3b")
+    both = [c for c in fitting + rest if c.layout.dims.ep > 1 and c.layout.dims.tp > 1]
+    assert both
+    for c in both:
+        d = c.layout.dims
+        assert args.n_experts % (d.ep * d.tp) == 0 and d.pp == 1
+        assert not layout_problems(args, c.layout.run_layout())
+        assert f"--parallel.ep {d.ep}" in c.command and f"--parallel.tp {d.tp}" in c.command

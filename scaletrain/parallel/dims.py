@@ -109,12 +109,11 @@ class ParallelDims:
         elif self.ep > 1 and args.n_experts % self.ep:
             out.append(f"model.n_experts ({args.n_experts}) must be divisible by parallel.ep "
                        f"({self.ep})")
-        if self.tp > 1 and args.is_moe and args.n_experts % self.tp:
-            out.append(f"model.n_experts ({args.n_experts}) must be divisible by parallel.tp "
-                       f"({self.tp}): tensor parallelism splits the experts over its ranks")
-        if self.tp > 1 and self.ep > 1:
-            out.append("parallel.ep with parallel.tp > 1 is not implemented; split the experts "
-                       "over one of them")
+        if self.tp > 1 and args.is_moe and args.n_experts % (self.tp * self.ep):
+            split = (f"parallel.ep x parallel.tp ({self.ep} x {self.tp})" if self.ep > 1
+                     else f"parallel.tp ({self.tp})")
+            out.append(f"model.n_experts ({args.n_experts}) must be divisible by {split}: "
+                       "tensor (and expert) parallelism split the experts over their ranks")
         ffn = args.shared_expert_hidden_dim if args.is_moe else args.hidden_dim
         if self.tp > 1:
             for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),

@@ -117,6 +117,9 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
                        "parallel.dp_replicate 1 (experts sharded over dp_shard only)")
         if lay.cpu_offload:
             out.append("parallel.ep does not support parallel.cpu_offload yet")
+        if d.tp > 1 and d.pp > 1:
+            out.append("parallel.ep with parallel.tp > 1 is implemented without pipeline "
+                       "parallelism (parallel.pp 1); drop one of ep, tp or pp")
     if d.cp > 1 and args.arch != "llama":
         out.append(f"context parallelism is not implemented for arch '{args.arch}' (only "
                    "'llama'); use data, tensor or pipeline parallelism")

@@ -30,12 +30,18 @@ def apply_moe_tp(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None
     """Split `moe`'s routed experts over `tp_mesh` and install the TP dispatcher and output
     reduction (in place, before FSDP)."""
     shard_experts(moe.experts, tp_mesh)
+    moe.dispatcher = TPExpertDispatcher(tp_mesh.get_group(), tp_mesh.get_local_rank(),
+                                        tp_mesh.size(), moe.n_experts)
+    replicate_routing(moe, tp_mesh, sequence_parallel)
+
+
+def replicate_routing(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """The router weight replicated over `tp_mesh` (every TP rank routes the same tokens) and
+    the output reduction of the TP ranks' partial sums (also used by EP x TP, `ep_tp.py`)."""
     gate = moe.router.gate
     gate.weight = nn.Parameter(DTensor.from_local(gate.weight.detach(), tp_mesh, [Replicate()],
                                                   run_check=False))
     group = tp_mesh.get_group()
-    moe.dispatcher = TPExpertDispatcher(group, tp_mesh.get_local_rank(), tp_mesh.size(),
-                                        moe.n_experts)
     # Sum the partial outputs over the TP ranks; under sequence parallelism each keeps its
     # slice of the sequence (the residual stream's layout), else the whole (replicated) sum.
     reduce = _ReduceScatterSeq if sequence_parallel else _AllReduce
@@ -111,4 +117,4 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return torch.cat(parts, dim=1), None
 
 
-__all__ = ["apply_moe_tp", "TPExpertDispatcher"]
+__all__ = ["apply_moe_tp", "replicate_routing", "TPExpertDispatcher"]

@@ -179,9 +179,11 @@ class Parallelism:
         self.fp8_all_gather = fsdp and d.tp == 1 and fsdp_all_gather(self.fp8)
         apply_fp8(model, self.fp8, self.device, fsdp=self.fp8_all_gather)
         if d.tp > 1:  # float8 linears shard like plain ones; TP gathers bf16 activations
+            # with expert parallelism the experts split over (ep, tp): `parallel/ep_tp.py`
             apply_tp(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
-                     loss_parallel=cfg.loss_parallel)
-        if d.ep > 1:
+                     loss_parallel=cfg.loss_parallel,
+                     ep_tp_mesh=mesh.root["ep", "tp"] if d.ep > 1 else None)
+        elif d.ep > 1:
             apply_ep(model, mesh["ep"])
         if d.cp > 1:
             cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletrain.models.moe import MoE
+from scaletrain.parallel.ep_tp import apply_moe_ep_tp
 from scaletrain.parallel.moe_tp import apply_moe_tp
 from scaletrain.parallel.sp_regather import ColwiseFromShard, GatherSequence
 
@@ -40,8 +41,12 @@ log = logging.getLogger("scaletrain.parallel")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-             loss_parallel: bool, regather: bool = True) -> None:
+             loss_parallel: bool, regather: bool = True,
+             ep_tp_mesh: DeviceMesh | None = None) -> None:
     """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place.
+
+    `ep_tp_mesh`: the 2-D `(ep, tp)` mesh when expert parallelism is composed with TP: the
+    routed experts are split over both (`parallel/ep_tp.py`) instead of over `tp` only.
 
     `regather` (sequence parallelism only): the column-wise projections save the sequence
     shard of their input and all-gather it again in backward (`sp_regather.py`); False keeps
@@ -78,7 +83,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
         if isinstance(block.feed_forward, MoE):
-            plan.update(_moe_plan(block.feed_forward, tp_mesh, seq, sequence_parallel))
+            plan.update(_moe_plan(block.feed_forward, tp_mesh, seq, sequence_parallel,
+                                  ep_tp_mesh))
         else:
             # GPT-2's GELU MLP has no gate (w3)
             names = ("w1", "w3") if block.feed_forward.w3 is not None else ("w1",)
@@ -122,11 +128,14 @@ def _colwise_plan(module: str, projections: tuple[str, ...], seq: object, regath
             **{f"{module}.{p}": ColwiseParallel() for p in projections}}
 
 
-def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq: object, sequence_parallel: bool
-              ) -> dict[str, object]:
+def _moe_plan(moe: MoE, tp_mesh: DeviceMesh, seq: object, sequence_parallel: bool,
+              ep_tp_mesh: DeviceMesh | None = None) -> dict[str, object]:
     """A Mixture-of-Experts MLP: the whole sequence in (as a plain tensor), experts split
     over the TP ranks (`parallel/moe_tp.py`), shared experts column/row parallel."""
-    apply_moe_tp(moe, tp_mesh, sequence_parallel)
+    if ep_tp_mesh is None:
+        apply_moe_tp(moe, tp_mesh, sequence_parallel)
+    else:  # expert parallelism composed with TP: experts over (ep, tp)
+        apply_moe_ep_tp(moe, tp_mesh, ep_tp_mesh, sequence_parallel)
     plan: dict[str, object] = {
         "feed_forward": PrepareModuleInput(input_layouts=(seq,),
                                            desired_input_layouts=(Replicate(),),

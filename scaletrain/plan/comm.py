@@ -66,8 +66,9 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
             gather = DTYPE_BYTES[lay.fsdp_param_dtype]
             k = lay.shard_group  # HSDP: gathers inside the shard group only
             # Expert parallelism: a rank gathers only its own experts (1/ep of them) and only
-            # over the dp_shard / ep ranks that hold the same ones.
-            experts = expert_params(args, layers)
+            # over the dp_shard / ep ranks that hold the same ones (with TP, of the 1/tp of
+            # the experts `stage_params` counts).
+            experts = expert_params(args, layers) / dims.tp
             fsdp_bytes = _ring(k) * (stage_params - experts) \
                 + _ring(k // dims.ep) * experts / dims.ep
             v = {"all_gather": (2 if lay.zero == 3 else 1) * m * fsdp_bytes * gather,
@@ -100,10 +101,11 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
     if dims.ep > 1 and args.is_moe:
         # Per MoE layer and micro-batch: dispatch and combine in forward and again in backward
         # (and once more in a recomputed forward), each moving the tokens' k copies of which
-        # (ep - 1) / ep go to other ranks under even routing.
+        # (ep - 1) / ep go to other ranks under even routing. Composed with TP, a TP rank
+        # sends only the pairs of its 1/tp of the experts (`parallel/ep_tp.py`).
         count = 4 + (2 if lay.recompute == "full" else 0)
         x = layers * m * count * _ring(dims.ep) * tokens * args.n_experts_per_token \
-            * args.dim * c
+            * args.dim * c / dims.tp
         kinds["all_to_all"] += x
         by_dim["ep"] += x
     if dims.pp > 1:

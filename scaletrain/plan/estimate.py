@@ -324,8 +324,9 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         mem["cast_weights"] = sp.total * c if cast else 0
         # ZeRO-2 under FSDP (reshard_after_forward=False): every block stays gathered from its
         # forward to its backward.
-        # Expert parallelism: FSDP gathers a rank's own experts only (1/ep of each layer's).
-        not_local = (1 - 1 / dims.ep) * expert_params(args, 1)
+        # Expert parallelism: FSDP gathers a rank's own experts only (1/ep of each layer's;
+        # composed with TP, 1/(ep x tp): the experts are split over both, `parallel/ep_tp.py`).
+        not_local = (1 - 1 / dims.ep) * expert_params(args, 1) / dims.tp
         unsharded = sp.total - sp.layers * not_local
         mem["gathered_weights"] = int(unsharded * gathered) if lay.fsdp and lay.zero == 2 \
             else 0

@@ -142,8 +142,9 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     if d.ep > 1 and args.is_moe:
         # Expert parallel: per MoE layer and micro-batch, dispatch + combine in forward and
         # backward (and a recomputed forward), not overlapped. An all-to-all of the routed
-        # tokens moves (ep - 1) / ep of them per rank, like an all-gather of the same bytes.
-        routed = tokens_mb * args.n_experts_per_token * args.dim * c
+        # tokens moves (ep - 1) / ep of them per rank, like an all-gather of the same bytes;
+        # composed with TP, each TP rank sends the pairs of its 1/tp of the experts.
+        routed = tokens_mb * args.n_experts_per_token * args.dim * c / d.tp
         k = per_node(d.tp * d.cp, d.ep, gpn)
         ep = layers * m * (4 + (2 if lay.recompute == "full" else 0)) \
             * fabric.time("all_gather", routed, d.ep, k)

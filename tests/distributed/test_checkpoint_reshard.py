@@ -98,3 +98,39 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
     out = tmp_path / "hf"
     assert main(["convert", r0["fsdp-save"]["checkpoint"], str(out), "--to", "hf"]) == 0
     assert list(out.glob("*.safetensors"))
+
+
+@pytest.mark.distributed
+def test_ep_x_tp_checkpoint_reshards(tmp_path: Path) -> None:
+    """Expert x tensor parallelism (experts [Shard(0), Shard(0)] over (ep, tp), attention
+    tensor parallel, FSDP over dp_shard) saved after 2 steps resumes as TP x FSDP (experts over
+    tp only) and in one process, both continuing the uninterrupted single-process run."""
+    cache = tmp_path / "cache"
+    ref = run_trainer([str(tmp_path / "ref"), str(cache), *MOE, "--training.micro_batch_size",
+                       "8"], 4, capture=False)
+    run = str(tmp_path / "run")
+    jobs = [
+        ("ep-x-tp-save", [run, str(cache), *MOE, "--parallel.ep", "2", "--parallel.tp", "2",
+                          "--training.steps", "4"], {"save": True}),
+        ("tp-resume", [run, str(cache), *MOE, "--parallel.tp", "2", "--checkpoint.resume",
+                       "true", "--training.steps", "4"]),
+    ]
+    result = spawn(4, jobs, 2, tmp_path)
+    saved = result[0]["ep-x-tp-save"]["losses"]
+    assert max(abs(x - y) for x, y in zip(saved, ref["losses"][:2], strict=True)) <= TOL
+    resumed = result[0]["tp-resume"]["losses"]
+    diff = max(abs(x - y) for x, y in zip(resumed, ref["losses"][2:], strict=True))
+    assert diff <= TOL, (resumed, ref["losses"])
+    solo = run_trainer([run, str(cache), *MOE, "--checkpoint.resume", "true", "--training.steps",
+                        "4", "--training.micro_batch_size", "8"], 2, capture=False)
+    diff = max(abs(x - y) for x, y in zip(solo["losses"], ref["losses"][2:], strict=True))
+    assert diff <= TOL, (solo["losses"], ref["losses"])
+    # The full expert tensors the 4 ranks gathered are those one process holds after loading.
+    from scaletrain.train.native_format import load_model_checkpoint
+
+    model = load_model_checkpoint(result[0]["ep-x-tp-save"]["checkpoint"])[0]
+    state = model.state_dict()
+    experts = [k for k in result[0]["ep-x-tp-save"]["params"] if ".experts." in k]
+    assert experts
+    for key in experts:
+        assert torch.equal(state[key], result[0]["ep-x-tp-save"]["params"][key]), key

@@ -150,16 +150,31 @@ LAYOUTS_4 = [
 ]
 LOW_4 = {"ddp-x-tp": ("fp16",), "zero1-x-tp": ("bf16", "fp16"), "fsdp-x-tp": ("bf16", "fp16"),
          "hsdp-x-tp": ("bf16",), "pp-x-fsdp": ("bf16",), "pp-x-tp": ("bf16",)}
-LAYOUTS_8 = [("pp-x-tp-x-fsdp", ["--parallel.pp", "2", "--parallel.tp", "2"], 2, 2)]
+# Expert parallelism composed with tensor parallelism (parallel/ep_tp.py): 4 experts over
+# ep 2 x tp 2 (one per rank), attention tensor parallel, FSDP over dp_shard 2 (= ep).
+LAYOUTS_EP_TP = [
+    ("ep-x-tp", ["--parallel.ep", "2", "--parallel.tp", "2"], 2, 2,
+     [*MOE, "--model.n_shared_experts", "1"]),
+    ("ep-x-tp-zero2-nosp", ["--parallel.data_parallel", "zero2", "--parallel.ep", "2",
+                            "--parallel.tp", "2", "--parallel.sequence_parallel", "false"],
+     2, 2, [*MOE, "--model.moe_bias_update_rate", "0.01"]),
+]
+LOW_EP_TP = {"ep-x-tp": ("bf16",)}
+LAYOUTS_8 = [("pp-x-tp-x-fsdp", ["--parallel.pp", "2", "--parallel.tp", "2"], 2, 2),
+             # EP x TP with dp_shard 4 > ep 2: FSDP shards each expert chunk over
+             # dp_shard_mod_ep 2 (FSDP2's 3-D dp x ep x tp sharding of the experts)
+             ("ep-x-tp-x-fsdp", ["--parallel.ep", "2", "--parallel.tp", "2"], 4, 2, MOE)]
 LOW_8 = {"pp-x-tp-x-fsdp": ("bf16",)}
 
 
-def _run(tmp: Path, cache: Path, world: int, layouts: list, low: dict[str, tuple[str, ...]]
-         ) -> tuple[dict, dict, list]:
+def _run(tmp: Path, cache: Path, world: int, layouts: list, low: dict[str, tuple[str, ...]],
+         refs_out: dict | None = None) -> tuple[dict, dict, list]:
     layouts = [(*lay, []) if len(lay) == 4 else lay for lay in layouts]
     keys = {(4 * dp, ga, tuple(m), dtype) for name, _, dp, ga, m in layouts
             for dtype in ("fp32", *low.get(name, ()))}
     refs = {key: _reference(tmp, cache, *key) for key in sorted(keys)}
+    if refs_out is not None:  # the single-process references, for further checks
+        refs_out.update(refs)
     jobs = []
     for name, flags, _, ga, m in layouts:
         argv = [*flags, *m, "--training.grad_accum_steps", str(ga)]
@@ -219,6 +234,32 @@ def test_four_rank_layouts_match_one_process(tmp_path: Path) -> None:
             zero1 = rank[f"zero1-x-{name}"]["bytes"]
             assert zero1["params"] == ddp["params"], name
             assert zero1["optim"] <= 0.55 * ddp["optim"], name
+
+
+def _check_moe_stats(result: list[dict[str, Any]], name: str, ref: dict[str, Any]) -> float:
+    """The router statistics of the steps (expert loads summed over the data-parallel ranks,
+    router entropy and balancing loss of the last micro-batch) against one process: the loads
+    equal, the rest to the loss tolerance. Returns the largest relative difference."""
+    got, want = result[0][name]["moe"], ref["moe"]
+    assert got is not None and set(got["layers"]) == set(want["layers"]), name
+    worst = 0.0
+    for layer, w in want["layers"].items():
+        g = got["layers"][layer]
+        assert g["tokens_per_expert"] == w["tokens_per_expert"], (name, layer, g, w)
+        for key in ("router_entropy", "aux_loss"):
+            worst = max(worst, abs(g[key] - w[key]) / abs(w[key]))
+    assert worst <= LOSS_TOL, (name, worst)
+    return worst
+
+
+@pytest.mark.distributed
+def test_four_rank_ep_x_tp_matches_one_process(tmp_path: Path) -> None:
+    refs: dict = {}
+    table, low, result = _run(tmp_path, tmp_path / "cache", 4, LAYOUTS_EP_TP, LOW_EP_TP, refs)
+    _check(4, table, low)
+    for name, _, dp, ga, model in LAYOUTS_EP_TP:
+        ref = refs[(4 * dp, ga, tuple(model), "fp32")]
+        print(name, "router statistics: max rel. difference", _check_moe_stats(result, name, ref))
 
 
 @pytest.mark.distributed

@@ -108,10 +108,15 @@ def run_trainer(argv: list[str], steps: int, capture: bool = True,
     norms: list[float] = []
     losses, grads = train_steps(trainer, steps,
                                 (lambda: full_grads(trainer.model)) if capture else None, norms)
+    moe = None
+    if trainer.has_moe:  # the router statistics of the steps (a collective: every rank)
+        from scaletrain.train.moe_metrics import collect_moe_stats
+
+        moe = collect_moe_stats(trainer.model, trainer.par)
     val = trainer.evaluate()
     out = {"losses": losses, "norms": norms, "grads": grads, "val": val,
            "bytes": local_bytes(trainer.model, trainer.optimizer),
-           "fp8_gathered": fp8_gathered(trainer.model)}
+           "fp8_gathered": fp8_gathered(trainer.model), "moe": moe}
     if save:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

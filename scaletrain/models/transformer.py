@@ -35,14 +35,18 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.rows = slice(None)
+        """The batch rows the forward pass runs on (all by default): a slot-batching decoder
+        runs a newcomer's prefill on its own slot, a step on the occupied prefix. A slice, so
+        reads and writes stay views of the cache (no copy)."""
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         end = start + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked for {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        self.k[self.rows, :, start:end] = k
+        self.v[self.rows, :, start:end] = v
+        return self.k[self.rows, :, :end], self.v[self.rows, :, :end]
 
 
 class Attention(nn.Module):

@@ -60,7 +60,7 @@ class BatchingEngine:
         self.tokens = 0
         self.steps = 0  # continuous: token steps
         self.slot_steps = 0  # continuous: occupied slots summed over steps
-        self.occupied = 0  # continuous: occupied slots now
+        self.occupied = 0  # rows decoding now
         self._stop = False
         loop = self._continuous_loop if self.continuous else self._static_loop
         self.thread = threading.Thread(target=loop, daemon=True, name="serve-batcher")
@@ -211,6 +211,7 @@ class BatchingEngine:
                 continue
             self.batches += 1
             self.rows_decoded += len(items)
+            self.occupied = len(items)
             temperature, top_k, top_p = items[0][1]
             try:
                 with self.gen.lock:
@@ -232,4 +233,5 @@ class BatchingEngine:
                         it[2].set_exception(e)
             with self._cv:
                 self._cancelled.difference_update(it[2] for it in items)
+            self.occupied = 0
         self._closing([])

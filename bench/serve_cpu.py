@@ -1,21 +1,26 @@
-"""`scaletrain serve` under bounded concurrent load (loopback), batched vs one at a time, and
-`scaletrain eval` in-process vs lm_eval's `local-completions` through `serve`.
+"""`scaletrain serve` under bounded concurrent load (loopback): one at a time, static and
+continuous batching; and `scaletrain eval` in-process vs lm_eval's `local-completions`
+through `serve`.
 
     python bench/serve_cpu.py                          # debug model, 48 requests, 8 in flight
     python bench/serve_cpu.py --requests 24 --concurrency 4 --skip-eval
 
 The `debug` preset (random weights, BPE tokenizer trained here, as bench/synth_cpu.py).
 Serve: `scaletrain serve` in a subprocess with `--batch-size B` for each B of `--batch-sizes`
-(1 = one request at a time); `--concurrency` client threads send `--requests` completion
-requests in total (prompts of mixed lengths, max_tokens drawn from 8..`--max-tokens`, greedy,
-so rows of one batch finish at different times). Reported: requests/s, generated tokens/s,
-latency median and p95; and, on the largest batch size, one request carrying B prompts vs
-the same B prompts as concurrent requests. Eval: the same tiny task set (loglikelihood,
-multiple choice, generate_until, rolling loglikelihood; `--eval-docs` documents each) with
-`scaletrain eval` in-process and with lm_eval through a `serve` subprocess (lm_eval's
-default batch size 1), wall time each, and whether the metrics agree. Torch runs
-`--threads` threads (default 1) in every process. Results print as a table and go to
-bench/results/serve_cpu.json. Timings on a shared machine vary.
+(1 = one request at a time) and, for B > 1, each `--batching` mode (static: a batch runs
+until all its rows have finished; continuous: rows join and leave between tokens), repeated
+`--repeats` times in alternating order; `--concurrency` client threads send `--requests`
+completion requests in total (prompts of mixed lengths, max_tokens drawn from
+8..`--max-tokens`, greedy, so rows of one batch finish at different times). Reported:
+requests/s, generated tokens/s, latency median and p95, the server's mean slot occupancy
+(`GET /metrics`), whether every server gave the same text; and, on the largest batch size,
+one request carrying B prompts vs the same B prompts as concurrent requests.
+
+Eval: the same tiny task set (loglikelihood, multiple choice, generate_until, rolling
+loglikelihood; `--eval-docs` documents each) with `scaletrain eval` in-process and with
+lm_eval through a `serve` subprocess (lm_eval's default batch size 1), wall time each, and
+whether the metrics agree. Torch runs `--threads` threads (default 1) in every process.
+Results print as a table and go to bench/results/serve_cpu.json. Timings on a shared machine vary.
 """
 
 from __future__ import annotations
@@ -59,14 +64,16 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(url: str, requests: int, concurrency: int, max_tokens: int,
-         seed: int = 0) -> dict[str, float]:
-    """`requests` completions, `concurrency` in flight; latency per request and totals."""
+         seed: int = 0) -> dict[str, Any]:
+    """`requests` completions, `concurrency` in flight; latency per request, totals, and the
+    texts (in request order)."""
     rng = random.Random(seed)
     bodies = [{"model": "bench", "prompt": f"Write about {rng.choice(TOPICS)}: "
                + " ".join(rng.choices(WORDS, k=rng.randint(2, 60))),
                "max_tokens": rng.randint(8, max_tokens), "temperature": 0}
               for _ in range(requests)]
     latencies: list[float] = []
+    texts: list[str] = [""] * requests
     tokens = [0]
     lock = threading.Lock()
     todo = list(range(requests))
@@ -82,6 +89,7 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int,
             dt = time.perf_counter() - t0
             with lock:
                 latencies.append(dt)
+                texts[i] = r["choices"][0]["text"]
                 tokens[0] += r["usage"]["completion_tokens"]
 
     t0 = time.perf_counter()
@@ -96,7 +104,13 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int,
             "tokens_per_s": round(tokens[0] / wall, 1), "completion_tokens": tokens[0],
             "latency_median_s": round(statistics.median(latencies), 3),
             "latency_p95_s": round(latencies[min(len(latencies) - 1,
-                                                 int(0.95 * len(latencies)))], 3)}
+                                                 int(0.95 * len(latencies)))], 3),
+            "texts": texts}
+
+
+def _metrics(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url.rsplit("/v1", 1)[0] + "/metrics", timeout=30) as r:
+        return json.loads(r.read())
 
 
 def prompt_list(url: str, prompts: int, max_tokens: int, seed: int = 0) -> dict[str, float]:
@@ -212,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--batching", default="static,continuous",
+                   help="modes compared for batch sizes > 1")
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--eval-docs", type=int, default=20)
     p.add_argument("--skip-eval", action="store_true")
     p.add_argument("--threads", type=int, default=1)
@@ -220,29 +237,42 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # for the server subprocesses
     sizes = [int(x) for x in a.batch_sizes.split(",")]
+    modes = a.batching.split(",")
+    servers = [(b, m) for b in sizes for m in (modes if b > 1 else ["static"])]
     rows: dict[str, Any] = {}
+    texts: list[list[str]] = []
+    lists = None
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(Path(tmp) / "bench")
-        for b in sizes:
-            proc, url = start_server(ckpt, b)
-            try:
-                load(url, min(4, a.requests), min(4, a.concurrency), 8, seed=1)  # warm-up
-                rows[f"batch_size={b}"] = load(url, a.requests, a.concurrency, a.max_tokens)
-                if b == max(sizes):
-                    lists = prompt_list(url, b, a.max_tokens)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+        for rep in range(a.repeats):
+            for b, mode in servers if rep % 2 == 0 else servers[::-1]:
+                proc, url = start_server(ckpt, b, "--batching", mode)
+                try:
+                    load(url, min(4, a.requests), min(4, a.concurrency), 8, seed=1)  # warm-up
+                    r = load(url, a.requests, a.concurrency, a.max_tokens)
+                    texts.append(r.pop("texts"))
+                    m = _metrics(url)
+                    r["mean_slot_occupancy"] = m.get("mean_slot_occupancy")
+                    rows[f"{b} {mode}" + (f" #{rep + 1}" if a.repeats > 1 else "")] = r
+                    if b == max(sizes) and mode == modes[-1] and lists is None:
+                        lists = prompt_list(url, b, a.max_tokens)
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=30)
         evals = None if a.skip_eval else eval_times(ckpt, Path(tmp), a.eval_docs)
+    same = all(t == texts[0] for t in texts)
     print(f"serve: {a.requests} requests, {a.concurrency} in flight, max_tokens 8..{a.max_tokens}"
-          f", {a.threads} thread(s)")
-    print(f"{'server':<14}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}")
+          f", {a.threads} thread(s); every server gave the same text: {same}")
+    print(f"{'batch, mode':<22}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'slots':>7}")
     for name, r in rows.items():
-        print(f"{name:<14}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
-              f"{r['latency_median_s']:>8.2f}{r['latency_p95_s']:>8.2f}")
-    print(f"{lists['prompts']} prompts in one request: {lists['one_request_s']:.2f} s; as "
-          f"{lists['prompts']} concurrent requests: {lists['concurrent_requests_s']:.2f} s; "
-          f"same text: {lists['same_text']}")
+        occ = r["mean_slot_occupancy"]
+        print(f"{name:<22}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
+              f"{r['latency_median_s']:>8.2f}{r['latency_p95_s']:>8.2f}"
+              f"{'' if occ is None else f'{occ:.2f}':>7}")
+    if lists:
+        print(f"{lists['prompts']} prompts in one request: {lists['one_request_s']:.2f} s; as "
+              f"{lists['prompts']} concurrent requests: {lists['concurrent_requests_s']:.2f} s;"
+              f" same text: {lists['same_text']}")
     if evals:
         print(f"eval ({len(evals['tasks'])} tasks x {evals['docs_per_task']} docs): in-process "
               f"{evals['in_process_s']:.1f} s, through serve {evals['through_serve_s']:.1f} s, "
@@ -251,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
            "load_average_1min_at_end": round(os.getloadavg()[0], 2),
            "threads": a.threads, "torch": torch.__version__, "requests": a.requests,
            "concurrency": a.concurrency, "max_tokens": a.max_tokens, "serve": rows,
+           "same_text_every_server": same,
            "prompt_list": lists,
            "eval": evals}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)

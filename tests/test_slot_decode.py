@@ -118,6 +118,15 @@ def test_a_late_row_reuses_the_freed_slot_before_the_long_row_ends(model):
         assert d.ids == generate(model, r.prompt, r.max_new_tokens)
 
 
+def test_newcomers_in_scattered_slots_are_prefilled_together(model):
+    rows = [Row(_prompt(5, 1), 2), Row(_prompt(8, 2), 25), Row(_prompt(3, 3), 2),
+            Row(_prompt(6, 4), 7), Row(_prompt(2, 5), 9)]
+    got, joined, _, slot, _ = drive(model, [(r, GREEDY) for r in rows], 3)
+    assert (slot[3], slot[4]) == (0, 2) and joined[3] == joined[4]  # slot 1 still decodes
+    for r, d in zip(rows, got):
+        assert d.ids == generate(model, r.prompt, r.max_new_tokens)
+
+
 def test_controls_logprobs_echo_and_budget_zero_as_decode_rows(model):
     p = _prompt(6, 13)
     rows = [Row(_prompt(30, 12), 20),

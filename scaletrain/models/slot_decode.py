@@ -192,7 +192,8 @@ class SlotBatch:
         self.tokens += 1
         res, row = s.result, s.row
         res.ids.append(tok)
-        self.counts[i, tok] += 1
+        if s.controls:
+            self.counts[i, tok] += 1
         if logp is not None and row.logprobs is not None:
             lp = logp[need_logp.index(i)]
             res.logprobs.append(float(lp[tok]))
@@ -216,17 +217,13 @@ class SlotBatch:
         return int(torch.multinomial(probs, 1, generator=s.generator))
 
     def _prefill(self) -> None:
-        """Run the prompts of the newcomers, one left-padded pass per run of adjacent slots;
-        their next-token logits (and prompt log-probabilities) come from it."""
-        new = [i for i, s in enumerate(self.slots) if s is not None and not s.started]
-        if not new:
+        """Run the prompts of the newcomers in one left-padded pass over their slots; their
+        next-token logits (and prompt log-probabilities) come from it."""
+        run = [i for i, s in enumerate(self.slots) if s is not None and not s.started]
+        if not run:
             return
         ends = [self.pos + s.budget - 1 for s in self.slots if s is not None]
         self._ensure(max(self.pos, *ends))
-        for run in _runs(new):
-            self._prefill_run(run)
-
-    def _prefill_run(self, run: list[int]) -> None:
         slots = [self.slots[i] for i in run]
         assert all(s is not None for s in slots)
         longest = max(len(s.row.prompt) for s in slots)  # type: ignore[union-attr]
@@ -239,7 +236,9 @@ class SlotBatch:
             tokens[j, longest - n:] = torch.tensor(prompt, dtype=torch.long)
             self.key_mask[i] = False
             self.key_mask[i, self.pos - n:self.pos] = True
-        rows = slice(run[0], run[-1] + 1)
+        adjacent = run == list(range(run[0], run[-1] + 1))
+        rows = (slice(run[0], run[-1] + 1) if adjacent  # a view; else a gather of these rows
+                else torch.tensor(run, dtype=torch.long, device=self.device))
         with self._attached(rows):
             hidden = self.model.forward_part(tokens, self.model.layers.keys(), embed=True,
                                              head=False, start_pos=start,
@@ -261,9 +260,7 @@ class SlotBatch:
         inside the occupied prefix feed padding; their output is ignored)."""
         hi = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         step = [[s.result.ids[-1] if s is not None else self.pad_id] for s in self.slots[:hi]]
-        for i, s in enumerate(self.slots[:hi]):
-            if s is not None:
-                self.key_mask[i, self.pos] = True
+        self.key_mask[:hi, self.pos] = True  # a free slot's mask is reset when a row joins it
         self._ensure(self.pos + 1)
         rows = slice(0, hi)
         tokens = torch.tensor(step, dtype=torch.long, device=self.device)
@@ -293,7 +290,7 @@ class SlotBatch:
         self._caches = grown
 
     @contextmanager
-    def _attached(self, rows: slice) -> Iterator[None]:
+    def _attached(self, rows: slice | torch.Tensor) -> Iterator[None]:
         """The batch's caches on the model's attention layers for one pass over `rows`
         (detached after it, so the model is free for other users between steps)."""
         layers = list(self.model.layers.values())
@@ -305,17 +302,6 @@ class SlotBatch:
         finally:
             for layer in layers:
                 layer.attention.cache = None
-
-
-def _runs(indices: list[int]) -> list[list[int]]:
-    """Sorted indices split into runs of consecutive numbers."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and runs[-1][-1] == i - 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
 
 
 __all__ = ["SlotBatch", "Sampling", "supports"]

@@ -35,10 +35,10 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.rows = slice(None)
+        self.rows: slice | torch.Tensor = slice(None)
         """The batch rows the forward pass runs on (all by default): a slot-batching decoder
-        runs a newcomer's prefill on its own slot, a step on the occupied prefix. A slice, so
-        reads and writes stay views of the cache (no copy)."""
+        runs the newcomers' prefill on their slots, a step on the occupied prefix. A slice
+        keeps reads and writes views of the cache; an index tensor gathers those rows."""
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         end = start + k.shape[2]

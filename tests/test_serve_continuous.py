@@ -85,8 +85,9 @@ def alone(gen, prompt, max_tokens, temperature=0.0, top_k=None, top_p=None, seed
                                   gen.pad_id)[0].ids)
 
 
-def _long_and_short(port):
-    """A long request, then a short one 0.3 s later: (text, end time) of each."""
+def _long_and_short(port, cat):
+    """A long request (80 tokens: the end-of-text token cannot end it early), then a short
+    one 0.3 s later: (text, end time) of each."""
     out = {}
 
     def send(name, body, delay):
@@ -95,7 +96,8 @@ def _long_and_short(port):
         out[name] = (r["choices"][0]["text"], time.monotonic())
 
     threads = [threading.Thread(target=send, args=a) for a in [
-        ("long", {"prompt": "the cat", "max_tokens": 80, "temperature": 0}, 0.0),
+        ("long", {"prompt": "the cat", "max_tokens": 80, "temperature": 0,
+                  "logit_bias": {str(cat): 100}}, 0.0),
         ("short", {"prompt": "rain falls on the", "max_tokens": 3, "temperature": 0}, 0.3)]]
     for t in threads:
         t.start()
@@ -107,9 +109,11 @@ def _long_and_short(port):
 def test_a_short_request_is_answered_while_a_long_one_decodes(served, gen):
     port, engine = served
     assert engine.continuous
-    out = _long_and_short(port)
+    cat = gen.encode("cat")[0]
+    out = _long_and_short(port, cat)
     assert out["short"][1] < out["long"][1] - 0.5  # it did not wait for the long row
-    assert out["long"][0] == alone(gen, "the cat", 80)
+    assert out["long"][0] == alone(gen, "the cat", 80, bias={cat: 100})
+    assert len(out["long"][0].split()) == 80
     assert out["short"][0] == alone(gen, "rain falls on the", 3)
     m = wait_idle(port)
     assert m["batching"] == "continuous" and 0 < m["mean_slot_occupancy"] <= 1
@@ -118,7 +122,7 @@ def test_a_short_request_is_answered_while_a_long_one_decodes(served, gen):
 def test_static_batching_makes_the_short_request_wait(gen):
     server = _serve(gen, continuous=False)
     try:
-        out = _long_and_short(server.server_address[1])
+        out = _long_and_short(server.server_address[1], gen.encode("cat")[0])
         assert out["short"][1] >= out["long"][1] - 0.1  # answered with or after the long one
         assert out["short"][0] == alone(gen, "rain falls on the", 3)
     finally:

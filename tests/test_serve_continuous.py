@@ -239,3 +239,27 @@ def test_an_error_fails_only_its_rows_and_the_engine_goes_on(gen):
         assert gen.decode(again.ids) == alone(gen, "the cat", 5)
     finally:
         engine.close()
+
+
+def test_a_prompt_longer_than_the_batch_position_lets_shorter_ones_pass(gen):
+    from scaletrain.serving.engine import BatchingEngine
+
+    engine = BatchingEngine(gen, batch_size=3)
+    greedy = (0.0, None, None)
+    cat = gen.encode("cat")[0]
+    try:
+        running = engine.submit([Row(gen.encode("the"), 60, logit_bias={cat: 100})], greedy)[0]
+        time.sleep(0.2)  # decoding: the batch's position is about 10
+        long_prompt = gen.encode(" ".join(["the cat sat on the mat"] * 6))
+        assert len(long_prompt) > 25
+        late_long, late_short = engine.submit([Row(long_prompt, 3)], greedy) + engine.submit(
+            [Row(gen.encode("rain falls"), 3)], greedy)
+        short = late_short.result(30)
+        assert not late_long.done() and not running.done()  # it passed the waiting row
+        for fut, ids in ((late_long, long_prompt), (late_short, gen.encode("rain falls"))):
+            with gen.lock:  # the engine decodes the running row meanwhile
+                want = decode_rows(gen.model, [Row(ids, 3)], eos_id=gen.eos_id)[0].ids
+            assert fut.result(30).ids == want
+        assert short.ids == want and len(running.result(30).ids) == 60
+    finally:
+        engine.close()

@@ -4,9 +4,10 @@ Continuous batching (the default where the model allows it, `models.slot_decode`
 batch of `batch_size` slots; between two token steps waiting rows join free slots (their
 prompt is prefilled) and finished or cancelled rows leave, so a short request never waits for
 a long one and a freed slot is reused at the next step. Rows with different sampling settings
-share the batch. Waiting rows join in arrival order; a row that does not fit the cache next to
-the running ones (prompt longer than the batch's position, or budget past `max_seq_len`)
-waits, and the rows behind it too, until the batch has drained and restarts at position 0.
+share the batch. Waiting rows join in arrival order. A row whose prompt is longer than the
+batch's position is passed over until the position (one more every step) reaches it; a row
+whose budget would run past `max_seq_len` waits, and the rows behind it too, until the batch
+has drained and restarts at position 0.
 
 Static batching (`continuous=False`, and models with learned absolute positions or LongRoPE):
 the oldest waiting row and up to `batch_size - 1` more with the same temperature/top-k/top-p
@@ -157,21 +158,28 @@ class BatchingEngine:
         self._closing(batch.clear())  # type: ignore[arg-type]
 
     def _admit(self, batch: SlotBatch) -> list[tuple[Future, Exception]]:
-        """Waiting rows into free slots, in arrival order, while they fit."""
+        """Waiting rows into free slots in arrival order. A row whose prompt is longer than
+        the batch's position is passed over (the position grows every step: its turn comes
+        without the batch draining); any other row that does not fit stops admission, so
+        that the batch drains and restarts for it."""
         failed = []
         with self._cv:
-            while self._q:
-                row, key, fut = self._q[0]
+            i = 0
+            while i < len(self._q) and batch.occupied < self.batch_size:
+                row, key, fut = self._q[i]
                 try:
                     joined = batch.try_join(row, Sampling(*key), fut)
                 except ValueError as e:  # an invalid row fails alone
-                    self._q.popleft()
+                    del self._q[i]
                     failed.append((fut, e))
                     continue
-                if not joined:
+                if joined:
+                    del self._q[i]
+                    self.rows_decoded += 1
+                elif batch.decoding and len(row.prompt) > batch.pos:
+                    i += 1
+                else:
                     break
-                self._q.popleft()
-                self.rows_decoded += 1
         return failed
 
     def _drop_cancelled(self, batch: SlotBatch) -> None:

@@ -46,12 +46,13 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(1, 128, (n,), generator=g).tolist()
 
 
-def drive(model, items, slots, eos=None, arrive=None):
+def drive(model, items, slots, eos=None, arrive=None, compact_min=64):
     """Run `items` [(Row, Sampling)] through a SlotBatch; item k is offered from step
     `arrive[k]` on (all at once by default), in order. Returns per item: result, the step it
-    joined, the step it finished, its slot; and the largest occupancy seen."""
+    joined, the step it finished, its slot; the largest occupancy seen, and the batch."""
     arrive = arrive or [0] * len(items)
     batch = SlotBatch(model, slots, eos)
+    batch.compact_min = compact_min
     waiting = deque(range(len(items)))
     res, joined, ended, slot = {}, {}, {}, {}
     step = most = 0
@@ -64,12 +65,13 @@ def drive(model, items, slots, eos=None, arrive=None):
             joined[k] = step
             slot[k] = next(i for i, s in enumerate(batch.slots) if s is not None and s.tag == k)
         most = max(most, batch.occupied)
+        assert batch.offset + batch.pos <= model.args.max_seq_len
         for k, r in batch.step():
             assert not isinstance(r, Exception)
             res[k], ended[k] = r, step
         step += 1
         assert step < 1000
-    return [res[k] for k in range(len(items))], joined, ended, slot, most
+    return [res[k] for k in range(len(items))], joined, ended, slot, most, batch
 
 
 def _mixed_rows(eos_stop_len=3):
@@ -85,7 +87,8 @@ def test_rows_joining_mid_decode_equal_each_row_alone(model, sampling):
     rows = _mixed_rows()
     eos = generate(model, rows[1].prompt, 30)[6]  # row 1 meets it early
     arrive = [0, 0, 0, 2, 5, 5, 11, 30]  # later waves join a running batch
-    got, joined, ended, _, most = drive(model, [(r, sampling) for r in rows], 3, eos, arrive)
+    got, joined, ended, _, most, _ = drive(model, [(r, sampling) for r in rows], 3, eos,
+                                           arrive)
     for r, d in zip(rows, got):
         alone = decode_rows(model, [r], *vars(sampling).values(), eos_id=eos)[0]
         assert d.ids == alone.ids and d.finish_reason == alone.finish_reason
@@ -109,8 +112,8 @@ def test_rows_with_different_sampling_settings_share_a_batch(model):
 def test_a_late_row_reuses_the_freed_slot_before_the_long_row_ends(model):
     long, short, late = (Row(_prompt(4, 1), 60), Row(_prompt(10, 2), 3),
                          Row(_prompt(2, 3), 5))
-    got, joined, ended, slot, most = drive(model, [(long, GREEDY), (short, GREEDY),
-                                                   (late, GREEDY)], 2)
+    got, joined, ended, slot, most, _ = drive(model, [(long, GREEDY), (short, GREEDY),
+                                                      (late, GREEDY)], 2)
     assert most == 2
     assert joined[2] == ended[1] + 1 and slot[2] == slot[1]  # the freed slot, at once
     assert ended[2] < ended[0]  # finished while the long row still decodes
@@ -121,10 +124,24 @@ def test_a_late_row_reuses_the_freed_slot_before_the_long_row_ends(model):
 def test_newcomers_in_scattered_slots_are_prefilled_together(model):
     rows = [Row(_prompt(5, 1), 2), Row(_prompt(8, 2), 25), Row(_prompt(3, 3), 2),
             Row(_prompt(6, 4), 7), Row(_prompt(2, 5), 9)]
-    got, joined, _, slot, _ = drive(model, [(r, GREEDY) for r in rows], 3)
+    got, joined, _, slot, _, _ = drive(model, [(r, GREEDY) for r in rows], 3)
     assert (slot[3], slot[4]) == (0, 2) and joined[3] == joined[4]  # slot 1 still decodes
     for r, d in zip(rows, got):
         assert d.ids == generate(model, r.prompt, r.max_new_tokens)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(1.0, None, 0.9)])
+def test_compacted_cache_keeps_every_row_equal_to_alone(model, sampling):
+    """Rows keep arriving, so the batch never drains: the dead columns are dropped (the live
+    ones move left, RoPE positions stay) and the rows still decode what they decode alone."""
+    specs = [(n, s, b) for s, (n, b) in enumerate([(4, 30), (7, 9), (2, 14), (5, 22), (3, 6),
+                                                   (6, 17), (1, 11), (8, 25), (4, 8), (2, 19),
+                                                   (5, 13), (3, 21)])]
+    rows = [Row(_prompt(n, s), b, seed=s) for n, s, b in specs]
+    got, _, _, _, _, batch = drive(model, [(r, sampling) for r in rows], 3, compact_min=4)
+    assert batch.compactions >= 2
+    for r, d in zip(rows, got):
+        assert d.ids == decode_rows(model, [r], *vars(sampling).values())[0].ids
 
 
 def test_controls_logprobs_echo_and_budget_zero_as_decode_rows(model):
@@ -188,7 +205,7 @@ def test_other_rope_families_sliding_window_softcaps_qk_norm():
                          attn_softcap=30.0, final_softcap=20.0, qk_norm=True))
     rows = [Row(_prompt(n, s), b) for n, s, b in [(3, 1, 20), (15, 2, 12), (8, 3, 25),
                                                    (2, 4, 9)]]
-    got = drive(m, [(r, GREEDY) for r in rows], 2, arrive=[0, 0, 3, 8])[0]
+    got = drive(m, [(r, GREEDY) for r in rows], 2, arrive=[0, 0, 3, 8], compact_min=4)[0]
     for r, d in zip(rows, got):
         assert d.ids == generate(m, r.prompt, r.max_new_tokens)
 
@@ -223,7 +240,7 @@ def test_greedy_equals_transformers_generate_with_joins(tmp_path):
     ours = load_hf_checkpoint(tmp_path)[0]
     rows = [Row(_prompt(n, s), b) for n, s, b in [(7, 1, 30), (3, 2, 8), (12, 3, 20),
                                                    (5, 4, 15), (20, 5, 10)]]
-    got = drive(ours, [(r, GREEDY) for r in rows], 2, arrive=[0, 0, 2, 4, 6])[0]
+    got = drive(ours, [(r, GREEDY) for r in rows], 2, arrive=[0, 0, 2, 4, 6], compact_min=4)[0]
     for r, d in zip(rows, got):
         out = hf.generate(torch.tensor([r.prompt]), attention_mask=torch.ones(1, len(r.prompt)),
                           max_new_tokens=r.max_new_tokens, do_sample=False, pad_token_id=0,

@@ -15,10 +15,13 @@ callback, logit bias, presence/frequency penalties, a seeded generator, log-prob
 batch.
 
 Admission (`try_join`): a newcomer fits when its prompt fits left of `pos` (n <= pos) and its
-budget right of it (pos + budget - 1 <= max_seq_len); a batch with no decoding rows restarts
-at pos = 0, so a row that does not fit now fits once the batch has drained. Learned absolute
-position embeddings and LongRoPE are not shift-invariant: `supports(model)` is False for them
-and callers decode static batches (`decode_rows`) instead.
+last position stays inside the model's context (offset + pos + budget - 1 <= max_seq_len); a
+batch with no decoding rows restarts at pos = offset = 0, so a row that does not fit now
+fits once the batch has drained. Compaction: once every row's first column lies right of
+half the used columns, the live columns move to the left of the cache and `offset` keeps
+their RoPE positions, so attention never spans columns that no row uses any more. Learned
+absolute position embeddings and LongRoPE are not shift-invariant: `supports(model)` is
+False for them and callers decode static batches (`decode_rows`) instead.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class _Slot:
     result: Decoded
     controls: bool
     started: bool = False  # prefilled
+    start: int = 0  # the cache column of its first prompt token (once prefilled)
 
 
 def supports(model: Transformer) -> bool:
@@ -79,6 +83,9 @@ class SlotBatch:
         vocab = model.args.vocab_size
         self.slots: list[_Slot | None] = [None] * slots
         self.pos = 0  # the cache column the next fed token is written to
+        self.offset = 0  # the RoPE position of cache column 0 (> 0 after compaction)
+        self.compact_min = 64  # compact once this many columns at least are dead
+        self.compactions = 0
         self.key_mask = torch.zeros((slots, self.limit), dtype=torch.bool, device=self.device)
         self.logits = torch.zeros((slots, vocab), device=self.device)
         self.bias = torch.zeros((slots, vocab), device=self.device)
@@ -113,12 +120,12 @@ class SlotBatch:
             return False
         n = len(row.prompt)
         if self.decoding:
-            if n > self.pos or self.pos + budget - 1 > self.limit:
+            if n > self.pos or self.offset + self.pos + budget - 1 > self.limit:
                 return False
         else:  # the newcomers set the position: the longest prompt, all budgets must fit
             pos = max(self.pos, n)
             most = max([budget] + [s.budget for s in self.slots if s is not None])
-            if pos + most - 1 > self.limit:
+            if self.offset + pos + most - 1 > self.limit:
                 return False
             self.pos = pos
         generator = None
@@ -155,7 +162,7 @@ class SlotBatch:
     def _free(self, i: int) -> None:
         self.slots[i] = None
         if self.occupied == 0:  # restart at column 0 and give the cache memory back
-            self.pos = 0
+            self.pos = self.offset = 0
             self._caches = []
 
     # --- decoding -------------------------------------------------------------------------
@@ -165,6 +172,7 @@ class SlotBatch:
         that go on. Returns the rows that finished, with their result (or the exception their
         own callbacks raised). A failing forward pass raises: `clear` the batch then."""
         finished: list[tuple[Hashable, Decoded | Exception]] = []
+        self._compact()
         self._prefill()
         need_logp = [i for i, s in enumerate(self.slots) if s is not None
                      and s.row.logprobs is not None and s.budget > 0]
@@ -234,6 +242,7 @@ class SlotBatch:
             prompt = s.row.prompt  # type: ignore[union-attr]
             n = len(prompt)
             tokens[j, longest - n:] = torch.tensor(prompt, dtype=torch.long)
+            s.start = self.pos - n  # type: ignore[union-attr]
             self.key_mask[i] = False
             self.key_mask[i, self.pos - n:self.pos] = True
         adjacent = run == list(range(run[0], run[-1] + 1))
@@ -242,6 +251,7 @@ class SlotBatch:
         with self._attached(rows):
             hidden = self.model.forward_part(tokens, self.model.layers.keys(), embed=True,
                                              head=False, start_pos=start,
+                                             positions=self._positions(start, self.pos),
                                              key_mask=self.key_mask[rows])
         for j, s in enumerate(slots):
             assert s is not None
@@ -265,12 +275,39 @@ class SlotBatch:
         rows = slice(0, hi)
         tokens = torch.tensor(step, dtype=torch.long, device=self.device)
         with self._attached(rows):
-            out = self.model(tokens, self.pos, key_mask=self.key_mask[rows])
+            out = self.model(tokens, self.pos, key_mask=self.key_mask[rows],
+                             positions=self._positions(self.pos, self.pos + 1))
         self.logits[rows] = out[:, -1].float()
         self.pos += 1
         self.steps += 1
 
+    def _positions(self, start: int, end: int) -> torch.Tensor:
+        """The RoPE positions of cache columns start..end - 1."""
+        return torch.arange(start + self.offset, end + self.offset, device=self.device)
+
     # --- the KV cache ---------------------------------------------------------------------
+    def _compact(self) -> None:
+        """Move the live columns (from the leftmost first token of any row on) to the left
+        of the cache when the dead ones are at least as many; RoPE positions stay."""
+        if not self.decoding:
+            return
+        low = min(s.start if s.started else self.pos - len(s.row.prompt)
+                  for s in self.slots if s is not None)
+        if low < self.compact_min or 2 * low < self.pos:
+            return
+        live = self.pos - low
+        for c in self._caches:
+            c.k[:, :, :live] = c.k[:, :, low:self.pos].clone()
+            c.v[:, :, :live] = c.v[:, :, low:self.pos].clone()
+        self.key_mask[:, :live] = self.key_mask[:, low:self.pos].clone()
+        self.key_mask[:, live:] = False
+        for s in self.slots:
+            if s is not None and s.started:
+                s.start -= low
+        self.offset += low
+        self.pos = live
+        self.compactions += 1
+
     def _ensure(self, cols: int) -> None:
         """Caches of at least `cols` columns (grown by doubling, at most max_seq_len)."""
         have = self._caches[0].k.shape[2] if self._caches else 0

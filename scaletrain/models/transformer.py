@@ -155,8 +155,9 @@ class Transformer(nn.Module):
 
         `segment_ids`: see `hidden_states`. `positions` (seq,) overrides
         `start_pos + arange(seq)` for the RoPE/position tables (a rank holding a non-contiguous
-        slice of the sequence passes its own positions). `key_mask` (B, >= start_pos + S) bool
-        marks real tokens of a padded batch; False entries (padding) are never attended to.
+        slice of the sequence passes its own positions; a compacted KV cache, whose column
+        `start_pos` holds a later position). `key_mask` (B, >= start_pos + S) bool marks real
+        tokens (cache columns) of a padded batch; False entries (padding) are never attended to.
         `hidden`: return the final-norm hidden states (B, S, dim) instead of the logits (the
         fused loss applies the head itself; through `forward`, DDP and FSDP hooks still run).
         """
@@ -204,14 +205,15 @@ class Transformer(nn.Module):
                 raise ValueError("segment_ids cannot be combined with a KV cache (start_pos > 0) "
                                  "or explicit positions")
             positions, mask = segment_positions_and_mask(segment_ids)
-        elif positions is None:
-            if start_pos + seqlen > self.args.max_seq_len:
-                raise ValueError(
-                    f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
-                    f"{self.args.max_seq_len}"
-                )
-            positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
-            if key_mask is not None:
+        else:
+            if positions is None:
+                if start_pos + seqlen > self.args.max_seq_len:
+                    raise ValueError(
+                        f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
+                        f"{self.args.max_seq_len}"
+                    )
+                positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+            if key_mask is not None:  # over cache columns, whatever the RoPE positions
                 mask = padded_causal_mask(key_mask, start_pos, seqlen)
         h = self.tok_embeddings(x) if embed else x
         if embed and self.args.embed_scale:  # Gemma: sqrt(dim), rounded to the hidden dtype

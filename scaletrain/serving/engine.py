@@ -239,7 +239,7 @@ class BatchingEngine:
                 for it in items:
                     if not it[2].done():
                         it[2].set_exception(e)
-            with self._cv:
-                self._cancelled.difference_update(it[2] for it in items)
+            with self._cv:  # forget these rows and any cancelled after they were answered
+                self._cancelled = {f for f in self._cancelled if not f.done()}
             self.occupied = 0
         self._closing([])

@@ -1,21 +1,28 @@
-"""`scaletrain serve` under bounded concurrent load (loopback), batched vs one at a time, and
-`scaletrain eval` in-process vs lm_eval's `local-completions` through `serve`.
+"""`scaletrain serve` under bounded concurrent load (loopback): one at a time, static and
+continuous batching; and `scaletrain eval` in-process vs lm_eval's `local-completions`
+through `serve`.
 
     python bench/serve_cpu.py                          # debug model, 48 requests, 8 in flight
     python bench/serve_cpu.py --requests 24 --concurrency 4 --skip-eval
 
 The `debug` preset (random weights, BPE tokenizer trained here, as bench/synth_cpu.py).
 Serve: `scaletrain serve` in a subprocess with `--batch-size B` for each B of `--batch-sizes`
-(1 = one request at a time); `--concurrency` client threads send `--requests` completion
-requests in total (prompts of mixed lengths, max_tokens drawn from 8..`--max-tokens`, greedy,
-so rows of one batch finish at different times). Reported: requests/s, generated tokens/s,
-latency median and p95; and, on the largest batch size, one request carrying B prompts vs
-the same B prompts as concurrent requests. Eval: the same tiny task set (loglikelihood,
-multiple choice, generate_until, rolling loglikelihood; `--eval-docs` documents each) with
-`scaletrain eval` in-process and with lm_eval through a `serve` subprocess (lm_eval's
-default batch size 1), wall time each, and whether the metrics agree. Torch runs
-`--threads` threads (default 1) in every process. Results print as a table and go to
-bench/results/serve_cpu.json. Timings on a shared machine vary.
+(1 = one request at a time) and, for B > 1, each `--batching` mode (static: a batch runs
+until all its rows have finished; continuous: rows join and leave between tokens), repeated
+`--repeats` times in alternating order; `--concurrency` client threads send `--requests`
+completion requests in total (prompts of mixed lengths, max_tokens drawn from
+8..`--max-tokens`, greedy, so rows of one batch finish at different times). Reported:
+requests/s, generated tokens/s, latency median and p95, the server's mean slot occupancy
+(`GET /metrics`), whether every server gave the same text; and, on the largest batch size,
+one request carrying B prompts vs the same B prompts as concurrent requests. `--engine` runs
+the same load on the batching engine in this process too (no HTTP, no client threads
+competing with the server for the CPU).
+
+Eval: the same tiny task set (loglikelihood, multiple choice, generate_until, rolling
+loglikelihood; `--eval-docs` documents each) with `scaletrain eval` in-process and with
+lm_eval through a `serve` subprocess (lm_eval's default batch size 1), wall time each, and
+whether the metrics agree. Torch runs `--threads` threads (default 1) in every process.
+Results print as a table and go to bench/results/serve_cpu.json. Timings on a shared machine vary.
 """
 
 from __future__ import annotations
@@ -58,15 +65,19 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def load(url: str, requests: int, concurrency: int, max_tokens: int,
-         seed: int = 0) -> dict[str, float]:
-    """`requests` completions, `concurrency` in flight; latency per request and totals."""
+def request_bodies(requests: int, max_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    bodies = [{"model": "bench", "prompt": f"Write about {rng.choice(TOPICS)}: "
-               + " ".join(rng.choices(WORDS, k=rng.randint(2, 60))),
-               "max_tokens": rng.randint(8, max_tokens), "temperature": 0}
-              for _ in range(requests)]
+    return [{"model": "bench", "prompt": f"Write about {rng.choice(TOPICS)}: "
+             + " ".join(rng.choices(WORDS, k=rng.randint(2, 60))),
+             "max_tokens": rng.randint(8, max_tokens), "temperature": 0}
+            for _ in range(requests)]
+
+
+def closed_loop(send: Any, requests: int, concurrency: int) -> dict[str, Any]:
+    """`send(i) -> (text, completion tokens)` for i < `requests`, `concurrency` clients each
+    sending its next request when the last one is answered; latencies, totals and texts."""
     latencies: list[float] = []
+    texts: list[str] = [""] * requests
     tokens = [0]
     lock = threading.Lock()
     todo = list(range(requests))
@@ -78,11 +89,12 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int,
                     return
                 i = todo.pop()
             t0 = time.perf_counter()
-            r = _post(url, bodies[i])
+            text, n = send(i)
             dt = time.perf_counter() - t0
             with lock:
                 latencies.append(dt)
-                tokens[0] += r["usage"]["completion_tokens"]
+                texts[i] = text
+                tokens[0] += n
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -96,7 +108,51 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int,
             "tokens_per_s": round(tokens[0] / wall, 1), "completion_tokens": tokens[0],
             "latency_median_s": round(statistics.median(latencies), 3),
             "latency_p95_s": round(latencies[min(len(latencies) - 1,
-                                                 int(0.95 * len(latencies)))], 3)}
+                                                 int(0.95 * len(latencies)))], 3),
+            "texts": texts}
+
+
+def load(url: str, requests: int, concurrency: int, max_tokens: int,
+         seed: int = 0) -> dict[str, Any]:
+    """`requests` completions over HTTP, `concurrency` in flight."""
+    bodies = request_bodies(requests, max_tokens, seed)
+
+    def send(i: int) -> tuple[str, int]:
+        r = _post(url, bodies[i])
+        return r["choices"][0]["text"], r["usage"]["completion_tokens"]
+
+    return closed_loop(send, requests, concurrency)
+
+
+def engine_load(ckpt: Path, batch_size: int, continuous: bool, requests: int,
+                concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """The same load on the batching engine in this process (no HTTP, no client processes
+    competing for the CPU): what the batching itself gains."""
+    from scaletrain.data.synth.generators import LocalGenerator
+    from scaletrain.models.batch_decode import Row
+    from scaletrain.serving.engine import BatchingEngine
+
+    gen = LocalGenerator.from_checkpoint(ckpt)
+    bodies = request_bodies(requests, max_tokens)
+    rows = [Row(gen.encode(b["prompt"]), b["max_tokens"]) for b in bodies]
+    engine = BatchingEngine(gen, batch_size, continuous=continuous)
+
+    def send(i: int) -> tuple[str, int]:
+        d = engine.submit([rows[i]], (0.0, None, None))[0].result()
+        return gen.decode(d.ids), len(d.ids)
+
+    try:
+        engine.submit([rows[0]], (0.0, None, None))[0].result()  # warm-up
+        r = closed_loop(send, requests, concurrency)
+        r["mean_slot_occupancy"] = engine.metrics()["mean_slot_occupancy"]
+        return r
+    finally:
+        engine.close()
+
+
+def _metrics(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url.rsplit("/v1", 1)[0] + "/metrics", timeout=30) as r:
+        return json.loads(r.read())
 
 
 def prompt_list(url: str, prompts: int, max_tokens: int, seed: int = 0) -> dict[str, float]:
@@ -212,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--batching", default="static,continuous",
+                   help="modes compared for batch sizes > 1")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--engine", action="store_true",
+                   help="also the same load on the engine in-process (no HTTP)")
     p.add_argument("--eval-docs", type=int, default=20)
     p.add_argument("--skip-eval", action="store_true")
     p.add_argument("--threads", type=int, default=1)
@@ -220,29 +281,53 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # for the server subprocesses
     sizes = [int(x) for x in a.batch_sizes.split(",")]
+    modes = a.batching.split(",")
+    servers = [(b, m) for b in sizes for m in (modes if b > 1 else ["static"])]
     rows: dict[str, Any] = {}
+    texts: list[list[str]] = []
+    lists = None
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(Path(tmp) / "bench")
-        for b in sizes:
-            proc, url = start_server(ckpt, b)
-            try:
-                load(url, min(4, a.requests), min(4, a.concurrency), 8, seed=1)  # warm-up
-                rows[f"batch_size={b}"] = load(url, a.requests, a.concurrency, a.max_tokens)
-                if b == max(sizes):
-                    lists = prompt_list(url, b, a.max_tokens)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+        for rep in range(a.repeats):
+            for b, mode in servers if rep % 2 == 0 else servers[::-1]:
+                proc, url = start_server(ckpt, b, "--batching", mode)
+                try:
+                    load(url, min(4, a.requests), min(4, a.concurrency), 8, seed=1)  # warm-up
+                    r = load(url, a.requests, a.concurrency, a.max_tokens)
+                    texts.append(r.pop("texts"))
+                    m = _metrics(url)
+                    r["mean_slot_occupancy"] = m.get("mean_slot_occupancy")
+                    rows[f"{b} {mode}" + (f" #{rep + 1}" if a.repeats > 1 else "")] = r
+                    if b == max(sizes) and mode == modes[-1] and lists is None:
+                        lists = prompt_list(url, b, a.max_tokens)
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+        engine_rows: dict[str, Any] = {}
+        for rep in range(a.repeats if a.engine else 0):
+            for b, mode in servers if rep % 2 == 0 else servers[::-1]:
+                r = engine_load(ckpt, b, mode == "continuous", a.requests, a.concurrency,
+                                a.max_tokens)
+                texts.append(r.pop("texts"))
+                engine_rows[f"{b} {mode}" + (f" #{rep + 1}" if a.repeats > 1 else "")] = r
         evals = None if a.skip_eval else eval_times(ckpt, Path(tmp), a.eval_docs)
+    same = all(t == texts[0] for t in texts)
     print(f"serve: {a.requests} requests, {a.concurrency} in flight, max_tokens 8..{a.max_tokens}"
-          f", {a.threads} thread(s)")
-    print(f"{'server':<14}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}")
-    for name, r in rows.items():
-        print(f"{name:<14}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
-              f"{r['latency_median_s']:>8.2f}{r['latency_p95_s']:>8.2f}")
-    print(f"{lists['prompts']} prompts in one request: {lists['one_request_s']:.2f} s; as "
-          f"{lists['prompts']} concurrent requests: {lists['concurrent_requests_s']:.2f} s; "
-          f"same text: {lists['same_text']}")
+          f", {a.threads} thread(s); every server gave the same text: {same}")
+    for title, table in (("through HTTP", rows), ("engine in-process", engine_rows)):
+        if not table:
+            continue
+        print(f"{title + ': batch, mode':<36}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}"
+              f"{'slots':>7}")
+        for name, r in table.items():
+            occ = r["mean_slot_occupancy"]
+            print(f"{'  ' + name:<36}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
+                  f"{r['latency_median_s']:>8.2f}{r['latency_p95_s']:>8.2f}"
+                  f"{'' if occ is None else f'{occ:.2f}':>7}")
+    if lists:
+        print(f"{lists['prompts']} prompts in one request: {lists['one_request_s']:.2f} s; as "
+              f"{lists['prompts']} concurrent requests: {lists['concurrent_requests_s']:.2f} s;"
+              f" same text: {lists['same_text']}")
     if evals:
         print(f"eval ({len(evals['tasks'])} tasks x {evals['docs_per_task']} docs): in-process "
               f"{evals['in_process_s']:.1f} s, through serve {evals['through_serve_s']:.1f} s, "
@@ -251,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
            "load_average_1min_at_end": round(os.getloadavg()[0], 2),
            "threads": a.threads, "torch": torch.__version__, "requests": a.requests,
            "concurrency": a.concurrency, "max_tokens": a.max_tokens, "serve": rows,
+           "engine_in_process": engine_rows,
+           "same_text_every_server": same,
            "prompt_list": lists,
            "eval": evals}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)

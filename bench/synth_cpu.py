@@ -78,10 +78,10 @@ def timed(fn, repeats: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
-def start_server(ckpt: Path, batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(ckpt: Path, batch: int, *extra: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "scaletrain", "serve", "--checkpoint", str(ckpt), "--port", "0",
-         "--batch-size", str(batch)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+         "--batch-size", str(batch), *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True, cwd=ROOT)
     line = proc.stdout.readline()  # "serving NAME on http://HOST:PORT/v1 ..."
     if "http://" not in line:

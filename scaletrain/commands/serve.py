@@ -1,9 +1,11 @@
 """`scaletrain serve --checkpoint DIR --port P`: an OpenAI-compatible HTTP endpoint.
 
 POST /v1/completions and /v1/chat/completions, GET /v1/models and /health, over scaletrain's
-batched KV-cache generation. Requests that arrive together are decoded together: a worker
-thread takes up to `--batch-size` waiting requests with the same sampling settings and runs
-them as one left-padded batch. Binds to loopback unless `--host` says otherwise.
+batched KV-cache generation. A worker thread decodes up to `--batch-size` rows at once with
+continuous batching: waiting rows join the running batch between two tokens and finished or
+abandoned ones leave it (`--batching static`: whole batches of rows with the same sampling
+settings, the fallback for models with learned absolute positions or LongRoPE). Binds to
+loopback unless `--host` says otherwise.
 Streaming (`stream: true`) sends server-sent events. See docs/serve.md for the fields and
 the limits (body size, read timeout, n, prompts per request).
 """
@@ -28,7 +30,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
-    p.add_argument("--batch-size", type=int, default=8, help="most requests decoded together")
+    p.add_argument("--batch-size", type=int, default=8, help="most rows decoded together")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous: rows join and leave a running batch between tokens "
+                        "(models with learned absolute positions or LongRoPE fall back to "
+                        "static); static: a batch runs until all its rows have finished")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
     p.add_argument("--model-name", default=None, help="the name /v1/models reports")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
@@ -56,7 +62,8 @@ def main(argv: list[str]) -> int:
                           max_body_bytes=int(args.max_body_mb * (1 << 20)),
                           read_timeout_s=args.read_timeout,
                           max_connections=args.max_connections)
-    server = make_server(gen, args.host, args.port, name, args.batch_size, limits)
+    server = make_server(gen, args.host, args.port, name, args.batch_size, limits,
+                         continuous=args.batching == "continuous")
     host, port = server.server_address[:2]
     print(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
     try:

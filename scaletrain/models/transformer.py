@@ -35,14 +35,18 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.rows: slice | torch.Tensor = slice(None)
+        """The batch rows the forward pass runs on (all by default): a slot-batching decoder
+        runs the newcomers' prefill on their slots, a step on the occupied prefix. A slice
+        keeps reads and writes views of the cache; an index tensor gathers those rows."""
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         end = start + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked for {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        self.k[self.rows, :, start:end] = k
+        self.v[self.rows, :, start:end] = v
+        return self.k[self.rows, :, :end], self.v[self.rows, :, :end]
 
 
 class Attention(nn.Module):
@@ -151,8 +155,9 @@ class Transformer(nn.Module):
 
         `segment_ids`: see `hidden_states`. `positions` (seq,) overrides
         `start_pos + arange(seq)` for the RoPE/position tables (a rank holding a non-contiguous
-        slice of the sequence passes its own positions). `key_mask` (B, >= start_pos + S) bool
-        marks real tokens of a padded batch; False entries (padding) are never attended to.
+        slice of the sequence passes its own positions; a compacted KV cache, whose column
+        `start_pos` holds a later position). `key_mask` (B, >= start_pos + S) bool marks real
+        tokens (cache columns) of a padded batch; False entries (padding) are never attended to.
         `hidden`: return the final-norm hidden states (B, S, dim) instead of the logits (the
         fused loss applies the head itself; through `forward`, DDP and FSDP hooks still run).
         """
@@ -200,14 +205,15 @@ class Transformer(nn.Module):
                 raise ValueError("segment_ids cannot be combined with a KV cache (start_pos > 0) "
                                  "or explicit positions")
             positions, mask = segment_positions_and_mask(segment_ids)
-        elif positions is None:
-            if start_pos + seqlen > self.args.max_seq_len:
-                raise ValueError(
-                    f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
-                    f"{self.args.max_seq_len}"
-                )
-            positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
-            if key_mask is not None:
+        else:
+            if positions is None:
+                if start_pos + seqlen > self.args.max_seq_len:
+                    raise ValueError(
+                        f"sequence of {start_pos + seqlen} tokens exceeds max_seq_len "
+                        f"{self.args.max_seq_len}"
+                    )
+                positions = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+            if key_mask is not None:  # over cache columns, whatever the RoPE positions
                 mask = padded_causal_mask(key_mask, start_pos, seqlen)
         h = self.tok_embeddings(x) if embed else x
         if embed and self.args.embed_scale:  # Gemma: sqrt(dim), rounded to the hidden dtype

@@ -2,8 +2,11 @@
 
 Every answer that is not a success is OpenAI-shaped JSON ({"error": {...}}), whatever the
 status or method. A request body is bounded (`max_body_bytes`, 413) and must arrive within
-`read_timeout_s` (408); a request waits at most `request_timeout_s` for its completions; at
-most `max_connections` connections are open at once (503 beyond).
+`read_timeout_s` (408); a request waits at most `request_timeout_s` for its completions
+(504, and its rows are cancelled); at most `max_connections` connections are open at once
+(503 beyond). A client that goes away (a stream's write fails, or a waiting connection is
+closed) cancels its rows: they stop decoding at the next token. `GET /metrics` reports the
+engine's counters.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import select
+import socket
 import threading
+import time
+from concurrent.futures import wait
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -27,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 ROUTES = {"/v1/completions": False, "/completions": False,
           "/v1/chat/completions": True, "/chat/completions": True}
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while its completions were decoded."""
 
 
 @dataclass
@@ -71,10 +82,12 @@ class _Server(ThreadingHTTPServer):
 
 def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
                 model_name: str = "scaletrain", batch_size: int = 8,
-                limits: ServerLimits | None = None) -> ThreadingHTTPServer:
-    """A ready (not yet serving) server; `port=0` picks a free port (`server.server_address`)."""
+                limits: ServerLimits | None = None,
+                continuous: bool | None = None) -> ThreadingHTTPServer:
+    """A ready (not yet serving) server; `port=0` picks a free port (`server.server_address`).
+    `continuous`: continuous batching (None: wherever the model allows it), else static."""
     lim = limits or ServerLimits()
-    engine = BatchingEngine(gen, batch_size)
+    engine = BatchingEngine(gen, batch_size, continuous=continuous)
     vocab = gen.model.args.vocab_size
 
     class Handler(BaseHTTPRequestHandler):
@@ -124,6 +137,8 @@ def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
                                      code="model_not_found"))
             elif path == "/health":
                 self._send(200, {"status": "ok"})
+            elif path == "/metrics":
+                self._send(200, engine.metrics())
             else:
                 self._error(ApiError(404, f"no route GET {self.path}; try /v1/models",
                                      code="not_found"))
@@ -172,8 +187,11 @@ def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
                 if req.stream:
                     self._stream(job)
                 else:
+                    self._wait(job)
                     self._send(200, responses.finish(job, gen, model_name,
                                                      lim.request_timeout_s))
+            except _ClientGone:
+                self.close_connection = True
             except ApiError as e:
                 self._error(e)
             except ValueError as e:  # a prompt that encodes to nothing, ...
@@ -184,6 +202,29 @@ def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
             except Exception as e:  # keep serving; report the failure to the client
                 logger.exception("request failed")
                 self._error(ApiError(500, f"{type(e).__name__}: {e}"))
+
+        def _wait(self, job: responses.Job) -> None:
+            """Until every row of `job` is done; cancels them when the client goes away or the
+            request times out."""
+            deadline = time.monotonic() + lim.request_timeout_s
+            pending = set(job.futures)
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    engine.cancel(job.futures)
+                    raise TimeoutError
+                pending = wait(pending, timeout=min(0.2, left)).not_done
+                if pending and self._client_gone():
+                    engine.cancel(job.futures)
+                    raise _ClientGone
+
+        def _client_gone(self) -> bool:
+            """Whether the peer closed the connection (readable with nothing to read)."""
+            try:
+                readable = select.select([self.connection], [], [], 0)[0]
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except (OSError, ValueError):
+                return True
 
         def _stream(self, job: responses.Job) -> None:
             self.close_connection = True  # the stream's end is the connection's end
@@ -197,8 +238,10 @@ def make_server(gen: LocalGenerator, host: str = "127.0.0.1", port: int = 8000,
                     self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                     self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
+                engine.cancel(job.futures)  # nobody reads on: stop decoding its rows
                 return
             except Exception as e:  # after the headers, an error can only be an event
+                engine.cancel(job.futures)
                 logger.exception("stream failed")
                 self.wfile.write(f"data: {json.dumps(ApiError(500, str(e)).body())}\n\n"
                                  .encode())

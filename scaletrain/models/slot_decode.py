@@ -1,0 +1,344 @@
+"""Continuous (in-flight) batching: rows join and leave a running batch at token boundaries.
+
+`SlotBatch` decodes up to `slots` rows through one KV cache. Every row writes its next token
+at the same cache column `pos`. A newcomer's prompt is prefilled into a free slot
+right-aligned to `pos` (columns `pos - n .. pos - 1`), the columns left of it masked out of
+attention, and from the next step on it decodes alongside the others. RoPE sees only the
+distance between a query and a key (sliding windows too), so the row computes what it would
+compute alone, up to float rounding. A row that finishes, or is dropped, frees its slot at
+once for the next newcomer.
+
+Per row, exactly as `batch_decode.decode_rows`: the budget, end-of-sequence ids and the stop
+callback, logit bias, presence/frequency penalties, a seeded generator, log-probabilities
+(generated, prompt and top alternatives) and `on_token` streaming. The sampling settings
+(temperature, top-k, top-p) are per row as well, so rows with different settings share a
+batch.
+
+Admission (`try_join`): a newcomer fits when its prompt fits left of `pos` (n <= pos) and its
+last position stays inside the model's context (offset + pos + budget - 1 <= max_seq_len); a
+batch with no decoding rows restarts at pos = offset = 0, so a row that does not fit now
+fits once the batch has drained. Compaction: once every row's first column lies right of
+half the used columns, the live columns move to the left of the cache and `offset` keeps
+their RoPE positions, so attention never spans columns that no row uses any more. Learned
+absolute position embeddings and LongRoPE are not shift-invariant: `supports(model)` is
+False for them and callers decode static batches (`decode_rows`) instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from scaletrain.models.batch_decode import Decoded, Row, _top
+from scaletrain.models.generation import _check, filter_logits
+from scaletrain.models.transformer import KVCache, Transformer
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+
+@dataclass
+class _Slot:
+    row: Row
+    tag: Hashable
+    budget: int
+    sampling: Sampling
+    generator: torch.Generator | None
+    result: Decoded
+    controls: bool
+    started: bool = False  # prefilled
+    start: int = 0  # the cache column of its first prompt token (once prefilled)
+
+
+def supports(model: Transformer) -> bool:
+    """Whether rows may sit at shifted positions: relative positions only (no learned absolute
+    position table, no LongRoPE switch to long factors)."""
+    s = model.args.rope_scaling
+    return model.pos_embeddings is None and (s is None or s.kind != "longrope")
+
+
+class SlotBatch:
+    """Up to `slots` rows decoded together; see the module docstring. Not thread-safe: one
+    owner calls `try_join`, `step` and `drop`."""
+
+    def __init__(self, model: Transformer, slots: int, eos_id: int | Iterable[int] | None = None,
+                 pad_id: int = 0):
+        if not supports(model):
+            raise ValueError("continuous batching needs relative positions (RoPE without "
+                             "LongRoPE); decode this model with decode_rows")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1 (got {slots})")
+        self.model, self.pad_id = model, pad_id
+        self.stop_ids = (set() if eos_id is None
+                         else {eos_id} if isinstance(eos_id, int) else set(eos_id))
+        self.limit = model.args.max_seq_len
+        self.device = model.tok_embeddings.weight.device
+        vocab = model.args.vocab_size
+        self.slots: list[_Slot | None] = [None] * slots
+        self.pos = 0  # the cache column the next fed token is written to
+        self.offset = 0  # the RoPE position of cache column 0 (> 0 after compaction)
+        self.compact_min = 64  # compact once this many columns at least are dead
+        self.compactions = 0
+        self.key_mask = torch.zeros((slots, self.limit), dtype=torch.bool, device=self.device)
+        self.logits = torch.zeros((slots, vocab), device=self.device)
+        self.bias = torch.zeros((slots, vocab), device=self.device)
+        self.counts = torch.zeros((slots, vocab), device=self.device)
+        self.presence = torch.zeros((slots, 1), device=self.device)
+        self.frequency = torch.zeros((slots, 1), device=self.device)
+        self._caches: list[KVCache] = []
+        self.steps = 0  # forward steps run (prefills not counted)
+        self.tokens = 0  # tokens picked
+
+    # --- occupancy ------------------------------------------------------------------------
+    @property
+    def occupied(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether rows are decoding (pos is then fixed by them)."""
+        return any(s is not None and s.started for s in self.slots)
+
+    def tags(self) -> list[Hashable]:
+        return [s.tag for s in self.slots if s is not None]
+
+    # --- joining and leaving --------------------------------------------------------------
+    def try_join(self, row: Row, sampling: Sampling, tag: Hashable) -> bool:
+        """Take `row` into a free slot (prefilled at the next `step`); False when no slot is
+        free or it does not fit the cache now. Raises ValueError for an invalid row."""
+        budget = _check(self.model, row.prompt, row.max_new_tokens, sampling.temperature,
+                        sampling.top_k, sampling.top_p)
+        free = next((i for i, s in enumerate(self.slots) if s is None), None)
+        if free is None:
+            return False
+        n = len(row.prompt)
+        if self.decoding:
+            if n > self.pos or self.offset + self.pos + budget - 1 > self.limit:
+                return False
+        else:  # the newcomers set the position: the longest prompt, all budgets must fit
+            pos = max(self.pos, n)
+            most = max([budget] + [s.budget for s in self.slots if s is not None])
+            if self.offset + pos + most - 1 > self.limit:
+                return False
+            self.pos = pos
+        generator = None
+        if sampling.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(row.seed) if row.seed is not None else generator.seed()
+        controls = bool(row.logit_bias or row.presence_penalty or row.frequency_penalty)
+        self.slots[free] = _Slot(row, tag, budget, sampling, generator, Decoded([], "length"),
+                                 controls)
+        self.bias[free] = 0
+        for tok, b in row.logit_bias.items():
+            self.bias[free, tok] = b
+        self.counts[free] = 0
+        self.presence[free] = row.presence_penalty
+        self.frequency[free] = row.frequency_penalty
+        return True
+
+    def drop(self, tag: Hashable) -> Decoded | None:
+        """Remove the row `tag` (its slot is free for the next step); what it had decoded, or
+        None when no such row is here."""
+        for i, s in enumerate(self.slots):
+            if s is not None and s.tag == tag:
+                self._free(i)
+                return s.result
+        return None
+
+    def clear(self) -> list[Hashable]:
+        """Remove every row (after a failed step); their tags."""
+        tags = self.tags()
+        for i in range(len(self.slots)):
+            self._free(i)
+        return tags
+
+    def _free(self, i: int) -> None:
+        self.slots[i] = None
+        if self.occupied == 0:  # restart at column 0 and give the cache memory back
+            self.pos = self.offset = 0
+            self._caches = []
+
+    # --- decoding -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, Decoded | Exception]]:
+        """Prefill the newcomers, pick one token for every row, feed the tokens of the rows
+        that go on. Returns the rows that finished, with their result (or the exception their
+        own callbacks raised). A failing forward pass raises: `clear` the batch then."""
+        finished: list[tuple[Hashable, Decoded | Exception]] = []
+        self._compact()
+        self._prefill()
+        need_logp = [i for i, s in enumerate(self.slots) if s is not None
+                     and s.row.logprobs is not None and s.budget > 0]
+        logp = self.logits[need_logp].log_softmax(-1) if need_logp else None
+        for i, s in enumerate(self.slots):
+            if s is None:
+                continue
+            try:
+                done = s.budget == 0 or self._advance(i, s, logp, need_logp)
+            except Exception as e:  # a row's own callback: it fails alone
+                finished.append((s.tag, e))
+                self._free(i)
+                continue
+            if done:
+                finished.append((s.tag, s.result))
+                self._free(i)
+        if self.occupied:
+            self._feed()
+        return finished
+
+    def _advance(self, i: int, s: _Slot, logp: torch.Tensor | None, need_logp: list[int]
+                 ) -> bool:
+        """Pick, record and stream row i's next token; True when the row has finished."""
+        tok = self._pick(i, s)
+        self.tokens += 1
+        res, row = s.result, s.row
+        res.ids.append(tok)
+        if s.controls:
+            self.counts[i, tok] += 1
+        if logp is not None and row.logprobs is not None:
+            lp = logp[need_logp.index(i)]
+            res.logprobs.append(float(lp[tok]))
+            res.top.append(_top(lp, row.logprobs))
+        if row.on_token is not None:
+            row.on_token(tok)
+        if tok in self.stop_ids or (row.stop is not None and row.stop(res.ids)):
+            res.finish_reason = "stop"
+            return True
+        return len(res.ids) == s.budget
+
+    def _pick(self, i: int, s: _Slot) -> int:
+        logits = self.logits[i]
+        if s.controls:  # as decode_rows: bias, presence and frequency from the raw logits
+            logits = (logits + self.bias[i] - self.presence[i] * (self.counts[i] > 0)
+                      - self.frequency[i] * self.counts[i])
+        sp = s.sampling
+        if sp.temperature == 0:
+            return int(logits.argmax(dim=-1))
+        probs = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p).softmax(dim=-1)
+        return int(torch.multinomial(probs, 1, generator=s.generator))
+
+    def _prefill(self) -> None:
+        """Run the prompts of the newcomers in one left-padded pass over their slots; their
+        next-token logits (and prompt log-probabilities) come from it."""
+        run = [i for i, s in enumerate(self.slots) if s is not None and not s.started]
+        if not run:
+            return
+        ends = [self.pos + s.budget - 1 for s in self.slots if s is not None]
+        self._ensure(max(self.pos, *ends))
+        slots = [self.slots[i] for i in run]
+        assert all(s is not None for s in slots)
+        longest = max(len(s.row.prompt) for s in slots)  # type: ignore[union-attr]
+        start = self.pos - longest
+        tokens = torch.full((len(run), longest), self.pad_id, dtype=torch.long,
+                            device=self.device)
+        for j, (i, s) in enumerate(zip(run, slots)):
+            prompt = s.row.prompt  # type: ignore[union-attr]
+            n = len(prompt)
+            tokens[j, longest - n:] = torch.tensor(prompt, dtype=torch.long)
+            s.start = self.pos - n  # type: ignore[union-attr]
+            self.key_mask[i] = False
+            self.key_mask[i, self.pos - n:self.pos] = True
+        adjacent = run == list(range(run[0], run[-1] + 1))
+        rows = (slice(run[0], run[-1] + 1) if adjacent  # a view; else a gather of these rows
+                else torch.tensor(run, dtype=torch.long, device=self.device))
+        with self._attached(rows):
+            hidden = self.model.forward_part(tokens, self.model.layers.keys(), embed=True,
+                                             head=False, start_pos=start,
+                                             positions=self._positions(start, self.pos),
+                                             key_mask=self.key_mask[rows])
+        for j, s in enumerate(slots):
+            assert s is not None
+            s.started = True
+            if s.row.echo_logprobs:
+                n = len(s.row.prompt)
+                lp = self.model.logits(hidden[j, longest - n:longest - 1]).float().log_softmax(-1)
+                nxt = torch.tensor(s.row.prompt[1:], dtype=torch.long, device=self.device)
+                chosen = lp.gather(-1, nxt[:, None])[:, 0].tolist() if len(nxt) else []
+                s.result.prompt_logprobs = [None, *chosen]
+                s.result.prompt_top = [{}] + [_top(x, s.row.logprobs or 0) for x in lp]
+        self.logits[rows] = self.model.logits(hidden[:, -1]).float()
+
+    def _feed(self) -> None:
+        """One forward step: every occupied slot's last token at column `pos` (free slots
+        inside the occupied prefix feed padding; their output is ignored)."""
+        hi = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+        step = [[s.result.ids[-1] if s is not None else self.pad_id] for s in self.slots[:hi]]
+        self.key_mask[:hi, self.pos] = True  # a free slot's mask is reset when a row joins it
+        self._ensure(self.pos + 1)
+        rows = slice(0, hi)
+        tokens = torch.tensor(step, dtype=torch.long, device=self.device)
+        with self._attached(rows):
+            out = self.model(tokens, self.pos, key_mask=self.key_mask[rows],
+                             positions=self._positions(self.pos, self.pos + 1))
+        self.logits[rows] = out[:, -1].float()
+        self.pos += 1
+        self.steps += 1
+
+    def _positions(self, start: int, end: int) -> torch.Tensor:
+        """The RoPE positions of cache columns start..end - 1."""
+        return torch.arange(start + self.offset, end + self.offset, device=self.device)
+
+    # --- the KV cache ---------------------------------------------------------------------
+    def _compact(self) -> None:
+        """Move the live columns (from the leftmost first token of any row on) to the left
+        of the cache when the dead ones are at least as many; RoPE positions stay."""
+        if not self.decoding:
+            return
+        low = min(s.start if s.started else self.pos - len(s.row.prompt)
+                  for s in self.slots if s is not None)
+        if low < self.compact_min or 2 * low < self.pos:
+            return
+        live = self.pos - low
+        for c in self._caches:
+            c.k[:, :, :live] = c.k[:, :, low:self.pos].clone()
+            c.v[:, :, :live] = c.v[:, :, low:self.pos].clone()
+        self.key_mask[:, :live] = self.key_mask[:, low:self.pos].clone()
+        self.key_mask[:, live:] = False
+        for s in self.slots:
+            if s is not None and s.started:
+                s.start -= low
+        self.offset += low
+        self.pos = live
+        self.compactions += 1
+
+    def _ensure(self, cols: int) -> None:
+        """Caches of at least `cols` columns (grown by doubling, at most max_seq_len)."""
+        have = self._caches[0].k.shape[2] if self._caches else 0
+        if cols <= have:
+            return
+        size = min(self.limit, max(cols, 2 * have))
+        param = self.model.tok_embeddings.weight
+        grown = []
+        for i, layer in enumerate(self.model.layers.values()):
+            attn = layer.attention
+            c = KVCache(len(self.slots), attn.n_kv_heads, size, attn.head_dim, param.dtype,
+                        param.device)
+            if have:
+                c.k[:, :, :have] = self._caches[i].k
+                c.v[:, :, :have] = self._caches[i].v
+            grown.append(c)
+        self._caches = grown
+
+    @contextmanager
+    def _attached(self, rows: slice | torch.Tensor) -> Iterator[None]:
+        """The batch's caches on the model's attention layers for one pass over `rows`
+        (detached after it, so the model is free for other users between steps)."""
+        layers = list(self.model.layers.values())
+        for layer, cache in zip(layers, self._caches):
+            cache.rows = rows
+            layer.attention.cache = cache
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.attention.cache = None
+
+
+__all__ = ["SlotBatch", "Sampling", "supports"]

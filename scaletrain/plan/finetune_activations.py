@@ -1,0 +1,170 @@
+"""Activation bytes of a fine-tuning run: what autograd keeps when parts of the model are frozen.
+
+Autograd keeps a tensor only for a gradient it will compute (measured with
+`profiling/saved_bytes.py`, `finetune` hook; tests/test_plan_finetune_activations.py):
+
+- a linear keeps its input only when its weight trains or it carries a LoRA adapter (the frozen
+  weight alone gives the input gradient); an adapter also keeps its r-wide `x A^T` (c T r);
+  under autocast over an fp32 residual each such linear keeps its own cast of the input;
+- a block (or the embedding) in front of the first trainable parameter keeps nothing: neither
+  its input nor its parameters need a gradient. The first block that trains but whose input
+  needs no gradient (frozen embeddings) keeps of its first norm only what the norm weight's
+  gradient needs (CPU composite fp32 RMSNorm: x * rstd; the other kernels keep input and rstd
+  anyway);
+- attention keeps q, k, v, its output and the log-sum-exp when any of q, k, v needs a gradient;
+  the gated MLP keeps w1 x and w3 x when either does, and the down projection's input when it
+  trains;
+- the classification head (`SequenceClassifier`) runs the final norm over every token but no
+  LM head: it keeps the last-token gather's indices, the score's (batch, dim) input and a
+  (batch, labels) fp32 log-softmax with int64 targets.
+
+Covered: Llama-style dense blocks without Qwen3 q/k norms, Gemma 2 post-norms or soft caps,
+one device or DDP (no tensor, sequence or context parallelism). Other models keep the
+pretraining estimate (`supported` says which).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.models.args import ModelArgs
+from scaletrain.plan.activations import (
+    DTYPE_BYTES,
+    ActivationBytes,
+    ActivationSpec,
+    _attention_core,
+    _norm,
+    is_checkpointed,
+)
+
+ALL = frozenset(("q", "k", "v", "o", "gate", "up", "down"))
+
+
+@dataclass(frozen=True)
+class BlockTraining:
+    """What of one block trains: `linears` whose weights train, LoRA `adapted` linears,
+    `norms` (the two block norms)."""
+
+    linears: frozenset[str] = frozenset()
+    adapted: frozenset[str] = frozenset()
+    norms: bool = False
+
+    @property
+    def keeps_input(self) -> frozenset[str]:
+        return self.linears | self.adapted
+
+    @property
+    def any(self) -> bool:
+        return bool(self.keeps_input) or self.norms
+
+
+FULL_BLOCK = BlockTraining(ALL, frozenset(), True)
+
+
+def supported(args: ModelArgs, spec: ActivationSpec) -> bool:
+    """Whether `finetune_activation_bytes` models this model and layout exactly."""
+    return (args.arch == "llama" and not args.is_moe and not args.qk_norm
+            and not args.post_norms and args.attn_softcap is None
+            and args.final_softcap is None and spec.tp == spec.cp == 1
+            and not spec.fused_loss)
+
+
+def _norm_part(args: ModelArgs, spec: ActivationSpec, input_grad: bool, weight: bool) -> int:
+    """An RMSNorm whose input and/or weight need gradients. The CPU composite over an fp32
+    residual keeps x and rstd for the input's gradient and x * rstd for the weight's; the
+    other kernels keep what they keep for both."""
+    if not (input_grad or weight):
+        return 0
+    if spec.kernels == "cpu" and DTYPE_BYTES[spec.residual_dtype] == 4:
+        x_rstd = 4 * spec.tokens * args.dim
+        return _norm(args, spec) - (0 if weight else x_rstd) if input_grad else x_rstd
+    return _norm(args, spec)
+
+
+def _inputs(args: ModelArgs, spec: ActivationSpec, consumers: int) -> int:
+    """A norm output read by `consumers` linears that keep it: once (c == r) or one cast each."""
+    c, r = DTYPE_BYTES[spec.compute_dtype], DTYPE_BYTES[spec.residual_dtype]
+    if consumers == 0:
+        return 0
+    return (1 if c == r else consumers) * c * spec.tokens * args.dim
+
+
+def block_bytes(args: ModelArgs, spec: ActivationSpec, b: BlockTraining, input_grad: bool,
+                rank: int = 0) -> tuple[dict[str, int], bool]:
+    """Bytes one block keeps by component, and whether its output needs a gradient."""
+    c, t = DTYPE_BYTES[spec.compute_dtype], spec.tokens
+    keep = b.keeps_input
+    attn_in = keep & {"q", "k", "v"}
+    qkv_grad = input_grad or b.norms or bool(attn_in)
+    attention = _inputs(args, spec, len(attn_in))
+    if qkv_grad:
+        attention += _attention_core(args, spec)
+    elif "o" in keep:  # the attention output, kept by wo alone
+        attention += c * t * args.n_heads * args.head_dim
+    mid_grad = qkv_grad or "o" in keep
+    mlp_in = keep & {"gate", "up"}
+    gated_grad = mid_grad or b.norms or bool(mlp_in)
+    f = args.hidden_dim
+    mlp = _inputs(args, spec, len(mlp_in)) + (2 * c * t * f if gated_grad else 0) \
+        + (c * t * f if "down" in keep else 0)
+    norms = _norm_part(args, spec, input_grad, b.norms) + _norm_part(args, spec, mid_grad,
+                                                                     b.norms)
+    adapters = len(b.adapted) * c * t * rank
+    out_grad = gated_grad or "down" in keep
+    return {"norms": norms, "attention": attention + adapters, "mlp": mlp}, out_grad
+
+
+def finetune_activation_bytes(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockTraining],
+                              *, embeddings: bool, final_norm: bool, lm_head: bool,
+                              num_labels: int | None = None, rank: int = 0) -> ActivationBytes:
+    """Activations of one micro-batch when block i trains `blocks[i]`; `embeddings`,
+    `final_norm`, `lm_head`: whether those train; `num_labels`: a classification head instead
+    of the LM head and loss."""
+    c, r = DTYPE_BYTES[spec.compute_dtype], DTYPE_BYTES[spec.residual_dtype]
+    t, h = spec.tokens, args.dim
+    layers = {"norms": 0, "attention": 0, "mlp": 0}
+    grad = embeddings
+    rope = recompute = 0
+    for i, b in enumerate(blocks):
+        parts, out_grad = block_bytes(args, spec, b, grad, rank)
+        if out_grad:
+            rope = 2 * spec.seq_len * args.head_dim * r
+        if is_checkpointed(i, spec) and sum(parts.values()):
+            recompute = max(recompute, sum(parts.values()))
+            parts = {"norms": 0, "attention": r * t * h, "mlp": 0}
+        for k, v in parts.items():
+            layers[k] += v
+        grad = out_grad
+    head = _norm_part(args, spec, grad, final_norm)
+    hidden_grad = grad or final_norm
+    if num_labels is not None:  # gather indices, the score's input, its log-softmax
+        b_ = spec.mbs
+        head += 16 * b_ + c * b_ * h
+        loss = 4 * b_ * num_labels + 8 * b_ + 4
+    else:
+        head += _inputs(args, spec, 1) if lm_head else 0
+        loss = 4 * t * args.vocab_size + 8 * t + 4 if hidden_grad or lm_head else 0
+    return ActivationBytes(layers=layers, embedding=8 * t if embeddings else 0,
+                           rope_tables=rope, head=head, loss=loss, recompute=recompute,
+                           rope_tables_autograd=rope > 0)
+
+
+def method_blocks(args: ModelArgs, method: str, *, train_last: int | None = None,
+                  freeze_first: int = 0, targets: tuple[str, ...] = tuple(ALL),
+                  train_norms: bool = False, freeze_embeddings: bool = True,
+                  num_labels: int | None = None) -> dict:
+    """`finetune_activation_bytes`'s keyword arguments for a method and its options."""
+    n = args.n_layers
+    lm_head = num_labels is None or args.tie_embeddings
+    if method == "full":
+        return {"blocks": [FULL_BLOCK] * n, "embeddings": True, "final_norm": True,
+                "lm_head": lm_head}
+    if method == "freeze":
+        k = n - train_last if train_last is not None else freeze_first
+        embeddings = not freeze_embeddings and train_last is None
+        return {"blocks": [BlockTraining()] * k + [FULL_BLOCK] * (n - k),
+                "embeddings": embeddings, "final_norm": True,
+                "lm_head": lm_head and (embeddings or not args.tie_embeddings)}
+    adapted = frozenset(targets) & ALL
+    return {"blocks": [BlockTraining(frozenset(), adapted, train_norms)] * n,
+            "embeddings": False, "final_norm": train_norms, "lm_head": False}

@@ -89,29 +89,60 @@ def _inputs(args: ModelArgs, spec: ActivationSpec, consumers: int) -> int:
     return (1 if c == r else consumers) * c * spec.tokens * args.dim
 
 
+def _grads(b: BlockTraining, input_grad: bool) -> dict[str, bool]:
+    """Which tensors of a block need a gradient: the input of each linear (by target name),
+    the attention's q/k/v (`qkv`) and the block's output (`out`)."""
+    keep = b.keeps_input
+    attn_in = input_grad or b.norms
+    qkv = attn_in or bool(keep & {"q", "k", "v"})
+    mid = qkv or "o" in keep
+    mlp_in = mid or b.norms
+    gated = mlp_in or bool(keep & {"gate", "up"})
+    return {"q": attn_in, "k": attn_in, "v": attn_in, "o": qkv, "gate": mlp_in, "up": mlp_in,
+            "down": gated, "qkv": qkv, "mid": mid, "out": gated or "down" in keep}
+
+
 def block_bytes(args: ModelArgs, spec: ActivationSpec, b: BlockTraining, input_grad: bool,
                 rank: int = 0) -> tuple[dict[str, int], bool]:
     """Bytes one block keeps by component, and whether its output needs a gradient."""
     c, t = DTYPE_BYTES[spec.compute_dtype], spec.tokens
-    keep = b.keeps_input
-    attn_in = keep & {"q", "k", "v"}
-    qkv_grad = input_grad or b.norms or bool(attn_in)
-    attention = _inputs(args, spec, len(attn_in))
-    if qkv_grad:
+    keep, g = b.keeps_input, _grads(b, input_grad)
+    attention = _inputs(args, spec, len(keep & {"q", "k", "v"}))
+    if g["qkv"]:
         attention += _attention_core(args, spec)
     elif "o" in keep:  # the attention output, kept by wo alone
         attention += c * t * args.n_heads * args.head_dim
-    mid_grad = qkv_grad or "o" in keep
-    mlp_in = keep & {"gate", "up"}
-    gated_grad = mid_grad or b.norms or bool(mlp_in)
     f = args.hidden_dim
-    mlp = _inputs(args, spec, len(mlp_in)) + (2 * c * t * f if gated_grad else 0) \
-        + (c * t * f if "down" in keep else 0)
-    norms = _norm_part(args, spec, input_grad, b.norms) + _norm_part(args, spec, mid_grad,
+    mlp = _inputs(args, spec, len(keep & {"gate", "up"})) \
+        + (2 * c * t * f if g["down"] else 0) + (c * t * f if "down" in keep else 0)
+    norms = _norm_part(args, spec, input_grad, b.norms) + _norm_part(args, spec, g["mid"],
                                                                      b.norms)
     adapters = len(b.adapted) * c * t * rank
-    out_grad = gated_grad or "down" in keep
-    return {"norms": norms, "attention": attention + adapters, "mlp": mlp}, out_grad
+    return {"norms": norms, "attention": attention + adapters, "mlp": mlp}, g["out"]
+
+
+def kept_weight_casts(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockTraining], *,
+                      embeddings: bool, final_norm: bool, lm_head: bool,
+                      num_labels: int | None = None, rank: int = 0) -> int:
+    """Bytes of the autocast copies of weights kept for backward (autocast over fp32
+    parameters only): a trained linear's weight once, a frozen linear's on each call whose
+    input needs a gradient; a LoRA base none (the fused layer casts it again in backward)."""
+    from scaletrain.finetune.estimate import _linear_shapes
+
+    c = DTYPE_BYTES[spec.compute_dtype]
+    if c >= DTYPE_BYTES[spec.residual_dtype]:
+        return 0
+    shapes, grad, n = _linear_shapes(args), embeddings, 0
+    for b in blocks:
+        g = _grads(b, grad)
+        n += sum(i * o for name, (i, o) in shapes.items()
+                 if name in b.linears or (name not in b.adapted and g[name]))
+        grad = g["out"]
+    if num_labels is not None:
+        n += num_labels * args.dim
+    elif lm_head or grad or final_norm:
+        n += args.vocab_size * args.dim
+    return c * n
 
 
 def finetune_activation_bytes(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockTraining],

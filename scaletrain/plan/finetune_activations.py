@@ -89,6 +89,11 @@ def _inputs(args: ModelArgs, spec: ActivationSpec, consumers: int) -> int:
     return (1 if c == r else consumers) * c * spec.tokens * args.dim
 
 
+def block_scope(spec: ActivationSpec) -> bool:
+    """Whether recomputation wraps whole blocks (else the attention of a block)."""
+    return spec.recompute == "full" or spec.scope == "block"
+
+
 def _grads(b: BlockTraining, input_grad: bool) -> dict[str, bool]:
     """Which tensors of a block need a gradient: the input of each linear (by target name),
     the attention's q/k/v (`qkv`) and the block's output (`out`)."""
@@ -117,8 +122,9 @@ def block_bytes(args: ModelArgs, spec: ActivationSpec, b: BlockTraining, input_g
         + (2 * c * t * f if g["down"] else 0) + (c * t * f if "down" in keep else 0)
     norms = _norm_part(args, spec, input_grad, b.norms) + _norm_part(args, spec, g["mid"],
                                                                      b.norms)
-    adapters = len(b.adapted) * c * t * rank
-    return {"norms": norms, "attention": attention + adapters, "mlp": mlp}, g["out"]
+    attention += len(b.adapted & {"q", "k", "v", "o"}) * c * t * rank
+    mlp += len(b.adapted & {"gate", "up", "down"}) * c * t * rank
+    return {"norms": norms, "attention": attention, "mlp": mlp}, g["out"]
 
 
 def kept_weight_casts(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockTraining], *,
@@ -133,10 +139,13 @@ def kept_weight_casts(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockT
     if c >= DTYPE_BYTES[spec.residual_dtype]:
         return 0
     shapes, grad, n = _linear_shapes(args), embeddings, 0
-    for b in blocks:
+    for index, b in enumerate(blocks):
         g = _grads(b, grad)
-        n += sum(i * o for name, (i, o) in shapes.items()
-                 if name in b.linears or (name not in b.adapted and g[name]))
+        # a checkpointed region keeps no casts (it casts again when recomputed)
+        inside = set(shapes) if block_scope(spec) else {"q", "k", "v", "o"}
+        recomputed = inside if is_checkpointed(index, spec) else set()
+        n += sum(i * o for name, (i, o) in shapes.items() if name not in recomputed
+                 and (name in b.linears or (name not in b.adapted and g[name])))
         grad = g["out"]
     if num_labels is not None:
         n += num_labels * args.dim
@@ -156,13 +165,20 @@ def finetune_activation_bytes(args: ModelArgs, spec: ActivationSpec, blocks: lis
     layers = {"norms": 0, "attention": 0, "mlp": 0}
     grad = embeddings
     rope = recompute = 0
+    rope_autograd = False
     for i, b in enumerate(blocks):
         parts, out_grad = block_bytes(args, spec, b, grad, rank)
         if out_grad:
             rope = 2 * spec.seq_len * args.head_dim * r
-        if is_checkpointed(i, spec) and sum(parts.values()):
+        wrapped = is_checkpointed(i, spec)
+        rope_autograd |= out_grad and not wrapped
+        # A checkpointed region keeps its input if anything in it needs a gradient.
+        if wrapped and block_scope(spec) and sum(parts.values()):
             recompute = max(recompute, sum(parts.values()))
             parts = {"norms": 0, "attention": r * t * h, "mlp": 0}
+        elif wrapped and parts["attention"]:
+            recompute = max(recompute, parts["attention"])
+            parts["attention"] = r * t * h
         for k, v in parts.items():
             layers[k] += v
         grad = out_grad
@@ -177,7 +193,7 @@ def finetune_activation_bytes(args: ModelArgs, spec: ActivationSpec, blocks: lis
         loss = 4 * t * args.vocab_size + 8 * t + 4 if hidden_grad or lm_head else 0
     return ActivationBytes(layers=layers, embedding=8 * t if embeddings else 0,
                            rope_tables=rope, head=head, loss=loss, recompute=recompute,
-                           rope_tables_autograd=rope > 0)
+                           rope_tables_autograd=rope_autograd)
 
 
 def method_blocks(args: ModelArgs, method: str, *, train_last: int | None = None,

@@ -8,6 +8,7 @@ is counted by its local shard).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -109,8 +110,7 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
     if ac is not None:
         apply_ac(model, ac)
     params = {_local(p).untyped_storage().data_ptr() for p in top.parameters()}
-    seen: dict[int, int] = {}
-    copies: dict[int, int] = {}
+    packed: list[tuple[weakref.ref, int, int, bool]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = _local(t).untyped_storage()
@@ -118,7 +118,7 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
         if key in params:
             return t
         weight = _from_parameter(t) or key in casts.outputs
-        (copies if weight else seen)[key] = storage.nbytes()
+        packed.append((weakref.ref(t), key, storage.nbytes(), weight))
         return t
 
     casts = _FrozenCasts(params)
@@ -139,8 +139,12 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
                 logits = model(tokens[:, :-1])
         if not fused_loss and top is model:
             loss = cross_entropy_sum(logits, tokens[:, 1:])
+    # What autograd still holds: a region that needs no gradient (a frozen block under
+    # recomputation) packs tensors and drops them, and their addresses are reused.
+    kept = {(key, weight): nbytes for ref, key, nbytes, weight in packed if ref() is not None}
     del loss
-    return SavedBytes(activations=sum(seen.values()), weight_copies=sum(copies.values()))
+    return SavedBytes(activations=sum(n for (_, w), n in kept.items() if not w),
+                      weight_copies=sum(n for (_, w), n in kept.items() if w))
 
 
 def per_layer_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "fp32",

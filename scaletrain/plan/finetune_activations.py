@@ -43,19 +43,24 @@ ALL = frozenset(("q", "k", "v", "o", "gate", "up", "down"))
 @dataclass(frozen=True)
 class BlockTraining:
     """What of one block trains: `linears` whose weights train, LoRA `adapted` linears,
-    `norms` (the two block norms)."""
+    `norms` (the two block norms), `dropout`: the adapters run composed with dropout
+    (`LoRALinear.forward`) instead of fused."""
 
     linears: frozenset[str] = frozenset()
     adapted: frozenset[str] = frozenset()
     norms: bool = False
+    dropout: bool = False
 
     @property
-    def keeps_input(self) -> frozenset[str]:
+    def trains(self) -> frozenset[str]:
+        """Linears whose output needs a gradient whatever their input."""
         return self.linears | self.adapted
 
     @property
-    def any(self) -> bool:
-        return bool(self.keeps_input) or self.norms
+    def keeps_input(self) -> frozenset[str]:
+        """Linears that keep their input as it comes (a composed adapter keeps its dropout's
+        output instead)."""
+        return self.linears | (frozenset() if self.dropout else self.adapted)
 
 
 FULL_BLOCK = BlockTraining(ALL, frozenset(), True)
@@ -97,7 +102,7 @@ def block_scope(spec: ActivationSpec) -> bool:
 def _grads(b: BlockTraining, input_grad: bool) -> dict[str, bool]:
     """Which tensors of a block need a gradient: the input of each linear (by target name),
     the attention's q/k/v (`qkv`) and the block's output (`out`)."""
-    keep = b.keeps_input
+    keep = b.trains
     attn_in = input_grad or b.norms
     qkv = attn_in or bool(keep & {"q", "k", "v"})
     mid = qkv or "o" in keep
@@ -122,8 +127,17 @@ def block_bytes(args: ModelArgs, spec: ActivationSpec, b: BlockTraining, input_g
         + (2 * c * t * f if g["down"] else 0) + (c * t * f if "down" in keep else 0)
     norms = _norm_part(args, spec, input_grad, b.norms) + _norm_part(args, spec, g["mid"],
                                                                      b.norms)
-    attention += len(b.adapted & {"q", "k", "v", "o"}) * c * t * rank
-    mlp += len(b.adapted & {"gate", "up", "down"}) * c * t * rank
+    adapters = {name: c * t * rank for name in b.adapted}  # x A^T (the input of B)
+    if b.dropout:  # its output (or its cast) for A, and the mask when x needs a gradient
+        from scaletrain.finetune.estimate import _linear_shapes
+
+        for name, (width, _) in _linear_shapes(args).items():
+            if name in b.adapted:
+                x_bytes = c if name in ("o", "down") else DTYPE_BYTES[spec.residual_dtype]
+                mask = x_bytes if spec.kernels == "cpu" else 1  # CUDA: a bool mask
+                adapters[name] += (c + (mask if g[name] else 0)) * t * width
+    attention += sum(v for k, v in adapters.items() if k in ("q", "k", "v", "o"))
+    mlp += sum(v for k, v in adapters.items() if k in ("gate", "up", "down"))
     return {"norms": norms, "attention": attention, "mlp": mlp}, g["out"]
 
 
@@ -144,8 +158,13 @@ def kept_weight_casts(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockT
         # a checkpointed region keeps no casts (it casts again when recomputed)
         inside = set(shapes) if block_scope(spec) else {"q", "k", "v", "o"}
         recomputed = inside if is_checkpointed(index, spec) else set()
-        n += sum(i * o for name, (i, o) in shapes.items() if name not in recomputed
-                 and (name in b.linears or (name not in b.adapted and g[name])))
+        fused = frozenset() if b.dropout else b.adapted
+        for name, (i, o) in shapes.items():
+            if name in recomputed:
+                continue
+            n += i * o if name in b.linears or (name not in fused and g[name]) else 0
+            if name in b.adapted and b.dropout:  # B always, A when x needs a gradient
+                n += rank * o + (rank * i if g[name] else 0)
         grad = g["out"]
     if num_labels is not None:
         n += num_labels * args.dim
@@ -199,7 +218,7 @@ def finetune_activation_bytes(args: ModelArgs, spec: ActivationSpec, blocks: lis
 def method_blocks(args: ModelArgs, method: str, *, train_last: int | None = None,
                   freeze_first: int = 0, targets: tuple[str, ...] = tuple(ALL),
                   train_norms: bool = False, freeze_embeddings: bool = True,
-                  num_labels: int | None = None) -> dict:
+                  num_labels: int | None = None, lora_dropout: float = 0.0) -> dict:
     """`finetune_activation_bytes`'s keyword arguments for a method and its options."""
     n = args.n_layers
     lm_head = num_labels is None or args.tie_embeddings
@@ -213,5 +232,6 @@ def method_blocks(args: ModelArgs, method: str, *, train_last: int | None = None
                 "embeddings": embeddings, "final_norm": True,
                 "lm_head": lm_head and (embeddings or not args.tie_embeddings)}
     adapted = frozenset(targets) & ALL
-    return {"blocks": [BlockTraining(frozenset(), adapted, train_norms)] * n,
+    block = BlockTraining(frozenset(), adapted, train_norms, lora_dropout > 0)
+    return {"blocks": [block] * n,
             "embeddings": False, "final_norm": train_norms, "lm_head": False}

@@ -1,22 +1,31 @@
 """Activation bytes of a fine-tuning run: what autograd keeps when parts of the model are frozen.
 
 Autograd keeps a tensor only for a gradient it will compute (measured with
-`profiling/saved_bytes.py`, `finetune` hook; tests/test_plan_finetune_activations.py):
+`profiling/saved_bytes.py`'s `finetune` hook; tests/test_plan_finetune_activations.py holds
+this module to the measured bytes):
 
+- a block (or the embedding) in front of the first trainable parameter keeps nothing. The
+  first block that trains but whose input needs no gradient (frozen embeddings) keeps of its
+  first norm only what the norm weight's gradient needs (CPU composite fp32 RMSNorm: x * rstd;
+  the other kernels keep input and rstd anyway); a frozen norm whose input needs a gradient
+  keeps x and rstd but not x * rstd (CPU composite);
 - a linear keeps its input only when its weight trains or it carries a LoRA adapter (the frozen
-  weight alone gives the input gradient); an adapter also keeps its r-wide `x A^T` (c T r);
-  under autocast over an fp32 residual each such linear keeps its own cast of the input;
-- a block (or the embedding) in front of the first trainable parameter keeps nothing: neither
-  its input nor its parameters need a gradient. The first block that trains but whose input
-  needs no gradient (frozen embeddings) keeps of its first norm only what the norm weight's
-  gradient needs (CPU composite fp32 RMSNorm: x * rstd; the other kernels keep input and rstd
-  anyway);
+  weight alone gives the input gradient); under autocast over an fp32 residual each such linear
+  keeps its own cast of the input. A frozen linear whose input needs a gradient keeps the
+  16-bit copy of its weight made on that call (`kept_weight_casts`);
 - attention keeps q, k, v, its output and the log-sum-exp when any of q, k, v needs a gradient;
-  the gated MLP keeps w1 x and w3 x when either does, and the down projection's input when it
-  trains;
+  the gated MLP keeps w1 x and w3 x when either needs one, and the down projection's input when
+  it trains;
+- a fused LoRA linear (`finetune/lora_fused.py`) keeps its input in the compute dtype and the
+  rank-r `x A^T` (c T r), no weight copy. With dropout the adapter is composed
+  (`LoRALinear.forward`): the base keeps no input; each adapter keeps its dropout's output in
+  the compute dtype, the mask when x needs a gradient (x's dtype on CPU, a bool on CUDA), and
+  `x A^T`; the copies of A (when x needs a gradient), B and the base weight are kept;
 - the classification head (`SequenceClassifier`) runs the final norm over every token but no
   LM head: it keeps the last-token gather's indices, the score's (batch, dim) input and a
-  (batch, labels) fp32 log-softmax with int64 targets.
+  (batch, labels) fp32 log-softmax with int64 targets;
+- recomputation: a checkpointed block (or attention) keeps its input only when something in it
+  needs a gradient, and no weight copies.
 
 Covered: Llama-style dense blocks without Qwen3 q/k norms, Gemma 2 post-norms or soft caps,
 one device or DDP (no tensor, sequence or context parallelism). Other models keep the
@@ -221,16 +230,15 @@ def method_blocks(args: ModelArgs, method: str, *, train_last: int | None = None
                   num_labels: int | None = None, lora_dropout: float = 0.0) -> dict:
     """`finetune_activation_bytes`'s keyword arguments for a method and its options."""
     n = args.n_layers
-    lm_head = num_labels is None or args.tie_embeddings
-    if method == "full":
+    if method == "full":  # (a classification run has no LM head: `lm_head` is then unused)
         return {"blocks": [FULL_BLOCK] * n, "embeddings": True, "final_norm": True,
-                "lm_head": lm_head}
+                "lm_head": True}
     if method == "freeze":
         k = n - train_last if train_last is not None else freeze_first
         embeddings = not freeze_embeddings and train_last is None
         return {"blocks": [BlockTraining()] * k + [FULL_BLOCK] * (n - k),
                 "embeddings": embeddings, "final_norm": True,
-                "lm_head": lm_head and (embeddings or not args.tie_embeddings)}
+                "lm_head": embeddings or not args.tie_embeddings}  # a tied head freezes
     adapted = frozenset(targets) & ALL
     block = BlockTraining(frozenset(), adapted, train_norms, lora_dropout > 0)
     return {"blocks": [block] * n,

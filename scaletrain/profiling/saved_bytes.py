@@ -1,7 +1,9 @@
 """Measure what a forward pass keeps for backward, to check the activation estimate.
 
-Counts each storage once (views share storage), leaves out parameters and the autocast copies
-of parameters (those are weights, reported apart as `weight_copies`). Under tensor parallelism
+Counts each storage once (views share storage) among the tensors autograd still holds after the
+forward and loss, leaves out parameters and the copies of parameters (autocast's casts, of
+frozen weights too: those are weights, reported apart as `weight_copies`). Under tensor
+parallelism
 (`tp_mesh`) it runs on every rank of the mesh and counts this rank's local tensors (a DTensor
 is counted by its local shard).
 """

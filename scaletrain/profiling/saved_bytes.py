@@ -47,8 +47,8 @@ class _FrozenCasts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) \
-                and args[0].untyped_storage().data_ptr() in self.params:
-            self.outputs[out.untyped_storage().data_ptr()] = out
+                and _local(args[0]).untyped_storage().data_ptr() in self.params:
+            self.outputs[_local(out).untyped_storage().data_ptr()] = out
         return out
 
 

@@ -183,7 +183,16 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     assert lora["finetune"]["trainable"] == want.trainable
     assert lora["memory_bytes"]["weights"] == want.total * 2  # bf16 weights
     assert lora["memory_bytes"]["optimizer"] == want.trainable * 8  # two fp32 AdamW moments
-    assert lora["memory_bytes"]["activations"] == pre["memory_bytes"]["activations"]
+    # LoRA keeps what pretraining keeps except the token ids (frozen embedding), the frozen
+    # first norm's input and rstd (nothing needs its gradient), the frozen head's input, and
+    # adds x A^T (rank 16) for each of the 7 adapted linears of the 16 blocks (bf16: c = 2).
+    t, h = 1024, 2048
+    assert lora["memory_bytes"]["activations"] == pre["memory_bytes"]["activations"] - 8 * t \
+        - (2 * t * h + 4 * t) - 2 * t * h + 16 * 7 * 2 * t * 16
+    assert lora["memory_bytes"]["logits_loss"] == pre["memory_bytes"]["logits_loss"]
+    classify = mem("--method", "lora", "--lora-rank", "16", "--num-labels", "3")
+    assert classify["memory_bytes"]["logits_loss"] == (2 + 8) * 1 * 3  # (batch, labels)
+    assert classify["activation_bytes"]["loss"] == 4 * 3 + 8 + 4
     assert qlora["memory_bytes"]["weights"] < lora["memory_bytes"]["weights"] / 2
     frozen = mem("--method", "freeze", "--train-last", "2")
     assert lora["memory_bytes"]["total"] < frozen["memory_bytes"]["total"] \

@@ -59,7 +59,7 @@ def plan_finetune(cfg: Config, fit_seq_len: bool = False) -> tuple[Plan, Device 
                          train_last=ft.train_last, freeze_first=ft.freeze_first,
                          num_labels=num_labels, targets=parse_targets(ft.lora_targets),
                          train_norms=ft.train_norms and lora,
-                         freeze_embeddings=ft.freeze_embeddings)
+                         freeze_embeddings=ft.freeze_embeddings, lora_dropout=ft.lora_dropout)
     return plan, device_for(device)
 
 

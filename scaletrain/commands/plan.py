@@ -115,6 +115,8 @@ def _estimate_main(argv: list[str]) -> int:
     ft.add_argument("--train-last", type=int, default=None,
                     help="freeze: train only the last k blocks (and the head)")
     ft.add_argument("--freeze-first", type=int, default=0, help="freeze: the first n blocks")
+    ft.add_argument("--lora-dropout", type=float, default=0.0,
+                    help="lora/qlora dropout (> 0: the adapters run composed, not fused)")
     ft.add_argument("--num-labels", type=_positive, default=None,
                     help="classification head with this many labels")
     a = p.parse_args(argv)
@@ -137,7 +139,8 @@ def _estimate_main(argv: list[str]) -> int:
     plan = estimate(args, lay)
     if a.method != "pretrain":
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
-                             freeze_first=a.freeze_first, num_labels=a.num_labels)
+                             freeze_first=a.freeze_first, num_labels=a.num_labels,
+                             lora_dropout=a.lora_dropout)
     device = _device(a.gpu, a.gpu_mem)
     if a.json:
         print(json.dumps(plan_json(plan, device), indent=2))

@@ -25,9 +25,10 @@ from scaletrain.config import Config, ConfigError
 from scaletrain.finetune import data as ftdata
 from scaletrain.finetune.base import FinetuneError, load_base
 from scaletrain.finetune.base_pin import base_record, check_base
-from scaletrain.finetune.freeze import freeze_layers, memory_report, param_report, train_norms
+from scaletrain.finetune.freeze import memory_report, param_report
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
-from scaletrain.finetune.lora import LoRASettings, apply_lora, parse_targets
+from scaletrain.finetune.lora import LoRASettings, parse_targets
+from scaletrain.finetune.methods import apply_method, with_head
 from scaletrain.loader import ADAPTER_DIR, FINETUNE_META
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
@@ -193,27 +194,20 @@ class FinetuneTrainer(Trainer):
         if ft.method in ("lora", "qlora") and backbone.args.arch != "llama":
             raise FinetuneError(f"--method {ft.method} writes PEFT adapters for Llama models; "
                                 f"this base is '{backbone.args.arch}': use --method full or freeze")
-        if ft.method == "freeze":
-            freeze_layers(backbone, embeddings=ft.freeze_embeddings, first=ft.freeze_first,
-                          train_last=ft.train_last)
-        elif ft.method in ("lora", "qlora"):
-            if ft.method == "qlora":
-                from scaletrain.finetune.qlora import quantize_blocks
-
-                quantize_blocks(backbone, compute_dtype(ft.quant_compute_dtype, self.dtype))
-                backbone.to(self.device)
+        if ft.method in ("lora", "qlora"):
             self.lora = LoRASettings(ft.lora_rank, ft.lora_alpha, ft.lora_dropout,
                                      parse_targets(ft.lora_targets))
-            torch.manual_seed(self.cfg.training.seed)
-            apply_lora(backbone, self.lora)
-            if ft.train_norms:
-                train_norms(backbone)
+        apply_method(backbone, ft.method, lora=self.lora if ft.method in ("lora", "qlora")
+                     else None, freeze_embeddings=ft.freeze_embeddings,
+                     freeze_first=ft.freeze_first, train_last=ft.train_last,
+                     norms=ft.train_norms,
+                     quant_dtype=compute_dtype(ft.quant_compute_dtype, self.dtype)
+                     if ft.method == "qlora" else None,
+                     device=self.device, seed=self.cfg.training.seed)
         if ft.method in ("full", "freeze"):  # frozen linears run fp8 forward matmuls too
             apply_fp8(backbone, self.cfg.precision.fp8, self.device)
-        model: nn.Module = backbone
-        if ft.task == "classification":
-            torch.manual_seed(self.cfg.training.seed)
-            model = SequenceClassifier(backbone, len(self.labels or []))
+        model = with_head(backbone, len(self.labels or []) if ft.task == "classification"
+                          else None, self.cfg.training.seed)
         apply_ac(backbone, self.cfg.activation_checkpoint)
         apply_compile(backbone, self.cfg.compile)
         model.train()

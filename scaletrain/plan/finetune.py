@@ -5,6 +5,7 @@ pretraining plan recomputed for the parameters a method trains (counts from
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
 from scaletrain.plan.memory import offload_states, state_bytes
@@ -15,14 +16,19 @@ METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | None = None,
                   freeze_first: int = 0, num_labels: int | None = None,
                   targets: tuple[str, ...] | None = None, train_norms: bool = False,
-                  freeze_embeddings: bool = True) -> Plan:
+                  freeze_embeddings: bool = True, lora_dropout: float = 0.0) -> Plan:
     """`plan` (one device, or DDP replicas as the fine-tuning trainer runs them) with the
     weights of every parameter (QLoRA: block linears as 4-bit NF4 with double quantization)
     and gradients, master weights and optimizer state of the trainable ones only, in the
     layout's precision convention; DDP communicates the trainable gradients only.
 
-    Activations keep the full-training estimate: exact for `full`, an upper bound for the
-    others (frozen blocks in front of the first trainable one save nothing for backward).
+    Activations, kept weight casts and the logits/loss buffers are what the method keeps
+    for backward (`plan.finetune_activations`, equal to the measured saved bytes): frozen
+    blocks in front of the first trainable one keep nothing, frozen linears keep no input,
+    adapters keep their r-wide intermediate, a classification head keeps (batch x labels)
+    logits instead of (tokens x vocabulary). `full` language modelling is pretraining's
+    estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2,
+    fused loss) keep the pretraining activations, an upper bound.
     """
     from scaletrain.finetune.estimate import estimate
     from scaletrain.finetune.lora import TARGETS
@@ -51,22 +57,61 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     offloaded = offload_states(states, lay.offload)
     mem = {k: v for k, v in plan.memory_bytes.items() if k not in ("total", "peak")}
     mem.update(states)
-    if method in ("lora", "qlora"):
-        mem["cast_weights"] = 0  # autocast caches casts of weights that require grad only
+    options = {"rank": rank, "train_last": train_last, "freeze_first": freeze_first,
+               "num_labels": num_labels, "targets": targets, "train_norms": train_norms,
+               "freeze_embeddings": freeze_embeddings, "lora_dropout": lora_dropout}
+    breakdown = _activations(plan, method, options, mem)
     mem["total"] = sum(mem.values())
     mem["peak"] = peak_bytes(mem, lay.grad_accum)
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None,
-            "options": {"rank": rank, "train_last": train_last, "freeze_first": freeze_first,
-                        "num_labels": num_labels, "targets": targets, "train_norms": train_norms,
-                        "freeze_embeddings": freeze_embeddings}}
+            "options": options}
     # DDP all-reduces the gradients of trainable parameters only
     share = ft.trainable / plan.params_per_rank
     comm = {k: int(v * share) for k, v in plan.comm_bytes_per_step.items()}
     by_dim = {k: int(v * share) for k, v in plan.comm_bytes_by_dim.items()}
     return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,
                                cpu_offload_bytes=offloaded, finetune=info,
+                               activation_breakdown=breakdown,
                                comm_bytes_per_step=comm, comm_bytes_by_dim=by_dim)
+
+
+def _activations(plan: Plan, method: str, options: dict[str, Any],
+                 mem: dict[str, int]) -> dict[str, int]:
+    """Set `mem`'s activations, cast_weights and logits_loss for the method (see
+    `finetune_plan`); returns the activation breakdown."""
+    from scaletrain.finetune.lora import TARGETS
+    from scaletrain.plan.activations import DTYPE_BYTES
+    from scaletrain.plan.estimate import _spec
+    from scaletrain.plan.finetune_activations import (
+        finetune_activation_bytes,
+        kept_weight_casts,
+        method_blocks,
+        supported,
+    )
+
+    args, lay = plan.args, plan.layout
+    spec = _spec(args, lay)
+    labels = options["num_labels"]
+    if labels is not None:  # the (batch, labels) logits and two fp32 gradient buffers
+        mem["logits_loss"] = (DTYPE_BYTES[spec.compute_dtype] + 8) * spec.mbs * labels
+    if (method == "full" and labels is None) or not supported(args, spec):
+        if method in ("lora", "qlora"):
+            mem["cast_weights"] = 0  # (the fused base layers keep no casts)
+        return plan.activation_breakdown
+    kw = method_blocks(args, method, train_last=options["train_last"],
+                       freeze_first=options["freeze_first"],
+                       targets=tuple(options["targets"] or TARGETS),
+                       train_norms=options["train_norms"],
+                       freeze_embeddings=options["freeze_embeddings"], num_labels=labels,
+                       lora_dropout=options["lora_dropout"] if method in ("lora", "qlora")
+                       else 0.0)
+    kw.update(num_labels=labels, rank=options["rank"])
+    act = finetune_activation_bytes(args, spec, **kw)
+    mem["activations"] = act.saved + act.recompute
+    mem["cast_weights"] = kept_weight_casts(args, spec, **kw)
+    return {**act.layers, "embedding": act.embedding, "rope_tables": act.rope_tables,
+            "head": act.head, "loss": act.loss, "recompute": act.recompute}
 
 
 def like(plan: Plan, reference: Plan) -> Plan:

@@ -15,6 +15,7 @@ back into `dp_shard`).
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 
@@ -47,6 +48,21 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     dist.init_process_group(backend=backend,
                             timeout=datetime.timedelta(seconds=timeout_s))
     log.info("process group: %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def shutdown_process_group() -> None:
+    """Destroy every process group of this process and end their threads now, while Python is
+    fully alive; a no-op in one process.
+
+    `destroy_process_group` unregisters the groups, but a gloo group something still refers to
+    (a DeviceMesh, a model's DTensors, usually inside reference cycles) keeps its worker and
+    transport threads until that object is freed. Left to interpreter shutdown, that teardown
+    can abort the process ("terminate called without an active exception"). Call this once the
+    trainer is out of reach: the collection below frees those groups and joins their threads.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 class ParallelMesh:

@@ -8,10 +8,11 @@
   of ephemeral ports), and the store outlives the ranks, so the last rank to leave never finds
   the rank that hosted it gone.
 - `run_ranks(fn, world, *args)`: `fn(rank, world, *args)` in `world` spawned processes on one
-  `Rendezvous`; each rank destroys its process group on the way out, also after an error (a
-  process that exits with live gloo threads aborts with "terminate called without an active
-  exception"); a launch that outlives its scaled limit has every rank's Python stacks dumped
-  to stderr and is killed, so a hang is a failure with evidence instead of a stuck CI job.
+  `Rendezvous`; each rank ends its process groups on the way out, also after an error
+  (`shutdown_process_group`: gloo threads left for interpreter exit can abort the process with
+  "terminate called without an active exception"); a launch that outlives its scaled limit
+  has every rank's Python stacks dumped to stderr and is killed, so a hang is a failure with
+  evidence instead of a stuck CI job.
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ def _rank_main(rank: int, fn: Callable[..., None], world: int, env: list[dict[st
     os.environ.update(env[rank])
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks on a timeout
+    from scaletrain.parallel.mesh import shutdown_process_group
+
     try:
         fn(rank, world, *args)
     finally:
-        if dist.is_initialized():
-            # Also after an error: the peers' collectives then fail at once (connection
-            # closed) instead of waiting out the timeout, and no gloo thread outlives Python.
-            dist.destroy_process_group()
+        # Also after an error: the peers' collectives then fail at once (connection closed)
+        # instead of waiting out the timeout. And as the commands do: groups that `fn`'s
+        # leftovers (a trainer's mesh, in cycles) still hold end here, not at interpreter exit.
+        shutdown_process_group()
 
 
 def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float = 600.0) -> None:

@@ -73,3 +73,28 @@ def test_heartbeat_never_names_its_own_rank(one_process_group: None) -> None:
     beat.stop()
     beat.store.set("scaletrain/heartbeat/0", repr(0.0))  # a beat from 1970
     assert beat.silent_ranks(stale_s=0.0) == []
+
+
+@pytest.mark.parametrize("verb", ["train", "finetune", "profile"])
+def test_commands_end_the_process_groups_on_an_error(verb: str, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every way out of a training verb ends the process groups (a process that exits with
+    them alive can abort in interpreter shutdown), here an error while building the trainer."""
+    import importlib
+
+    import scaletrain.finetune.trainer  # noqa: F401  (built on Trainer before it is replaced)
+    from scaletrain.train.checkpoint import CheckpointError
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise CheckpointError("no checkpoint to resume")
+
+    calls = []
+    monkeypatch.setattr("scaletrain.parallel.mesh.shutdown_process_group",
+                        lambda: calls.append(1))
+    monkeypatch.setattr("scaletrain.train.trainer.Trainer", refuse)
+    monkeypatch.setattr("scaletrain.finetune.trainer.FinetuneTrainer", refuse)
+    argv = ["--output", str(tmp_path / "out")]
+    if verb == "finetune":
+        argv += ["--base", str(tmp_path), "--method", "full", "--task", "sft", "--data",
+                 str(tmp_path / "d.jsonl")]
+    assert importlib.import_module(f"scaletrain.commands.{verb}").main(argv) == 2
+    assert calls == [1]

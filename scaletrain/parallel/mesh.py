@@ -51,14 +51,14 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
 
 
 def shutdown_process_group() -> None:
-    """Destroy every process group of this process and end their threads now, while Python is
-    fully alive; a no-op in one process.
+    """Destroy every process group of this process (a no-op in one process), on every way out
+    of a run: a process that exits with its groups alive can abort in interpreter shutdown
+    ("terminate called without an active exception").
 
-    `destroy_process_group` unregisters the groups, but a gloo group something still refers to
-    (a DeviceMesh, a model's DTensors, usually inside reference cycles) keeps its worker and
-    transport threads until that object is freed. Left to interpreter shutdown, that teardown
-    can abort the process ("terminate called without an active exception"). Call this once the
-    trainer is out of reach: the collection below frees those groups and joins their threads.
+    `destroy_process_group` does not end the threads of a gloo group that something still
+    refers to (a DeviceMesh; torch's DTensor caches keep a trained model's meshes until exit).
+    The collection below frees the groups that only reference cycles hold (a dropped trainer's
+    modules), so their threads end now rather than in interpreter shutdown.
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc_helpers import Rendezvous, run_ranks, scaled
+from tests.proc_helpers import Rendezvous, scaled
 
 SCRIPT = """
 import os, sys
@@ -75,38 +75,3 @@ def test_killed_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
     # machine does not count.
     assert noticed < TIMEOUT_S, noticed
 
-
-def _gloo_threads() -> int:
-    """Threads of gloo process groups in this process (named by torch and gloo on Linux)."""
-    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip()
-             for t in os.listdir("/proc/self/task")]
-    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
-
-
-def _teardown(rank: int, world: int, out: str) -> None:
-    import torch.distributed as dist
-
-    from scaletrain.parallel.dims import ParallelDims
-    from scaletrain.parallel.mesh import ParallelMesh, shutdown_process_group
-
-    dist.init_process_group("gloo")
-    holder: dict = {"mesh": ParallelMesh(ParallelDims(dp_shard=2), "cpu")}
-    holder["self"] = holder  # as a model's modules do: only the garbage collector frees it
-    alive = _gloo_threads()
-    del holder
-    dist.destroy_process_group()
-    after_destroy = _gloo_threads()
-    shutdown_process_group()  # what the commands call on every way out
-    Path(out, f"rank{rank}.txt").write_text(f"{alive} {after_destroy} {_gloo_threads()}")
-
-
-@pytest.mark.distributed
-def test_shutdown_ends_every_gloo_thread(tmp_path: Path) -> None:
-    """`destroy_process_group` alone leaves the threads of groups a mesh still holds (they
-    would be torn down at interpreter exit, which can abort); `shutdown_process_group` ends
-    them while Python is alive."""
-    run_ranks(_teardown, 2, str(tmp_path))
-    for r in range(2):
-        alive, after_destroy, after = map(int, (tmp_path / f"rank{r}.txt").read_text().split())
-        assert alive > 0 and after_destroy > 0, (alive, after_destroy)  # the case is real
-        assert after == 0, after

@@ -89,7 +89,7 @@ def _rank_main(rank: int, fn: Callable[..., None], world: int, env: list[dict[st
         shutdown_process_group()
 
 
-def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float = 600.0) -> None:
+def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float = 900.0) -> None:
     """Run `fn(rank, world, *args)` in `world` spawned processes joined to one `Rendezvous`
     (`fn` calls `init_process_group`, directly or through the trainer). Raises what a rank
     raised (`torch.multiprocessing.ProcessRaisedException`, its traceback included) or, after
@@ -100,11 +100,17 @@ def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float 
         ctx = mp.start_processes(_rank_main, args=(fn, world, env, args), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + limit
-        while not ctx.join(timeout=max(min(5.0, deadline - time.monotonic()), 0.1)):
-            if time.monotonic() >= deadline:
-                _dump_and_kill(ctx.processes)
-                raise TimeoutError(f"{world} ranks of {fn.__name__} still running after "
-                                   f"{limit:.0f} s; their stacks are on stderr above")
+        try:
+            while not ctx.join(timeout=max(min(5.0, deadline - time.monotonic()), 0.1)):
+                if time.monotonic() >= deadline:
+                    _dump_and_kill(ctx.processes)
+                    raise TimeoutError(f"{world} ranks of {fn.__name__} still running after "
+                                       f"{limit:.0f} s; their stacks are on stderr above")
+        finally:  # an interrupted test leaves no rank behind
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(10)
 
 
 def _dump_and_kill(processes: list[Any]) -> None:

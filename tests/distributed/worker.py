@@ -135,7 +135,7 @@ def _entry(rank: int, world: int, jobs: list[tuple], steps: int, out_dir: str) -
 
 
 def spawn(world: int, jobs: list[tuple], steps: int, out_dir: Path,
-          timeout_s: float = 600.0) -> list[dict[str, Any]]:
+          timeout_s: float = 900.0) -> list[dict[str, Any]]:
     """Run `jobs` (name, argv) in `world` processes; return each rank's results."""
     run_ranks(_entry, world, jobs, steps, str(out_dir), timeout_s=timeout_s)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +88,14 @@ def _rank_main(rank: int, fn: Callable[..., None], world: int, env: list[dict[st
         # instead of waiting out the timeout. And as the commands do: groups that `fn`'s
         # leftovers (a trainer's mesh, in cycles) still hold end here, not at interpreter exit.
         shutdown_process_group()
+    # Done, results on disk, groups destroyed: leave without interpreter shutdown (as
+    # multiprocessing ends its forked children). Groups torch's DTensor caches still hold keep
+    # their gloo threads, and tearing those down in interpreter shutdown aborted a rank after a
+    # successful run ("terminate called without an active exception": test_tp_activations in
+    # a full suite on a loaded machine). An error takes the normal way out with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float = 900.0) -> None:

@@ -29,7 +29,9 @@ if os.environ["RANK"] == "1":  # this rank dies in its third step
     Trainer.run_step = dying_step
 argv = tiny_argv(Path({out!r}), Path({cache!r}), "--training.steps", "50",
                  "--parallel.timeout_s", "{timeout}", "--checkpoint.save_final", "false")
-sys.exit(train.main(argv))
+code = train.main(argv)
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(code)  # as run_ranks' ranks do: no interpreter shutdown (see tests/proc_helpers.py)
 """
 TIMEOUT_S = 60  # the collective timeout of the run
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config import Config, ConfigError, load_config, read_toml, to_toml, validate
+from tests.proc_helpers import scaled
 
 
 def test_default_is_the_debug_preset() -> None:
@@ -78,7 +79,7 @@ def test_every_builtin_preset_loads() -> None:
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "scaletrain", *argv], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=scaled(120))
 
 
 def test_cli_errors_exit_2_without_traceback() -> None:

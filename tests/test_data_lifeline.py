@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tests.curate_helpers import fixture_dir
+from tests.proc_helpers import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def _run(out: Path, *, wait: bool = True) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "tests.lifeline_driver", str(out), *inputs],
                             cwd=REPO, env=env)
     if wait:
-        assert proc.wait(timeout=120) == 0
+        assert proc.wait(timeout=scaled(120)) == 0
     return proc
 
 

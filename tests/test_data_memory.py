@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.proc_helpers import scaled
+
 GIB = 1 << 30
 DOC = 4096  # tokens per document
 
@@ -59,7 +61,7 @@ def _sparse_dataset(prefix: Path) -> None:
 def test_loader_memory_is_constant_on_a_1gb_dataset(tmp_path: Path) -> None:
     _sparse_dataset(tmp_path / "big")
     out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "big")], check=True,
-                         capture_output=True, text=True, timeout=300).stdout
+                         capture_output=True, text=True, timeout=scaled(300)).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["tokens"] == GIB // 2
     assert r["sixteenths"] == 16  # the batches came from all over the file

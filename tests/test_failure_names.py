@@ -45,3 +45,56 @@ def test_lost_peer_is_named(error: Exception) -> None:
 def test_one_process_passes_everything_through() -> None:
     with pytest.raises(RuntimeError, match="Connection closed"), guard(None, 1):
         raise RuntimeError("Connection closed by peer")
+
+
+@pytest.fixture
+def one_process_group():  # type: ignore[no-untyped-def]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_heartbeat_stop_waits_for_its_thread(one_process_group: None) -> None:
+    """A heartbeat thread left inside a store call at interpreter exit aborts the process."""
+    from scaletrain.parallel.failure import Heartbeat
+
+    beat = Heartbeat(interval_s=0.01)
+    beat.stop()
+    assert not beat._thread.is_alive()
+
+
+def test_heartbeat_never_names_its_own_rank(one_process_group: None) -> None:
+    """On a loaded machine this rank's own beat can be late; it is alive all the same."""
+    from scaletrain.parallel.failure import Heartbeat
+
+    beat = Heartbeat(interval_s=0.01)
+    beat.stop()
+    beat.store.set("scaletrain/heartbeat/0", repr(0.0))  # a beat from 1970
+    assert beat.silent_ranks(stale_s=0.0) == []
+
+
+@pytest.mark.parametrize("verb", ["train", "finetune", "profile"])
+def test_commands_end_the_process_groups_on_an_error(verb: str, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every way out of a training verb ends the process groups (a process that exits with
+    them alive can abort in interpreter shutdown), here an error while building the trainer."""
+    import importlib
+
+    import scaletrain.finetune.trainer  # noqa: F401  (built on Trainer before it is replaced)
+    from scaletrain.train.checkpoint import CheckpointError
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise CheckpointError("no checkpoint to resume")
+
+    calls = []
+    monkeypatch.setattr("scaletrain.parallel.mesh.shutdown_process_group",
+                        lambda: calls.append(1))
+    monkeypatch.setattr("scaletrain.train.trainer.Trainer", refuse)
+    monkeypatch.setattr("scaletrain.finetune.trainer.FinetuneTrainer", refuse)
+    argv = ["--output", str(tmp_path / "out")]
+    if verb == "finetune":
+        argv += ["--base", str(tmp_path), "--method", "full", "--task", "sft", "--data",
+                 str(tmp_path / "d.jsonl")]
+    assert importlib.import_module(f"scaletrain.commands.{verb}").main(argv) == 2
+    assert calls == [1]

@@ -13,6 +13,7 @@ from scaletrain.models.transformer import Transformer
 from scaletrain.train.chunked_loss import chunked_linear_cross_entropy
 from scaletrain.train.loss import IGNORE_INDEX, cross_entropy_sum
 from scaletrain.train.trainer import Trainer, fused_loss_problem
+from tests.proc_helpers import scaled
 from tests.trainer_helpers import tiny_config
 
 
@@ -150,6 +151,6 @@ def test_fp8_refused_with_exit_2(tmp_path: Path) -> None:
     from tests.trainer_helpers import tiny_argv
     argv = tiny_argv(tmp_path / "g", tmp_path / "c", *fp16, "--precision.fp8", "tensorwise")
     run = subprocess.run([sys.executable, "-m", "scaletrain", "train", *argv],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert run.returncode == 2, run.stderr[-2000:]
     assert "precision.fp8" in run.stderr and "Traceback" not in run.stderr

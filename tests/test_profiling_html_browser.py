@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.commands import diagnose
+from tests.proc_helpers import scaled
 from tests.profiling_traces import gpu_trace
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -23,7 +24,7 @@ def screenshot(page: Path, png: Path, height: int = 2400) -> Path:
     subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                     f"--window-size=1200,{height}", "--virtual-time-budget=5000",
                     f"--screenshot={png}", page.as_uri()],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=scaled(120))
     return png
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from scaletrain.config import ConfigError, load_config
 
@@ -54,13 +55,12 @@ def main(argv: list[str]) -> int:
     from scaletrain.finetune.base import FinetuneError
     from scaletrain.finetune.freeze import FreezeError
     from scaletrain.finetune.lora import LoRAError
-    from scaletrain.finetune.trainer import FinetuneTrainer
+    from scaletrain.parallel.mesh import shutdown_process_group
     from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
     from scaletrain.train.trainer import TrainingDiverged
 
     try:
-        trainer = FinetuneTrainer(cfg, fit_seq_len=fit_seq_len)
-        result = trainer.train()
+        result, scores = _finetune(cfg, fit_seq_len)
     except NonFiniteStateError as e:  # the run diverged: not an input error
         print(f"scaletrain finetune: {e}", file=sys.stderr)
         return 1
@@ -71,13 +71,24 @@ def main(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"scaletrain finetune: {e}", file=sys.stderr)
         return 1
+    finally:  # also under torchrun: no process group outlives the run (see shutdown_process_group)
+        shutdown_process_group()
     if result.losses:
         log.info("fine-tuned %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",
                  len(result.losses), result.wall_time_s, result.losses[0], result.losses[-1],
                  result.val_loss)
-    scores = getattr(trainer, "last_scores", None)
     if scores:
         log.info("validation accuracy %.4f, macro-F1 %.4f", scores["accuracy"],
                  scores["macro_f1"])
     log.info("output: %s", cfg.output)
     return 0
+
+
+def _finetune(cfg: Any, fit_seq_len: bool) -> tuple[Any, dict[str, float] | None]:
+    """Build and run the trainer: (its result, its last validation scores); the trainer itself
+    is out of reach after this call, so its process groups can be freed."""
+    from scaletrain.finetune.trainer import FinetuneTrainer
+
+    trainer = FinetuneTrainer(cfg, fit_seq_len=fit_seq_len)
+    result = trainer.train()
+    return result, getattr(trainer, "last_scores", None)

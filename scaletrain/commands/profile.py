@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
     elif cfg.training.steps < needed:
         log.warning("training.steps (%d) ends before the profiler schedule (%d steps) completes",
                     cfg.training.steps, needed)
+    from scaletrain.parallel.mesh import shutdown_process_group
     from scaletrain.profiling import report
     from scaletrain.profiling.analyze import analyze
     from scaletrain.profiling.trace import TraceError
@@ -61,12 +62,14 @@ def main(argv: list[str]) -> int:
     from scaletrain.train.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg)
-        trainer.train()
+        Trainer(cfg).train()
+        analyse = _is_rank0()  # before the process group goes: waits for every rank's trace
     except (ConfigError, CheckpointError) as e:
         print(f"scaletrain profile: {e}", file=sys.stderr)
         return 2
-    if not _is_rank0():
+    finally:  # also under torchrun: no process group outlives the run (see shutdown_process_group)
+        shutdown_process_group()
+    if not analyse:
         return 0  # rank 0 diagnoses every rank's trace
     folder = Path(p.output_dir) if p.output_dir else Path(cfg.output) / "profile"
     traces = latest_traces(folder)

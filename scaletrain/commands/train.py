@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from scaletrain.config import ConfigError, load_config
 
@@ -25,12 +26,12 @@ def main(argv: list[str]) -> int:
         return plan_run(cfg, as_json)
     from scaletrain.parallel.dims import ParallelDimsError
     from scaletrain.parallel.failure import DistributedFailure
+    from scaletrain.parallel.mesh import shutdown_process_group
     from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
-    from scaletrain.train.trainer import Trainer, TrainingDiverged
+    from scaletrain.train.trainer import TrainingDiverged
 
     try:
-        trainer = Trainer(cfg)
-        result = trainer.train()
+        result = _train(cfg)
     except NonFiniteStateError as e:  # the run diverged: not an input error
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1
@@ -43,11 +44,8 @@ def main(argv: list[str]) -> int:
     except DistributedFailure as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    finally:  # on every way out (the trainer is out of reach by now)
+        shutdown_process_group()
     losses = result.losses
     if losses:
         log.info("trained %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",
@@ -57,3 +55,11 @@ def main(argv: list[str]) -> int:
     if result.sample:
         log.info("sample (prompt\u2588continuation):\n%s", result.sample)
     return 0
+
+
+def _train(cfg: Any) -> Any:
+    """Build and run the trainer; only its result outlives this call, so the process groups
+    its mesh and model hold can be freed before the process exits."""
+    from scaletrain.train.trainer import Trainer
+
+    return Trainer(cfg).train()

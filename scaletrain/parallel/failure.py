@@ -40,16 +40,24 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Stop the thread and wait for it: a daemon thread still inside a store call when the
+        interpreter shuts down is ended while returning from C++, and that aborts the process
+        ("terminate called without an active exception")."""
         self._stop.set()
+        # A store call ends within the store's timeout; a beat normally takes milliseconds.
+        self._thread.join(timeout=max(10 * self.interval_s, 30.0))
 
     def silent_ranks(self, stale_s: float = 3.0) -> list[int] | None:
-        """Ranks whose heartbeat is older than `stale_s` (None if the store is unreachable)."""
+        """Other ranks whose heartbeat is older than `stale_s` (None if the store is
+        unreachable). This rank is alive, however late its own beat on a loaded machine."""
         # Wait until a rank that died at the failure has been silent for longer than stale_s.
         time.sleep(stale_s + self.interval_s)
         try:
             now = time.time()
             out = []
             for r in range(self.world):
+                if r == self.rank:
+                    continue
                 beat = float(self.store.get(f"{_PREFIX}{r}").decode())
                 if now - beat > stale_s:
                     out.append(r)

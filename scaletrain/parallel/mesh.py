@@ -15,6 +15,7 @@ back into `dp_shard`).
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 
@@ -47,6 +48,21 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     dist.init_process_group(backend=backend,
                             timeout=datetime.timedelta(seconds=timeout_s))
     log.info("process group: %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def shutdown_process_group() -> None:
+    """Destroy every process group of this process (a no-op in one process), on every way out
+    of a run: a process that exits with its groups alive can abort in interpreter shutdown
+    ("terminate called without an active exception").
+
+    `destroy_process_group` does not end the threads of a gloo group that something still
+    refers to (a DeviceMesh; torch's DTensor caches keep a trained model's meshes until exit).
+    The collection below frees the groups that only reference cycles hold (a dropped trainer's
+    modules), so their threads end now rather than in interpreter shutdown.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 class ParallelMesh:

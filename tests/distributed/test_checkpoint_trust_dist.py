@@ -5,26 +5,19 @@ instead of leaving the others waiting in a collective."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
-from tests.distributed.worker import BASE, MODEL, free_port, spawn
+from tests.distributed.worker import BASE, MODEL, spawn
+from tests.proc_helpers import run_ranks
 from tests.trainer_helpers import tiny_config
 
 LAYOUT = ["--parallel.data_parallel", "zero3", "--training.steps", "4"]
 
 
-def _resume(rank: int, world: int, port: int, runs: list[str], cache: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
+def _resume(rank: int, world: int, runs: list[str], cache: str, out: str) -> None:
     from scaletrain.train.checkpoint import CheckpointError
     from scaletrain.train.trainer import Trainer
 
@@ -37,8 +30,6 @@ def _resume(rank: int, world: int, port: int, runs: list[str], cache: str, out: 
         except CheckpointError as e:
             errors.append(str(e))
     Path(out, f"rank{rank}.json").write_text(json.dumps(errors))
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.distributed
@@ -75,8 +66,7 @@ def test_damage_seen_by_one_rank_stops_all(tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_resume, args=(2, free_port(), [str(flipped), str(nans)], str(cache), str(out)),
-             nprocs=2)
+    run_ranks(_resume, 2, [str(flipped), str(nans)], str(cache), str(out))
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert per_rank[0] == per_rank[1]
     hash_err, nan_err = per_rank[0]

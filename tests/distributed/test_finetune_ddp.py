@@ -3,19 +3,17 @@ steps) and the first step's gradients of one process on the same global batches.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
-from tests.distributed.worker import free_port, train_steps
+from tests.distributed.worker import train_steps
 from tests.finetune_helpers import qa_records, sentiment_records, write_jsonl
+from tests.proc_helpers import run_ranks
 from tests.trainer_helpers import tiny_config
 
 TOL = 1e-5
@@ -46,13 +44,9 @@ def _run(argv: list[str]) -> dict[str, Any]:
     return {"losses": losses, "grads": grads}
 
 
-def _entry(rank: int, world: int, port: int, jobs: list[list[str]], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _entry(rank: int, world: int, jobs: list[list[str]], out_dir: str) -> None:
     results = [_run(argv) for argv in jobs]
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 @pytest.mark.distributed
@@ -64,7 +58,7 @@ def test_ddp_fine_tuning_matches_one_process(tmp_path: Path) -> None:
     cases = [("lora", "sft", sft), ("full", "classification", cls)]
     refs = [_run(_argv(tmp_path / f"ref-{m}", base, d, m, t, 8)) for m, t, d in cases]
     jobs = [_argv(tmp_path / f"ddp-{m}", base, d, m, t, 4) for m, t, d in cases]
-    mp.spawn(_entry, args=(2, free_port(), jobs, str(tmp_path)), nprocs=2)
+    run_ranks(_entry, 2, jobs, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for i, (method, _, _) in enumerate(cases):
         ref, got = refs[i], ranks[0][i]

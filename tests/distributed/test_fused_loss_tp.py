@@ -6,18 +6,16 @@ divide."""
 
 from __future__ import annotations
 
-import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from tests.distributed.worker import free_port
+from tests.proc_helpers import run_ranks
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
@@ -107,10 +105,7 @@ def _model_cases(mesh: object) -> None:
                                        msg=lambda m, n=name: f"{n} after step: {m}")
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _entry(rank: int, world: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -119,14 +114,12 @@ def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
     except Exception:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.distributed
 def test_vocab_parallel_fused_loss_equals_plain(tmp_path: Path) -> None:
     try:
-        mp.spawn(_entry, args=(2, free_port(), str(tmp_path)), nprocs=2)
+        run_ranks(_entry, 2, str(tmp_path))
     finally:
         for err in sorted(tmp_path.glob("error*.txt")):
             print(err.read_text())

@@ -4,18 +4,16 @@ rank, with one all-reduce per mesh dimension (4 gloo processes)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tests.distributed.worker import free_port
+from tests.proc_helpers import run_ranks
 
 MAX_NORM = 1.0
 
@@ -45,9 +43,7 @@ def _grads(mesh: object) -> tuple[list[Holder], list[torch.Tensor]]:
     return holders, fulls
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+def _entry(rank: int, world: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from scaletrain.parallel.grad import clip_grad_norm
 
@@ -71,12 +67,11 @@ def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
     clipped = torch.linalg.vector_norm(torch.cat([t.flatten() for t in after]))
     torch.save({"norm": float(norm), "calls": len(calls), "clipped": float(clipped)},
                Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 @pytest.mark.distributed
 def test_norm_of_every_placement_on_every_mesh_dimension(tmp_path: Path) -> None:
-    mp.spawn(_entry, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    run_ranks(_entry, 4, str(tmp_path))
     torch.manual_seed(0)
     fulls = [torch.randn(8, 6) for _ in range(6)] + [torch.randn(5)]
     expected = float(torch.linalg.vector_norm(torch.cat([f.flatten() for f in fulls])))

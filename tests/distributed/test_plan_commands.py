@@ -18,6 +18,7 @@ from scaletrain.plan.estimate import Layout
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import get_device
 from scaletrain.plan.search import Cluster, search
+from tests.proc_helpers import scaled
 from tests.trainer_helpers import tiny_argv
 
 SEQ = 32
@@ -45,7 +46,7 @@ def _launch(flags: list[str], nproc: int, timeout: int = 300) -> subprocess.Comp
            str(nproc), "-m", "scaletrain", "train", *flags]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def _metrics(out: Path) -> list[dict]:

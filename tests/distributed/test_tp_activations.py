@@ -17,18 +17,16 @@ The formula leaves out the fp32 per-row statistics every implementation keeps (e
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.plan.activations import ActivationSpec, plain_layer
-from tests.distributed.worker import free_port
+from tests.proc_helpers import run_ranks
 
 TP = 2
 MBS, SEQ = 2, 32
@@ -172,24 +170,20 @@ def _projection_alone(mesh: Any) -> float:
     return float((got - want).abs().max())
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
+def _entry(rank: int, world: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     result = {"saved": _saved_bytes(mesh), "bitwise": _regather_equals_dtensor(mesh),
               "layers": _dtensor_layers(mesh), "alone": _projection_alone(mesh)}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("tp-activations")
-    mp.spawn(_entry, args=(TP, free_port(), str(out)), nprocs=TP)
+    run_ranks(_entry, TP, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]
 
 

@@ -3,8 +3,6 @@ process group and save what the parent compares (losses, full gradients, bytes p
 
 from __future__ import annotations
 
-import os
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -12,9 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from tests.proc_helpers import run_ranks
 from tests.trainer_helpers import tiny_config
 
 # A model every layout can split: 4 heads / 2 KV heads (tp 2), 4 layers (pp 4 or pp 2 x v 2),
@@ -23,12 +21,6 @@ MODEL = ["--model.n_layers", "4", "--model.tie_embeddings", "false"]
 # The defaults users run: gradient clipping at 1.0 (the tiny model's norms are 1.2-1.9, so it
 # engages), fused AdamW at the default learning rate.
 BASE = ["--checkpoint.save_final", "false"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -132,11 +124,7 @@ def run_trainer(argv: list[str], steps: int, capture: bool = True,
     return out
 
 
-def _entry(rank: int, world: int, port: int, jobs: list[tuple], steps: int,
-           out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _entry(rank: int, world: int, jobs: list[tuple], steps: int, out_dir: str) -> None:
     results = {}
     try:
         for name, argv, *opts in jobs:
@@ -149,11 +137,10 @@ def _entry(rank: int, world: int, port: int, jobs: list[tuple], steps: int,
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         raise
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
-def spawn(world: int, jobs: list[tuple], steps: int,
-          out_dir: Path) -> list[dict[str, Any]]:
+def spawn(world: int, jobs: list[tuple], steps: int, out_dir: Path,
+          timeout_s: float = 900.0) -> list[dict[str, Any]]:
     """Run `jobs` (name, argv) in `world` processes; return each rank's results."""
-    mp.spawn(_entry, args=(world, free_port(), jobs, steps, str(out_dir)), nprocs=world)
+    run_ranks(_entry, world, jobs, steps, str(out_dir), timeout_s=timeout_s)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -1,3 +1,3 @@
-from scaletrain.cli import main
+from scaletrain.cli import entry
 
-raise SystemExit(main())
+entry()

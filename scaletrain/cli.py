@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -61,5 +62,30 @@ def main(argv: list[str] | None = None) -> int:
     return run(rest)
 
 
+# Verbs that start process groups under torchrun.
+_DISTRIBUTED_VERBS = ("train", "finetune", "profile")
+
+
+def entry() -> None:
+    """The `scaletrain` console script and `python -m scaletrain` (what torchrun starts).
+
+    A rank torchrun started (WORLD_SIZE > 1) of a verb that ran process groups leaves with
+    `os._exit` once the verb has returned, its output flushed: torch's DTensor caches keep a
+    trained model's meshes (and their gloo/NCCL threads) until interpreter shutdown, whose
+    teardown of them can abort a finished rank ("terminate called without an active
+    exception", SIGABRT), and torchrun would then report a successful run as failed. The verb
+    has already closed its files and destroyed its groups (`shutdown_process_group`).
+    """
+    argv = sys.argv[1:]
+    rc = main(argv)
+    verb = argv[0] if argv else "train"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and verb in _DISTRIBUTED_VERBS:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    raise SystemExit(rc)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

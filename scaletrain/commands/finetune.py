@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import Any
 
+from scaletrain.commands.train_dry_run import split_flags
 from scaletrain.config import ConfigError, load_config
 
 log = logging.getLogger("scaletrain")
@@ -34,10 +35,8 @@ def expand_aliases(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    dry_run = "--dry-run" in argv
-    as_json = dry_run and "--json" in argv
-    argv = expand_aliases([a for a in argv if a not in ("--dry-run", "--json" if dry_run
-                                                         else "--dry-run")])
+    argv, dry_run, as_json = split_flags(argv)
+    argv = expand_aliases(argv)
     own_config = any(a == "--config" or a.startswith("--config=") for a in argv)
     if not own_config:
         argv = ["--config", "finetune", *argv]

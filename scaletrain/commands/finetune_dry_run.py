@@ -24,11 +24,11 @@ if TYPE_CHECKING:
 PROG = "scaletrain finetune --dry-run"
 
 
-def plan_finetune(cfg: Config, fit_seq_len: bool = False) -> tuple[Plan, Device | None]:
+def plan_finetune(cfg: Config, fit: bool = False) -> tuple[Plan, Device | None]:
     """The plan of `scaletrain finetune` with `cfg` (see the module docstring)."""
     from scaletrain.finetune import data as ftdata
     from scaletrain.finetune.lora import parse_targets
-    from scaletrain.finetune.trainer import check_config
+    from scaletrain.finetune.trainer import check_config, fit_seq_len
     from scaletrain.loader import model_args_of
     from scaletrain.plan.estimate import estimate
     from scaletrain.plan.finetune import finetune_plan
@@ -39,11 +39,7 @@ def plan_finetune(cfg: Config, fit_seq_len: bool = False) -> tuple[Plan, Device 
     cfg = copy.deepcopy(cfg)
     ft = cfg.finetune
     args = model_args_of(ft.base)
-    if fit_seq_len:  # as FinetuneTrainer: the preset's length is lowered to the base's
-        cfg.data.seq_len = min(cfg.data.seq_len, args.max_seq_len)
-    if cfg.data.seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) exceeds the base model's "
-                          f"max_seq_len ({args.max_seq_len}); lower --data.seq_len")
+    cfg.data.seq_len = fit_seq_len(cfg.data.seq_len, args.max_seq_len, fit)
     num_labels = None
     if ft.task == "classification":
         records = ftdata.read_jsonl(ft.data)

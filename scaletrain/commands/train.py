@@ -6,15 +6,14 @@ import logging
 import sys
 from typing import Any
 
+from scaletrain.commands.train_dry_run import split_flags
 from scaletrain.config import ConfigError, load_config
 
 log = logging.getLogger("scaletrain")
 
 
 def main(argv: list[str]) -> int:
-    dry_run = "--dry-run" in argv
-    as_json = dry_run and "--json" in argv
-    argv = [a for a in argv if a not in ("--dry-run", "--json" if dry_run else "--dry-run")]
+    argv, dry_run, as_json = split_flags(argv)
     try:
         cfg = load_config(argv)
     except ConfigError as e:

@@ -19,6 +19,14 @@ if TYPE_CHECKING:
 EXIT_DOES_NOT_FIT = 3
 
 
+def split_flags(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(argv without them, --dry-run, --json): `--json` belongs to the dry run only."""
+    dry_run = "--dry-run" in argv
+    as_json = dry_run and "--json" in argv
+    drop = ("--dry-run", "--json") if dry_run else ("--dry-run",)
+    return [a for a in argv if a not in drop], dry_run, as_json
+
+
 def dry_run(cfg: Config, as_json: bool = False) -> int:
     from scaletrain.plan.estimate import PlanError
     from scaletrain.plan.from_config import plan_config

@@ -109,6 +109,18 @@ def check_config(cfg: Config) -> None:
                           "pre-training); set training.fused_loss false for fine-tuning")
 
 
+def fit_seq_len(seq_len: int, limit: int, fit: bool) -> int:
+    """The sequence length a run uses with a base of context `limit`: `seq_len`, lowered to
+    `limit` when `fit` (the preset's default, not the user's choice); else an error if longer."""
+    if fit and seq_len > limit:
+        log.info("data.seq_len %d -> %d: the base model's max_seq_len", seq_len, limit)
+        return limit
+    if seq_len > limit:
+        raise ConfigError(f"data.seq_len ({seq_len}) exceeds the base model's max_seq_len "
+                          f"({limit}); lower --data.seq_len")
+    return seq_len
+
+
 class FinetuneTrainer(Trainer):
     """`Trainer` with the base model, method and task of `cfg.finetune`."""
 
@@ -132,14 +144,8 @@ class FinetuneTrainer(Trainer):
         with verification(cfg.checkpoint.verify):
             self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device)
         self._check_base_on_resume()
-        seq_len = cfg.data.seq_len
-        if seq_len > self.base.args.max_seq_len and self.fit_seq_len:
-            log.info("data.seq_len %d -> %d: the base model's max_seq_len", seq_len,
-                     self.base.args.max_seq_len)
-            seq_len = cfg.data.seq_len = self.base.args.max_seq_len
-        if seq_len > self.base.args.max_seq_len:
-            raise ConfigError(f"data.seq_len ({seq_len}) exceeds the base model's max_seq_len "
-                              f"({self.base.args.max_seq_len}); lower --data.seq_len")
+        seq_len = cfg.data.seq_len = fit_seq_len(cfg.data.seq_len, self.base.args.max_seq_len,
+                                                  self.fit_seq_len)
         records = ftdata.read_jsonl(ft.data)
         if ft.val_data:
             train, val = records, ftdata.read_jsonl(ft.val_data)
@@ -194,15 +200,14 @@ class FinetuneTrainer(Trainer):
         if ft.method in ("lora", "qlora") and backbone.args.arch != "llama":
             raise FinetuneError(f"--method {ft.method} writes PEFT adapters for Llama models; "
                                 f"this base is '{backbone.args.arch}': use --method full or freeze")
+        lora = None
         if ft.method in ("lora", "qlora"):
-            self.lora = LoRASettings(ft.lora_rank, ft.lora_alpha, ft.lora_dropout,
-                                     parse_targets(ft.lora_targets))
-        apply_method(backbone, ft.method, lora=self.lora if ft.method in ("lora", "qlora")
-                     else None, freeze_embeddings=ft.freeze_embeddings,
+            lora = self.lora = LoRASettings(ft.lora_rank, ft.lora_alpha, ft.lora_dropout,
+                                            parse_targets(ft.lora_targets))
+        apply_method(backbone, ft.method, lora=lora, freeze_embeddings=ft.freeze_embeddings,
                      freeze_first=ft.freeze_first, train_last=ft.train_last,
                      norms=ft.train_norms,
-                     quant_dtype=compute_dtype(ft.quant_compute_dtype, self.dtype)
-                     if ft.method == "qlora" else None,
+                     quant_dtype=compute_dtype(ft.quant_compute_dtype, self.dtype),
                      device=self.device, seed=self.cfg.training.seed)
         if ft.method in ("full", "freeze"):  # frozen linears run fp8 forward matmuls too
             apply_fp8(backbone, self.cfg.precision.fp8, self.device)

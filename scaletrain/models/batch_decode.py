@@ -59,6 +59,13 @@ def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
     return {int(i): float(v) for i, v in zip(idx.tolist(), vals.tolist())}
 
 
+def apply_controls(logits: torch.Tensor, bias: torch.Tensor, presence: torch.Tensor,
+                   frequency: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Logit bias, presence and frequency penalties (OpenAI's definitions) on raw logits;
+    `counts`: how often each token was generated so far."""
+    return logits + bias - presence * (counts > 0) - frequency * counts
+
+
 def _groups(model: Transformer, rows: list[Row], budgets: list[int]) -> list[list[int]]:
     """Row indices in groups whose longest prompt + largest budget fit `max_seq_len` (and, for
     absolute position embeddings, of one prompt length), longest prompts first."""
@@ -151,7 +158,7 @@ def _decode_group(model: Transformer, rows: list[Row], budgets: list[int], tempe
         while not all(done):
             adjusted = logits
             if controls:
-                adjusted = logits + bias - presence * (counts > 0) - frequency * counts
+                adjusted = apply_controls(logits, bias, presence, frequency, counts)
             if temperature == 0:
                 picked = adjusted.argmax(dim=-1).tolist()
             else:

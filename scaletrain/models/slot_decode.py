@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scaletrain.models.batch_decode import Decoded, Row, _top
+from scaletrain.models.batch_decode import Decoded, Row, _top, apply_controls
 from scaletrain.models.generation import _check, filter_logits
 from scaletrain.models.transformer import KVCache, Transformer
 
@@ -216,8 +216,8 @@ class SlotBatch:
     def _pick(self, i: int, s: _Slot) -> int:
         logits = self.logits[i]
         if s.controls:  # as decode_rows: bias, presence and frequency from the raw logits
-            logits = (logits + self.bias[i] - self.presence[i] * (self.counts[i] > 0)
-                      - self.frequency[i] * self.counts[i])
+            logits = apply_controls(logits, self.bias[i], self.presence[i], self.frequency[i],
+                                    self.counts[i])
         sp = s.sampling
         if sp.temperature == 0:
             return int(logits.argmax(dim=-1))

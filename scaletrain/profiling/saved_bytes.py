@@ -3,9 +3,8 @@
 Counts each storage once (views share storage) among the tensors autograd still holds after the
 forward and loss, leaves out parameters and the copies of parameters (autocast's casts, of
 frozen weights too: those are weights, reported apart as `weight_copies`). Under tensor
-parallelism
-(`tp_mesh`) it runs on every rank of the mesh and counts this rank's local tensors (a DTensor
-is counted by its local shard).
+parallelism (`tp_mesh`) it runs on every rank of the mesh and counts this rank's local tensors
+(a DTensor is counted by its local shard).
 """
 
 from __future__ import annotations
@@ -94,8 +93,9 @@ def measure_saved_bytes(args: ModelArgs, mbs: int, seq_len: int, dtype: str = "f
     process only).
 
     `finetune` turns the fresh model into the one a fine-tuning method trains (freezing, LoRA,
-    a classification head: `finetune.methods.prepare`), before recomputation is applied; a
-    `SequenceClassifier` it returns is run on rows of full length against one label per row.
+    a classification head: `finetune.methods.apply_method` and `with_head`), before
+    recomputation is applied; a `SequenceClassifier` it returns is run on rows of full length
+    against one label per row.
 
     With `tp_mesh` (call it on every rank of the mesh) the model is tensor parallel
     (`apply_tp`, sequence parallel as asked, the head's logits gathered) and this rank's bytes

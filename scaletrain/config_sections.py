@@ -27,7 +27,9 @@ class ModelConfig:
     ffn_dim: int | None = None
     """Override the preset's MLP hidden size."""
     vocab_size: int | None = None
-    """Override the preset's vocabulary size (must hold the tokenizer's vocabulary)."""
+    """The model's vocabulary size. Default: the preset's, widened to the tokenizer's when that
+    is larger (`data.tokenizer`, the one saved beside the first of `data.paths`, or
+    `data.vocab_size` when the run trains its own); when given, it must hold the tokenizer's."""
     max_seq_len: int | None = None
     """Override the preset's maximum sequence length."""
     tie_embeddings: bool | None = None

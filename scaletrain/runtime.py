@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from scaletrain.config import ConfigError, PrecisionConfig
+from scaletrain.config import Config, ConfigError, PrecisionConfig
+from scaletrain.models.args import ModelArgs
 
 log = logging.getLogger("scaletrain")
 
@@ -50,3 +51,18 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device) and x.is_floating_point():
         return torch.get_autocast_dtype(device)
     return x.dtype
+
+
+def resolve_model_args(cfg: Config) -> ModelArgs:
+    """The model a training run builds: the preset with the `model.*` overrides; without
+    `model.vocab_size`, a tokenizer larger than the preset's vocabulary widens it to the
+    tokenizer's (a smaller one leaves the preset as it is, so the model matches
+    `scaletrain plan --model PRESET`)."""
+    args = cfg.model.to_model_args()
+    if cfg.model.vocab_size is None:
+        from scaletrain.data.sources import expected_vocab_size
+
+        vocab = expected_vocab_size(cfg.data)
+        if vocab is not None and vocab > args.vocab_size:
+            args = args.replace(vocab_size=vocab)
+    return args

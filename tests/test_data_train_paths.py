@@ -70,3 +70,32 @@ def test_missing_and_empty_datasets_are_named(tmp_path: Path, capsys) -> None:
     assert train_cmd.main(argv) == 2
     err = capsys.readouterr().err
     assert "holds 0 documents" in err and "Traceback" not in err
+
+
+def test_model_vocabulary_follows_the_tokenizer(tmp_path: Path, capsys) -> None:
+    """Without --model.vocab_size the model takes the data tokenizer's vocabulary (GPT-NeoX's
+    50k, far above the debug preset's 8192), and the dry run plans that same model."""
+    from tokenizers import Tokenizer
+
+    from scaletrain.commands import train as train_cmd
+    from scaletrain.config import load_config
+    from tests.trainer_helpers import tiny_argv
+
+    tok = FIXTURES / "gpt-neox-tokenizer.json"
+    vocab = Tokenizer.from_file(str(tok)).get_vocab_size(with_added_tokens=True)
+    first = sorted(FIXTURES.glob("ccnet_en_head-*.jsonl.gz"))[0]
+    assert data_cmd.main(["tokenize", "--input", str(first), "--output", str(tmp_path / "d"),
+                          "--tokenizer", str(tok), "--workers", "1"]) == 0
+    argv = tiny_argv(tmp_path / "run", tmp_path / "cache", "--data.paths", str(tmp_path / "d"),
+                     "--data.split", "90,10,0", "--training.steps", "1")
+    at = argv.index("--model.vocab_size")
+    del argv[at:at + 2]
+    capsys.readouterr()
+    assert train_cmd.main([*argv, "--dry-run", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["params"]
+    trainer = Trainer(load_config(argv))
+    assert trainer.model_args.vocab_size == vocab > 8192
+    assert sum(p.numel() for p in trainer.model.parameters()) == planned
+    assert len(trainer.train().losses) == 1
+    with pytest.raises(ConfigError, match=f"the tokenizer has {vocab} tokens"):
+        Trainer(load_config([*argv, "--model.vocab_size", "8192"]))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from scaletrain.config import ConfigError
 from scaletrain.data.blend import BlendedDataset
@@ -22,7 +23,7 @@ from scaletrain.data.corpus import cache_root, prepare_corpus
 from scaletrain.data.gpt_dataset import GPTDataset, split_ranges
 from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, strip_prefix
 from scaletrain.data.tokenize import sidecar_tokenizer
-from scaletrain.data.tokenizer import TextTokenizer, TokenizerError
+from scaletrain.data.tokenizer import TextTokenizer, TokenizerError, resolve_tokenizer_file
 
 log = logging.getLogger("scaletrain.data")
 
@@ -64,6 +65,24 @@ def _tokenizer(cfg: Any, prefixes: list[Path]) -> TextTokenizer:
         return TextTokenizer.load(spec)
     except TokenizerError as e:
         raise DataSourceError(str(e)) from None
+
+
+def expected_vocab_size(cfg: Any) -> int | None:
+    """The vocabulary size of the tokenizer a run with the `data` section `cfg` will use, found
+    without tokenizing anything: `data.tokenizer`'s, else that of the tokenizer saved beside the
+    first of `data.paths`, else `data.vocab_size` (the size of the tokenizer the run trains,
+    which is at most that). None when the tokenizer cannot be read here (building the data
+    then says why)."""
+    spec: str | Path | None = cfg.tokenizer
+    if spec is None and cfg.paths:
+        spec = sidecar_tokenizer(strip_prefix(cfg.paths[0]))
+    if spec is None:
+        return None if cfg.paths else cfg.vocab_size
+    try:
+        return Tokenizer.from_file(str(resolve_tokenizer_file(spec))).get_vocab_size(
+            with_added_tokens=True)
+    except Exception:  # a missing file, bad JSON (the Rust side raises a bare Exception)
+        return None
 
 
 def _open_dataset(prefix: Path) -> IndexedDataset:

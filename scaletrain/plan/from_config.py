@@ -55,4 +55,6 @@ def device_for(device: torch.device) -> Device | None:
 def plan_config(cfg: Config, device: torch.device) -> tuple[Plan, Device | None]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lay = layout_from_config(cfg, device, world)
-    return estimate(cfg.model.to_model_args(), lay), device_for(device)
+    from scaletrain.runtime import resolve_model_args
+
+    return estimate(resolve_model_args(cfg), lay), device_for(device)

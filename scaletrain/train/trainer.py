@@ -25,7 +25,7 @@ from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
 from scaletrain.profiling.capture import StepProfiler, phase
-from scaletrain.runtime import resolve_device
+from scaletrain.runtime import resolve_device, resolve_model_args
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.evaluate import evaluate
@@ -157,7 +157,7 @@ class Trainer:
             raise ConfigError("precision.param_dtype bf16 and optimizer.offload are single-"
                               "process options; with several processes use "
                               "parallel.fsdp_param_dtype bf16 and parallel.cpu_offload")
-        self.par.validate(self.cfg.model.to_model_args(), self.cfg.data.seq_len, self.ga)
+        self.par.validate(resolve_model_args(self.cfg), self.cfg.data.seq_len, self.ga)
         self.par.start()
         self.is_main = self.par.is_main
 
@@ -186,13 +186,16 @@ class Trainer:
         )
 
     def _model_args(self) -> ModelArgs:
-        args = self.cfg.model.to_model_args()
+        args = resolve_model_args(self.cfg)
         if self.corpus.vocab_size > args.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {self.corpus.vocab_size} tokens but model.vocab_size is "
-                f"{args.vocab_size}; set --model.vocab_size {self.corpus.vocab_size} or a smaller "
-                "--data.vocab_size"
+                f"{args.vocab_size}; drop --model.vocab_size (the model then widens to the "
+                "tokenizer's) or give at least that many"
             )
+        if args.vocab_size != self.cfg.model.to_model_args().vocab_size:
+            log.info("model vocabulary: %d, the tokenizer's (larger than the preset's; set "
+                     "--model.vocab_size to override)", args.vocab_size)
         return args
 
     def _build_model(self) -> Transformer:

@@ -72,7 +72,7 @@ def test_no_host_sync_outside_log_steps(tmp_path: Path, cache: Path) -> None:
         result = t.train()
     # A call made while step k runs sees trainer.step == k - 1; a log step's read sees k.
     steps = {step for step, _ in counter.calls}
-    assert steps and steps <= {4, 8}, counter.calls
+    assert steps and steps <= {1, 4, 8}, counter.calls  # the first step is logged alone
     # ... and the metrics still hold every step's own loss and norm.
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, 9))

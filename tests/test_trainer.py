@@ -220,12 +220,12 @@ def test_moe_training_logs_expert_load_and_moves_the_bias(tmp_path: Path, cache:
     assert result.steps == 4 and all(math.isfinite(x) for x in result.losses)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [m for m in lines if "moe" in m]
-    assert [m["step"] for m in logged] == [2, 4]
-    tokens = 2 * 2 * 4 * 32 * 2  # steps x accumulation x micro-batch x seq x k
-    for m in logged:
+    assert [m["step"] for m in logged] == [1, 2, 4]  # the first step is logged alone
+    for m, steps in zip(logged, [1, 1, 2], strict=True):
         assert set(m["moe"]["layers"]) == {"layers.0.feed_forward", "layers.1.feed_forward"}
         for layer in m["moe"]["layers"].values():
-            assert sum(layer["tokens_per_expert"]) == tokens
+            # steps in the interval x accumulation x micro-batch x seq x k
+            assert sum(layer["tokens_per_expert"]) == steps * 2 * 4 * 32 * 2
             assert layer["load_max_over_mean"] >= 1.0
             assert layer["aux_loss"] > 0 and layer["router_entropy"] > 0
     biases = [m.router.expert_bias for m in trainer.model.modules() if hasattr(m, "router")]

@@ -354,12 +354,14 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """The loop, the same for every layout. Steps run without reading values back to the
-        host; at log steps (every `metrics.log_interval`, before an evaluation or checkpoint,
-        and at the end) the pending steps' losses and norms are read in one transfer, written
-        to the metrics (each step's own values), and a non-finite step acts on `on_nan`."""
+        host; at log steps (the run's first step, every `metrics.log_interval`, before an
+        evaluation or checkpoint, and at the end) the pending steps' losses and norms are read
+        in one transfer, written to the metrics (each step's own values), and a non-finite step
+        acts on `on_nan`."""
         cfg = self.cfg
         start = time.perf_counter()
         result = TrainResult(steps=self.step)
+        first = self.step + 1  # logged alone: the run shows life, warm-up stays out of the means
         heartbeat = self.par.heartbeat()
         metrics: Any = _NoMetrics()
         if self.is_main:  # one rank writes metrics, logs and the progress bar
@@ -383,7 +385,8 @@ class Trainer:
                     and self.step % cfg.training.eval_interval == 0
                 save = bool(cfg.checkpoint.interval) and not last \
                     and self.step % cfg.checkpoint.interval == 0
-                if last or evaluate or save or self.step % cfg.metrics.log_interval == 0:
+                if (last or evaluate or save or self.step == first
+                        or self.step % cfg.metrics.log_interval == 0):
                     self._log_pending(pending, metrics, result)
                 if evaluate:
                     metrics.log_eval(self.step, self.evaluate())

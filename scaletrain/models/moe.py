@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.layers import MLP_BUILDERS, FeedForward
@@ -103,7 +104,11 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         dtype = _compute_dtype(x, w1)
         x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-        if self.compute == "grouped":
+        # Traced by torch.compile, the grouped GEMM's shape check wants bf16 (its CUDA kernel's
+        # rule) even where the eager CPU kernel takes fp32, and a failure there cannot fall back.
+        grouped = self.compute == "grouped" and (
+            dtype == torch.bfloat16 or not torch.compiler.is_compiling())
+        if grouped:
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             try:
                 h = F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs)
@@ -117,7 +122,8 @@ class GroupedExperts(nn.Module):
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor parameter (FSDP gathers before forward; EP shards stay)."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    # isinstance, not hasattr: torch.compile traces hasattr on a DTensor parameter as False.
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:

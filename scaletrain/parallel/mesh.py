@@ -97,3 +97,7 @@ class ParallelMesh:
 
     def group(self, name: str) -> dist.ProcessGroup:
         return self[name].get_group()
+
+    def all_groups(self) -> list[dist.ProcessGroup]:
+        """This rank's groups of every dimension, flattened ones included."""
+        return [*self.root.get_all_groups(), *(m.get_group() for m in self.flat.values())]

@@ -164,7 +164,7 @@ class Parallelism:
                 cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
             self._set_balance_group(model)
             apply_ac(model, ac)
-            apply_compile(model, compile_cfg)
+            apply_compile(model, compile_cfg, mesh.all_groups())
             return apply_ddp(model, mesh["dp_cp"], cfg.bucket_cap_mb)
         with torch.device("meta"):
             model = Transformer(args)
@@ -188,7 +188,7 @@ class Parallelism:
         if d.cp > 1:
             cp_lib.apply_cp(model, mesh["cp"], cfg.cp_load_balance)
         apply_ac(model, ac)
-        apply_compile(model, compile_cfg)
+        apply_compile(model, compile_cfg, mesh.all_groups())
         if compile_cfg.enabled and d.tp > 1 and model.tok_embeddings is not None:
             # The first compiled block must not get the embedding's `DTensor.to_local()` view:
             # AOTAutograd's input handling rebases that view's history, and its gradient would

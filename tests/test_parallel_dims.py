@@ -64,3 +64,21 @@ def test_expert_parallel_degree_is_checked_with_its_fix() -> None:
     assert "without pipeline parallelism" in problems(
         moe, ParallelDims.resolve(8, pp=2, dp_shard=2, tp=2, ep=2))
     assert problems(moe, ParallelDims.resolve(2, dp_shard=1, tp=2)) == ""  # experts over TP
+
+
+def test_pipeline_schedules_name_too_few_micro_batches() -> None:
+    """torch's 1F1B refuses fewer micro-batches than stages: the layout check says so first
+    (GPipe runs them)."""
+    from scaletrain.models.args import get_preset
+    from scaletrain.parallel.dims import ParallelDims
+    from scaletrain.parallel.feasibility import RunLayout, layout_problems
+
+    dims = ParallelDims.resolve(2, pp=2)
+
+    def problems(schedule: str, ga: int) -> str:
+        return " ".join(layout_problems(get_preset("debug"), RunLayout(
+            dims=dims, mode="ddp", seq_len=64, grad_accum=ga, pp_schedule=schedule)))
+
+    assert "1F1B needs at least parallel.pp (2) micro-batches per step, got 1" in problems(
+        "1F1B", 1)
+    assert problems("1F1B", 2) == "" and problems("GPipe", 1) == ""

@@ -75,6 +75,10 @@ def schedule_problems(name: str, pp: int, virtual: int, microbatches: int) -> li
                    "parallel.pp_virtual_stages 1 or pick Interleaved1F1B / InterleavedZeroBubble")
     if name == "ZBVZeroBubble" and virtual != 2:
         out.append("parallel.pp_schedule ZBVZeroBubble needs parallel.pp_virtual_stages 2")
+    if name == "1F1B" and microbatches < pp:  # torch's Schedule1F1B refuses fewer
+        out.append(f"parallel.pp_schedule 1F1B needs at least parallel.pp ({pp}) micro-batches "
+                   f"per step, got {microbatches}: raise training.grad_accum_steps (or "
+                   "global_batch_size) or use --parallel.pp_schedule GPipe")
     if name not in SINGLE_STAGE and name != "LoopedBFS" and microbatches % pp:
         out.append(f"parallel.pp_schedule {name} needs the micro-batch count ({microbatches}) "
                    f"to be a multiple of parallel.pp ({pp})")

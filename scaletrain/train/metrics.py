@@ -139,7 +139,7 @@ class MetricsLogger:
                  progress_bar: bool, start_step: int = 0) -> None:
         self.output = output
         self.log_interval = log_interval
-        self.start_step = start_step
+        self.start_step, self.total_steps = start_step, total_steps
         # A resumed run drops lines past its checkpoint, so every step appears exactly once.
         self.jsonl = _open_truncated(output / "metrics.jsonl", start_step)
         self.eval_jsonl = _open_truncated(output / "eval.jsonl", start_step)
@@ -182,7 +182,7 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.update(self.task, completed=m.step,
                                  info=f"loss {m.loss:.3f} {m.tokens_per_s:,.0f} tok/s")
-        if m.step % self.log_interval == 0 or m.step == self.start_step + 1:
+        if m.step % self.log_interval == 0 or m.step in (self.start_step + 1, self.total_steps):
             mfu = "n/a" if m.mfu is None else f"{100 * m.mfu:.1f}%"
             if m.mfu_fp8 is not None:
                 mfu += f" (of the fp8 peak {100 * m.mfu_fp8:.1f}%)"

@@ -97,6 +97,21 @@ def test_cli_search_bad_inputs(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 1 and "no layout" in capsys.readouterr().out
 
 
+def test_cli_search_takes_the_global_batch_in_sequences(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--gbs (sequences, as `scaletrain plan` takes it) is --gbs-tokens / --seq-len; it used to
+    be read as an abbreviation of --gbs-tokens."""
+    common = ["plan", "search", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100",
+              "--seq-len", "8192", "--json", "--top", "3"]
+    assert cli([*common, "--gbs", str(M // 8192)]) == 0
+    by_sequences = json.loads(capsys.readouterr().out)
+    assert cli([*common, "--gbs-tokens", str(M)]) == 0
+    assert by_sequences == json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        cli([*common, "--gbs", "8", "--gbs-tokens", str(M)])
+    assert "not allowed with" in capsys.readouterr().err
+
+
 def test_commands_spell_every_model_override_the_trainer_takes() -> None:
     import dataclasses
 

@@ -12,13 +12,17 @@ from scaletrain.plan.search import Cluster, alternatives, search, why_lost
 
 
 def main(argv: list[str]) -> int:
+    # No abbreviations: `--gbs` must not silently become `--gbs-tokens`.
     p = argparse.ArgumentParser(prog="scaletrain plan search", description="Search the "
-                                "layouts that fit, ranked by estimated step time.")
+                                "layouts that fit, ranked by estimated step time.",
+                                allow_abbrev=False)
     _common(p)
     p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs")
     p.add_argument("--gpus-per-node", type=_positive, default=8)
-    p.add_argument("--gbs-tokens", type=_positive, required=True,
-                   help="global batch in tokens")
+    batch = p.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--gbs-tokens", type=_positive, help="global batch in tokens")
+    batch.add_argument("--gbs", type=_positive,
+                       help="global batch in sequences (--gbs-tokens = GBS x --seq-len)")
     p.add_argument("--max-zero", type=int, choices=[0, 1, 2, 3], default=3,
                    help="highest ZeRO stage to consider (1: Megatron-style)")
     p.add_argument("--efficiency", type=float, default=0.6,
@@ -31,6 +35,8 @@ def main(argv: list[str]) -> int:
                    help="override the inter-node bandwidth (GB/s per GPU and direction)")
     p.add_argument("--top", type=_positive, default=5)
     a = p.parse_args(argv)
+    if a.gbs is not None:
+        a.gbs_tokens = a.gbs * a.seq_len
     if a.gpu is None:
         raise PlanError("--gpu is required for a search (e.g. --gpu H100)")
     device = _device(a.gpu, a.gpu_mem)

@@ -18,3 +18,15 @@ def test_launch_writes_sbatch_script(tmp_path: Path) -> None:
     assert "--rdzv_backend c10d" in text
     assert "-m scaletrain train --parallel.tp 8 --output 'runs/my run'" in text
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0  # valid shell
+    # The log directory exists (Slurm does not create it) and is named absolutely.
+    assert f"#SBATCH --output={tmp_path / 'slurm-logs'}/%x-%j.out" in text
+    assert (tmp_path / "slurm-logs").is_dir()
+
+
+def test_launch_checks_the_training_arguments_first(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "job.sbatch"
+    argv = ["launch", "--slurm", "--nodes", "2", "--gpus-per-node", "8", "--out", str(out), "--"]
+    assert main([*argv, "--parallel.tp", "3"]) == 2  # 16 ranks do not split into TP 3
+    assert "do not run on 16 ranks" in capsys.readouterr().err and not out.exists()
+    assert main([*argv, "--model.name", "llama9"]) == 2
+    assert "unknown preset 'llama9'" in capsys.readouterr().err and not out.exists()

@@ -1,6 +1,8 @@
 """`scaletrain launch --slurm --nodes N --gpus-per-node G [...] -- TRAIN_ARGS`: write an sbatch
 script that starts `scaletrain train` under torchrun on every node (c10d rendezvous on the
-first node). Nothing is submitted: run `sbatch <script>` yourself."""
+first node). The training arguments are checked first (the config, and that its layout divides
+the N x G ranks), so a typo fails here rather than after the queue. Nothing is submitted: run
+`sbatch <script>` yourself."""
 
 from __future__ import annotations
 
@@ -42,6 +44,22 @@ def render(nodes: int, gpus: int, train_args: list[str], *, job_name: str = "sca
     )
 
 
+def check_train_args(train_args: list[str], world_size: int) -> str | None:
+    """Why `scaletrain train TRAIN_ARGS` would stop at once on `world_size` ranks (None: it
+    starts). A flag the config does not know exits here with the train parser's message."""
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.plan.estimate import PlanError, check_dims
+
+    try:
+        cfg = load_config(train_args)
+        par = cfg.parallel
+        check_dims(world_size, pp=par.pp, dp_replicate=par.dp_replicate,
+                   dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep)
+    except (ConfigError, PlanError) as e:
+        return str(e)
+    return None
+
+
 def main(argv: list[str]) -> int:
     train_args: list[str] = []
     if "--" in argv:
@@ -61,13 +79,22 @@ def main(argv: list[str]) -> int:
     if a.nodes <= 0 or a.gpus_per_node <= 0:
         print("scaletrain launch: --nodes and --gpus-per-node must be positive", file=sys.stderr)
         return 2
-    text = render(a.nodes, a.gpus_per_node, train_args, job_name=a.job_name, time=a.time,
-                  partition=a.partition, port=a.port)
+    world = a.nodes * a.gpus_per_node
+    problem = check_train_args(train_args, world)
+    if problem:
+        print(f"scaletrain launch: the training arguments do not run on {world} ranks: "
+              f"{problem}", file=sys.stderr)
+        return 2
     out = Path(a.out)
+    # Slurm does not create the --output directory (a job whose log cannot open fails).
+    log_dir = out.resolve().parent / "slurm-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    text = render(a.nodes, a.gpus_per_node, train_args, job_name=a.job_name, time=a.time,
+                  partition=a.partition, port=a.port, log_dir=str(log_dir))
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(text)
     os.chmod(tmp, 0o755)
     tmp.rename(out)
-    print(f"wrote {out} ({a.nodes} nodes x {a.gpus_per_node} GPUs = "
-          f"{a.nodes * a.gpus_per_node} ranks); submit with: sbatch {out}")
+    print(f"wrote {out} ({a.nodes} nodes x {a.gpus_per_node} GPUs = {world} ranks, logs in "
+          f"{log_dir}); submit with: sbatch {out}")
     return 0

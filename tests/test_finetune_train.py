@@ -279,7 +279,7 @@ def test_dry_run_refuses_what_the_run_refuses(bases: dict[str, Path], tmp_path: 
     plan = json.loads(capsys.readouterr().out)
     assert 0 < plan["comm_bytes_per_step"]["all_reduce"] <= 2 * plan["finetune"]["trainable"] * 4
     assert finetune_cmd.main([*argv, "--parallel.tp", "2", "--dry-run"]) == 2
-    assert "DDP only" in capsys.readouterr().err
+    assert "DDP or FSDP" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 

@@ -197,15 +197,24 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     frozen = mem("--method", "freeze", "--train-last", "2")
     assert lora["memory_bytes"]["total"] < frozen["memory_bytes"]["total"] \
         < full["memory_bytes"]["total"]
-    # Data-parallel fine-tuning is DDP (as the trainer runs it): replicated states, and only
-    # the trainable gradients all-reduced.
+    # Data-parallel fine-tuning is DDP by default (as the trainer runs it): replicated states,
+    # and only the trainable gradients all-reduced ...
     ddp_pre, ddp_lora = mem("--dp", "2"), mem("--method", "lora", "--lora-rank", "16", "--dp", "2")
     assert ddp_lora["memory_bytes"]["optimizer"] == lora["memory_bytes"]["optimizer"]
     share = want.trainable / pre["params"]
     assert ddp_lora["comm_bytes_per_step"]["all_reduce"] == \
         int(ddp_pre["comm_bytes_per_step"]["all_reduce"] * share) > 0
-    for bad, message in ((("--method", "lora", "--dp", "2", "--tp", "2"), "DDP only"),
-                         (("--method", "lora", "--dp", "2", "--zero", "3"), "DDP only"),
+    # ... or FSDP (ZeRO-2/3): every weight sharded, frozen ones too, and the trainable states;
+    # every weight gathered, only the trainable gradients reduce-scattered.
+    fsdp_pre = mem("--dp", "2", "--zero", "3")
+    fsdp_lora = mem("--method", "lora", "--lora-rank", "16", "--dp", "2", "--zero", "3")
+    assert fsdp_lora["memory_bytes"]["weights"] == lora["memory_bytes"]["weights"] // 2
+    assert fsdp_lora["memory_bytes"]["optimizer"] == lora["memory_bytes"]["optimizer"] // 2
+    comm, pre_comm = fsdp_lora["comm_bytes_per_step"], fsdp_pre["comm_bytes_per_step"]
+    assert comm["all_gather"] == pre_comm["all_gather"] > 0
+    assert comm["reduce_scatter"] == int(pre_comm["reduce_scatter"] * share) > 0
+    for bad, message in ((("--method", "lora", "--dp", "2", "--tp", "2"), "DDP or FSDP"),
+                         (("--method", "lora", "--dp", "2", "--zero", "1"), "DDP or FSDP"),
                          (("--method", "qlora", "--dp", "2"), "qlora runs on one device")):
         rc, _, err = _run(capsys, *base, *bad)
         assert rc == 2 and message in err

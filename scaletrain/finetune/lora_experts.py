@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.moe import GroupedExperts, MoE, _compute_dtype, _gmm, _local
+from scaletrain.train.step import full_value
 
 # Our short targets that act on the experts of an MoE block, and PEFT's parameter names.
 EXPERT_TARGETS = ("gate", "up", "down")
@@ -207,7 +208,8 @@ def peft_expert_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, lora in expert_adapters(model).items():
         layer = name.split(".")[1]
         for part in lora.parts:
-            a, b = to_peft(getattr(lora, f"{part}_A"), getattr(lora, f"{part}_B"))
+            a, b = to_peft(full_value(getattr(lora, f"{part}_A")),
+                           full_value(getattr(lora, f"{part}_B")))
             module = _peft_module(layer, part, lora.parts)
             out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = a, b
     return out

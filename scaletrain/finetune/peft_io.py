@@ -22,6 +22,7 @@ from scaletrain.finetune.lora import HF_TARGETS, TARGETS, LoRASettings, adapter_
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.files import honour_umask, make_output_dir
 from scaletrain.models.hf_families import fused_map, layer_map
+from scaletrain.train.step import full_value
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -87,7 +88,8 @@ def hf_target_parameters(targets: tuple[str, ...], args: ModelArgs) -> list[str]
 
 def adapter_tensors(backbone: nn.Module, head: nn.Linear | None = None,
                     train_norms: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors PEFT saves, under PEFT's names (adapter name left out, as PEFT saves)."""
+    """The tensors PEFT saves, under PEFT's names (adapter name left out, as PEFT saves).
+    Whole tensors under FSDP too: every rank calls it then (the gathers are collectives)."""
     args: ModelArgs = backbone.args
     if args.arch != "llama":
         raise AdapterError(f"PEFT adapters are written for RoPE-family models; this base is "
@@ -100,8 +102,8 @@ def adapter_tensors(backbone: nn.Module, head: nn.Linear | None = None,
         if module in fused_of:
             continue
         hf = _PREFIX + _hf_name(name, args)
-        out[f"{hf}.lora_A.weight"] = lora.lora_A.weight
-        out[f"{hf}.lora_B.weight"] = lora.lora_B.weight
+        out[f"{hf}.lora_A.weight"] = full_value(lora.lora_A.weight)
+        out[f"{hf}.lora_B.weight"] = full_value(lora.lora_B.weight)
     for fused, parts in fused_map(args).items():  # e.g. "self_attn.qkv_proj"
         for i in range(args.n_layers):
             present = [modules.get(f"layers.{i}.{p}") for p in parts]
@@ -110,7 +112,8 @@ def adapter_tensors(backbone: nn.Module, head: nn.Linear | None = None,
             if not all(present):
                 raise AdapterError(f"layer {i}: a {args.family} checkpoint fuses {parts} into "
                                    f"{fused}; LoRA must wrap all of them or none")
-            a, b = peft_fused.fuse([(m.lora_A.weight, m.lora_B.weight) for m in present])
+            a, b = peft_fused.fuse([(full_value(m.lora_A.weight), full_value(m.lora_B.weight))
+                                    for m in present])
             hf = f"{_PREFIX}model.layers.{i}.{fused}"
             out[f"{hf}.lora_A.weight"], out[f"{hf}.lora_B.weight"] = a, b
     out.update({_PREFIX + k: v for k, v in lora_experts.peft_expert_tensors(backbone).items()})
@@ -120,22 +123,24 @@ def adapter_tensors(backbone: nn.Module, head: nn.Linear | None = None,
         for name, module in backbone.named_modules():
             clean = name.replace("_checkpoint_wrapped_module.", "")
             if clean.endswith("norm") and hasattr(module, "weight"):
-                out[f"{_PREFIX}{_hf_name(clean, args)}.weight"] = module.weight
+                out[f"{_PREFIX}{_hf_name(clean, args)}.weight"] = full_value(module.weight)
     if head is not None:
-        out[f"{_PREFIX}score.weight"] = head.weight
+        out[f"{_PREFIX}score.weight"] = full_value(head.weight)
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
 
 
 def save_adapter(directory: str | os.PathLike, backbone: nn.Module, settings: LoRASettings, *,
-                 base_path: str, head: nn.Linear | None = None,
-                 train_norms: bool = False) -> Path:
-    """Write the adapter into `directory` (replaced atomically if it exists)."""
+                 base_path: str, head: nn.Linear | None = None, train_norms: bool = False,
+                 tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the adapter into `directory` (replaced atomically if it exists). `tensors`: the
+    `adapter_tensors` already gathered (under FSDP every rank gathers, one writes)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     args: ModelArgs = backbone.args
     targets = hf_target_modules(settings.targets, args)
-    tensors = adapter_tensors(backbone, head, train_norms)
+    if tensors is None:
+        tensors = adapter_tensors(backbone, head, train_norms)
     norms = [layer_map(args)[n].rpartition(".")[2] for n in _TRAINED_NORMS] + ["norm"]
     to_save = (["score"] if head is not None else []) + (norms if train_norms else [])
     fused = [t for t in targets if t in _fused_groups(args)]

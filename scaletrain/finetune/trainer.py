@@ -8,6 +8,7 @@ LoRA/QLoRA `adapter/` in PEFT's format.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -43,6 +44,8 @@ from scaletrain.train.trainer import Trainer
 log = logging.getLogger("scaletrain.finetune")
 
 META_NAME = FINETUNE_META
+# Data-parallel fine-tuning: DDP, or FSDP's ZeRO-2/3 (`auto` is DDP: see `check_config`).
+FINETUNE_MODES = ("ddp", "zero2", "zero3")
 
 
 class AdapterCheckpointer(Checkpointer):
@@ -129,6 +132,9 @@ class FinetuneTrainer(Trainer):
         the base model's max_seq_len where it is longer (instead of an error)."""
         self.fit_seq_len = fit_seq_len
         check_config(cfg)
+        if cfg.parallel.data_parallel == "auto":  # fine-tuning's default: DDP (as planned)
+            cfg = copy.deepcopy(cfg)
+            cfg.parallel.data_parallel = "ddp"
         ft = cfg.finetune
         self.ft = ft
         if ft.method in ("lora", "qlora"):
@@ -226,17 +232,30 @@ class FinetuneTrainer(Trainer):
         return self._data_parallel(model) if self.par.enabled else model
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
-        """Fine-tuning under torchrun: DDP over every rank (frozen parameters are not reduced)."""
-        d, mode = self.par.dims, self.cfg.parallel.data_parallel
-        if d.tp > 1 or d.pp > 1 or d.cp > 1 or mode not in ("auto", "ddp"):
-            raise ConfigError("fine-tuning runs data parallel with DDP only: drop parallel.tp/"
-                              "pp/cp and set parallel.data_parallel auto or ddp")
+        """Fine-tuning under torchrun: DDP over every rank (frozen parameters are not
+        reduced), or FSDP's ZeRO-2/3 with `parallel.data_parallel zero2|zero3` (each block a
+        unit; frozen parameters are sharded too and get no gradient)."""
+        d, cfg = self.par.dims, self.cfg.parallel
+        mode = self.par.mode
+        if d.tp > 1 or d.pp > 1 or d.cp > 1 or d.ep > 1 or mode not in FINETUNE_MODES:
+            raise ConfigError("fine-tuning runs data parallel only (DDP, or FSDP with "
+                              "parallel.data_parallel zero2/zero3): drop parallel.tp/pp/cp/ep "
+                              "and set parallel.data_parallel ddp, zero2 or zero3")
         if self.ft.method == "qlora":
-            raise ConfigError("--method qlora runs on one process (its 4-bit weights are not "
-                              "DDP-broadcastable); use lora for data-parallel fine-tuning")
-        from scaletrain.parallel.ddp import apply_ddp
+            raise ConfigError("--method qlora runs on one process (its 4-bit weights can be "
+                              "neither broadcast nor sharded); use lora for data-parallel "
+                              "fine-tuning")
+        if mode == "ddp":
+            from scaletrain.parallel.ddp import apply_ddp
 
-        return apply_ddp(model, self.par.mesh["dp_cp"], self.cfg.parallel.bucket_cap_mb)
+            return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
+        from scaletrain.parallel.fsdp import apply_fsdp
+
+        backbone = model.backbone if isinstance(model, SequenceClassifier) else model
+        apply_fsdp(model, self.par.mesh["dp_shard_cp"], layers=backbone.layers,
+                   reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
+                   reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
+        return model
 
     def _write_meta(self) -> None:
         ft = self.ft
@@ -274,15 +293,19 @@ class FinetuneTrainer(Trainer):
 
     def save_checkpoint(self) -> Path:
         path = super().save_checkpoint()
-        if self.ft.method in ("lora", "qlora") and self.is_main:
-            from scaletrain.finetune.peft_io import save_adapter
+        if self.ft.method in ("lora", "qlora"):
+            from scaletrain.finetune.peft_io import adapter_tensors, save_adapter
 
             core = self.core
             head = core.score if isinstance(core, SequenceClassifier) else None
             backbone = core.backbone if head is not None else core
-            save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
-                         base_path=str(Path(self.ft.base).resolve()), head=head,
-                         train_norms=self.ft.train_norms)
+            # Under FSDP every rank takes part in gathering the adapter's shards.
+            tensors = adapter_tensors(backbone, head, self.ft.train_norms) \
+                if self.par.enabled else None
+            if self.is_main:
+                save_adapter(self.output / ADAPTER_DIR, backbone, self.lora,
+                             base_path=str(Path(self.ft.base).resolve()), head=head,
+                             train_norms=self.ft.train_norms, tensors=tensors)
         return path
 
     # --- evaluation -------------------------------------------------------------------------

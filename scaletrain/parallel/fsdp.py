@@ -29,8 +29,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
                param_dtype: str = "fp32", reduce_dtype: str = "fp32",
                cpu_offload: bool = False, expert_mesh: DeviceMesh | None = None,
-               expert_parallel: bool = False) -> None:
-    """`fully_shard` each block of `model.layers`, then the remaining parameters.
+               expert_parallel: bool = False, layers: nn.ModuleDict | None = None) -> None:
+    """`fully_shard` each block of `model.layers` (or of `layers`: a wrapper's backbone's), then
+    the remaining parameters.
 
     `model` is a Transformer or a pipeline stage (which has `layers` too). With expert
     parallelism the routed experts (already sharded over the `ep` ranks) are FSDP units of
@@ -52,7 +53,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     ignored = None
     if expert_parallel and expert_mesh is None:
         ignored = {p for _, m in moe_layers(model) for p in m.experts.parameters()}
-    for block in model.layers.values():
+    for block in (model.layers if layers is None else layers).values():
         if expert_parallel and expert_mesh is not None:
             for _, moe in moe_layers(block):
                 units.append(fully_shard(moe.experts, reshard_after_forward=reshard_after_forward,

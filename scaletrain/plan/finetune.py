@@ -17,10 +17,11 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                   freeze_first: int = 0, num_labels: int | None = None,
                   targets: tuple[str, ...] | None = None, train_norms: bool = False,
                   freeze_embeddings: bool = True, lora_dropout: float = 0.0) -> Plan:
-    """`plan` (one device, or DDP replicas as the fine-tuning trainer runs them) with the
-    weights of every parameter (QLoRA: block linears as 4-bit NF4 with double quantization)
-    and gradients, master weights and optimizer state of the trainable ones only, in the
-    layout's precision convention; DDP communicates the trainable gradients only.
+    """`plan` (one device, DDP replicas or FSDP shards as the fine-tuning trainer runs them)
+    with the weights of every parameter (QLoRA: block linears as 4-bit NF4 with double
+    quantization) and gradients, master weights and optimizer state of the trainable ones
+    only, in the layout's precision convention (FSDP: all of them sharded); DDP and FSDP
+    reduce the trainable gradients only, FSDP gathers every weight.
 
     Activations, kept weight casts and the logits/loss buffers are what the method keeps
     for backward (`plan.finetune_activations`, equal to the measured saved bytes): frozen
@@ -36,12 +37,12 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     lay = plan.layout
     d = lay.dims
     if d.world_size > 1:
-        if d.tp * d.pp * d.cp * d.ep > 1 or lay.zero != 0:
-            raise PlanError("fine-tuning runs data parallel with DDP only: plan it with --dp "
-                            "and --zero 0, without --tp/--pp/--cp/--ep")
+        if d.tp * d.pp * d.cp * d.ep > 1 or lay.zero == 1:
+            raise PlanError("fine-tuning runs data parallel only, with DDP or FSDP: plan it "
+                            "with --dp and --zero 0, 2 or 3, without --tp/--pp/--cp/--ep")
         if method == "qlora":
-            raise PlanError("qlora runs on one device (its 4-bit weights are not "
-                            "DDP-broadcastable); plan lora for data-parallel fine-tuning")
+            raise PlanError("qlora runs on one device (its 4-bit weights can be neither "
+                            "broadcast nor sharded); plan lora for data-parallel fine-tuning")
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,
@@ -50,10 +51,12 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                       freeze_embeddings=freeze_embeddings, weight_bytes=int(per.weights))
     except ValueError as e:
         raise PlanError(str(e)) from None
-    states = {"weights": ft.weight_bytes,
-              "gradients": int(ft.trainable * per.gradients),
-              "master_weights": int(ft.trainable * per.master_weights),
-              "optimizer": int(ft.trainable * per.optimizer)}
+    # FSDP (ZeRO-2/3) shards every weight, frozen ones too, and the trainable states.
+    shard = lay.shard_group if lay.fsdp else 1
+    states = {"weights": ft.weight_bytes // shard,
+              "gradients": int(ft.trainable * per.gradients / shard),
+              "master_weights": int(ft.trainable * per.master_weights / shard),
+              "optimizer": int(ft.trainable * per.optimizer / shard)}
     offloaded = offload_states(states, lay.offload)
     mem = {k: v for k, v in plan.memory_bytes.items() if k not in ("total", "peak")}
     mem.update(states)
@@ -66,10 +69,13 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None,
             "options": options}
-    # DDP all-reduces the gradients of trainable parameters only
+    # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
+    # FSDP all-gathers every weight.
     share = ft.trainable / plan.params_per_rank
-    comm = {k: int(v * share) for k, v in plan.comm_bytes_per_step.items()}
-    by_dim = {k: int(v * share) for k, v in plan.comm_bytes_by_dim.items()}
+    comm = {k: int(v if k == "all_gather" else v * share)
+            for k, v in plan.comm_bytes_per_step.items()}
+    ratio = sum(comm.values()) / max(sum(plan.comm_bytes_per_step.values()), 1)
+    by_dim = {k: int(v * ratio) for k, v in plan.comm_bytes_by_dim.items()}
     return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,
                                cpu_offload_bytes=offloaded, finetune=info,
                                activation_breakdown=breakdown,

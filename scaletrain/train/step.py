@@ -49,7 +49,8 @@ class StepOutput:
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a possibly vocabulary-parallel (DTensor) loss."""
+    """The whole tensor behind a possibly distributed one (a vocabulary-parallel loss, a
+    parameter FSDP shards); a collective for a DTensor, so every rank of its mesh calls it."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 

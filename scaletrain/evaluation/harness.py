@@ -144,7 +144,7 @@ class ScaletrainLM(TemplateLM):
             for b in range(0, len(rows), self.batch_size):
                 with self.gen.lock:
                     done = decode_rows(self.gen.model, rows[b : b + self.batch_size],
-                                       temperature, eos_id=self.gen.eos_id,
+                                       temperature, eos_id=self.gen.stop_ids,
                                        pad_id=self.gen.pad_id)
                 for i, d in zip(idx[b : b + self.batch_size], done):
                     out[i] = cut_at_stop(self.gen.decode(d.ids), until)[0]

@@ -84,7 +84,8 @@ def _hf_param_count(args: ModelArgs) -> int:
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304,
              "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920,
              "qwen3-8b": 8_190_735_360, "mistral-7b-v0.3": 7_248_023_552,
-             "phi3-mini": 3_821_079_552, "gemma2-2b": 2_614_341_888,
+             "phi3-mini": 3_821_079_552, "gemma-2b": 2_506_172_416,
+             "gemma-7b": 8_537_680_896, "gemma2-2b": 2_614_341_888,
              "gemma2-9b": 9_241_705_984}
 
 
@@ -112,6 +113,12 @@ def test_unsupported_model_type_lists_the_supported_ones():
                                                    "full_attention", "sliding_attention"]})
     with pytest.raises(ValueError, match="cannot hold"):
         hf_config_from_model_args(PRESETS["debug-qwen2"].replace(family="mistral"))
+    for family in ("gemma", "gemma2", "phi3"):  # a bias transformers would add is refused
+        with pytest.raises(ValueError, match="attention_bias"):
+            model_args_from_hf_config({**hf_config_from_model_args(PRESETS[f"debug-{family}"]),
+                                       "attention_bias": True})
+    gemma = hf_config_from_model_args(PRESETS["debug-gemma"])  # Gemma 1 releases say "gelu"
+    assert model_args_from_hf_config({**gemma, "hidden_act": "gelu"}).mlp_act == "gelu_tanh"
 
 
 def _write_tokenizer(directory, template: str) -> None:

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from scaletrain.models.args import PRESETS, ModelArgs, count_params  # noqa: E402
-from scaletrain.models.generation import generate  # noqa: E402
+from scaletrain.models.generation import generate, generate_batch  # noqa: E402
 from scaletrain.models.hf import (  # noqa: E402
     from_hf_state_dict,
     hf_config_from_model_args,
@@ -46,6 +46,20 @@ def test_from_hf_logits_and_greedy_generation(tmp_path, family):
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
                       max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert generate(ours, prompt, 30) == out[0, len(prompt):].tolist()
+    # A left-padded batch of different prompt lengths, as transformers batches them (its
+    # positions restart at each row's first token; ours count the padding, RoPE is relative).
+    prompts = [prompt, tokens(12, 2)[1].tolist(), tokens(5, 1)[0].tolist()[::-1]]
+    ids = torch.zeros(3, len(prompt), dtype=torch.long)
+    mask = torch.zeros(3, len(prompt), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, len(prompt) - len(p):], mask[i, len(prompt) - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        real = mask.bool()
+        diff = (ours(ids, key_mask=real) - hf(ids, attention_mask=mask).logits)[real]
+        assert diff.abs().max() < TOL
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                      pad_token_id=0, eos_token_id=None)
+    assert generate_batch(ours, prompts, 30) == out[:, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

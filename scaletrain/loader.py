@@ -87,13 +87,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _first_id(value: Any) -> int | None:
-    """An eos id from a config: an int, or the first of a list."""
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) else None
-
-
 def hf_eos_id(directory: Path) -> int | None:
     """eos id from generation_config.json, else config.json (the first when there are several)."""
     ids = hf_eos_ids(directory)

@@ -228,3 +228,24 @@ def test_serve_answers_with_a_gemma2_checkpoint(tmp_path):
                       max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=1)
     expected = " ".join(f"w{i}" if i < 126 else "" for i in out[0, len(ids):].tolist())
     assert text.split() == expected.split()
+
+
+def test_gemma2_with_other_layer_types_converts_both_ways(tmp_path):
+    """Gemma 2 configs name each layer's attention (`layer_types`); a layout other than the
+    default alternation loads and is written back the same way."""
+    cls_name, extra = FAMILIES["gemma2"]
+    cfg = transformers.Gemma2Config(**{**COMMON, **extra,
+                                       "layer_types": ["sliding_attention"] * 3})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    randomize(hf, 0, unit_offset=True)
+    hf.eval().save_pretrained(tmp_path / "hf")
+    ours, args = load_hf_checkpoint(tmp_path / "hf")
+    assert args.sliding_window_pattern == 1
+    save_hf_checkpoint(ours, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager").eval()
+    assert back.config.layer_types == ["sliding_attention"] * 3
+    for model in (hf, back):
+        diff, scale = _diff(ours, model, tokens())
+        assert scale > 0.5 and diff < TOL

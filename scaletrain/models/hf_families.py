@@ -300,10 +300,6 @@ def _check_representable(args: ModelArgs) -> None:
     if wrong:
         raise ValueError(f"a {args.family} checkpoint cannot hold {', '.join(wrong)}; set "
                          "model family to one that has them (see docs/models.md)")
-    if args.family == "gemma2" and args.sliding_window is not None and (
-            args.sliding_window_pattern != 2):
-        raise ValueError("a gemma2 checkpoint alternates local and global layers "
-                         "(sliding_window_pattern 2)")
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LLAMA_LAYER", "PHI3_FUSED", "layer_map", "fused_map",

@@ -87,22 +87,24 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _first_id(value: Any) -> int | None:
-    """An eos id from a config: an int, or the first of a list."""
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) else None
-
-
 def hf_eos_id(directory: Path) -> int | None:
     """eos id from generation_config.json, else config.json (the first when there are several)."""
+    ids = hf_eos_ids(directory)
+    return ids[0] if ids else None
+
+
+def hf_eos_ids(directory: Path) -> list[int]:
+    """Every eos id of generation_config.json, else of config.json (transformers stops at any
+    of them: instruct models list their end-of-turn tokens there)."""
     for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
         path = directory / name
         if path.is_file():
-            eos = _first_id(_read_json(path).get("eos_token_id"))
-            if eos is not None:
-                return eos
-    return None
+            value = _read_json(path).get("eos_token_id")
+            ids = [v for v in (value if isinstance(value, list) else [value])
+                   if isinstance(v, int)]
+            if ids:
+                return ids
+    return []
 
 
 def tokenizer_eos_id(tokenizer: Tokenizer | None) -> int | None:
@@ -165,6 +167,9 @@ class LoadedModel:
     """Sampling defaults from `generation_config.json` (temperature, top_p, top_k, ...)."""
     finetune: dict[str, Any] | None = None
     """`finetune.json` of a fine-tuning run, else None."""
+    stop_ids: tuple[int, ...] = ()
+    """Every id generation stops at: `eos_id` first, then the other eos ids of a Hugging Face
+    `generation_config.json` (end-of-turn tokens of Llama-3, Gemma 2, Phi-3 instruct models)."""
 
     @property
     def pad_id(self) -> int:
@@ -228,9 +233,14 @@ def load_model(
         logger.warning("ignoring eos id %d outside the vocabulary (%d)", eos, args.vocab_size)
         eos = None
     gen_cfg = _read_json(directory / GENERATION_CONFIG_NAME) if kind == "hf" else {}
+    stops = [] if eos is None else [eos]
+    for extra in hf_eos_ids(directory) if kind == "hf" else []:
+        if extra not in stops and 0 <= extra < args.vocab_size:
+            stops.append(extra)
     model.eval()
     return LoadedModel(model, args, directory, tokenizer, tok_path, eos, template, special,
-                       {k: gen_cfg[k] for k in _GENERATION_KEYS if k in gen_cfg})
+                       {k: gen_cfg[k] for k in _GENERATION_KEYS if k in gen_cfg},
+                       stop_ids=tuple(stops))
 
 
 def _load_trained(model: nn.Module, directory: Path) -> None:
@@ -313,5 +323,5 @@ def load_for_inference(
 
 
 __all__ = ["LoadedModel", "load_model", "load_for_inference", "find_checkpoint",
-           "read_chat_template", "read_finetune_meta", "hf_eos_id", "tokenizer_eos_id",
-           "FINETUNE_META", "ADAPTER_DIR", "model_args_of"]
+           "read_chat_template", "read_finetune_meta", "hf_eos_id", "hf_eos_ids",
+           "tokenizer_eos_id", "FINETUNE_META", "ADAPTER_DIR", "model_args_of"]

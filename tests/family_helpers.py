@@ -21,6 +21,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
     "mistral": ("MistralConfig", dict(sliding_window=16, head_dim=16)),
     "phi3": ("Phi3Config", dict(sliding_window=20, num_key_value_heads=4)),
+    "gemma": ("GemmaConfig", dict(head_dim=24, hidden_act="gelu_pytorch_tanh")),
     "gemma2": ("Gemma2Config", dict(head_dim=24, sliding_window=16, query_pre_attn_scalar=20,
                                     attn_logit_softcapping=3.0, final_logit_softcapping=6.0,
                                     hidden_activation="gelu_pytorch_tanh")),
@@ -49,7 +50,7 @@ def hf_model(family: str, seed: int = 0):
     cfg = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    randomize(model, seed, unit_offset=family == "gemma2")
+    randomize(model, seed, unit_offset=family.startswith("gemma"))
     return model.eval()
 
 

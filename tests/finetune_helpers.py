@@ -59,3 +59,17 @@ def corpus_dir(path: Path, n_docs: int = 60, seed: int = 0) -> Path:
         rng.shuffle(lines)
         (path / f"doc{d:03d}.txt").write_text("\n".join(lines) + "\n")
     return path
+
+
+def word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer (< 128 ids, the tiny models' vocabulary) for the QA task."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({w for s in SUBJECTS for w in s.split()} | {
+        "is", "what", "color", "it", "?", ".", "red", "green", "blue", "yellow", "black",
+        "white"})
+    vocab = {"<unk>": 0, "<|endoftext|>": 1} | {w: i + 2 for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Punctuation()])
+    tok.save(str(path))

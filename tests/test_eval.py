@@ -146,3 +146,54 @@ def test_cli_prints_the_table_and_writes_results(setup, tmp_path, capsys):
     assert "acc_norm" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert "acc,none" in data["results"]["tiny_mc"] and data["scaletrain"]["eval_s"] > 0
+
+
+def test_equals_lm_eval_hf_backend_on_a_gemma2_checkpoint_whose_tokenizer_adds_bos(tmp_path):
+    """`scaletrain eval` on a Hugging Face folder gives lm_eval's own `hf` backend (HFLM, on the
+    same folder) the same numbers, with a tokenizer that prepends BOS as Llama / Gemma ones do."""
+    transformers = pytest.importorskip("transformers")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    from scaletrain.evaluation.harness import ScaletrainLM
+    from tests.family_helpers import hf_model
+    from tests.synth_helpers import TEXT
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=100,
+                                                      special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    hf = hf_model("gemma2")
+    hf.config.bos_token_id, hf.config.eos_token_id = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    hf.save_pretrained(tmp_path / "m")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(tmp_path / "m")
+    tasks = write_tasks(tmp_path / "tasks")
+
+    def run(lm):
+        return simple_evaluate(model=lm, tasks=list(TASKS), bootstrap_iters=0, log_samples=True,
+                               task_manager=TaskManager(include_path=str(tasks),
+                                                        include_defaults=False))
+
+    theirs = run(HFLM(pretrained=str(tmp_path / "m"), device="cpu", batch_size=4,
+                      dtype="float32"))
+    lm = ScaletrainLM(checkpoint=str(tmp_path / "m"), batch_size=4)
+    mine = run(lm)
+    bos = tok.token_to_id("<s>")
+    assert lm.tok_encode("the cat")[0] == bos and lm.tok_encode("<s>the cat").count(bos) == 1
+    plain = ScaletrainLM(gen=lm.gen, add_bos_token=False)  # what --add-bos-token false gives
+    assert plain.tok_encode("the cat") == lm.tok_encode("the cat")[1:]
+    assert eval_cmd.build_parser().parse_args(
+        ["--checkpoint", "x", "--tasks", "t", "--add-bos-token", "false"]).add_bos_token == "false"
+    for task in TASKS:
+        for a, b in zip(_responses(mine)[task], _responses(theirs)[task], strict=True):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert y == (pytest.approx(x, rel=1e-4, abs=1e-5) if isinstance(x, float) else x)
+    for task, metrics in _metrics(mine).items():
+        for name, value in metrics.items():
+            assert _metrics(theirs)[task][name] == pytest.approx(value, rel=1e-4), (task, name)

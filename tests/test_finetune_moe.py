@@ -23,26 +23,12 @@ from scaletrain.finetune.peft_io import load_adapter  # noqa: E402
 from scaletrain.finetune.trainer import FinetuneTrainer  # noqa: E402
 from scaletrain.models.hf import load_hf_checkpoint  # noqa: E402
 from tests.family_helpers import tokens  # noqa: E402
-from tests.finetune_helpers import SUBJECTS, qa_records, write_jsonl  # noqa: E402
+from tests.finetune_helpers import qa_records, word_tokenizer, write_jsonl  # noqa: E402
 from tests.moe_hf_helpers import hf_moe_model  # noqa: E402
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
          "--metrics.log_interval", "1", "--precision.dtype", "fp32"]
 ALL = "q,k,v,o,gate,up,down"
-
-
-def _tokenizer(path: Path) -> None:
-    """A word-level tokenizer (< 128 ids, the tiny models' vocabulary) for the QA task."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = sorted({w for s in SUBJECTS for w in s.split()} | {
-        "is", "what", "color", "it", "?", ".", "red", "green", "blue", "yellow", "black",
-        "white"})
-    vocab = {"<unk>": 0, "<|endoftext|>": 1} | {w: i + 2 for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.Punctuation()])
-    tok.save(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +37,7 @@ def moe_bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {"sft": write_jsonl(root / "sft.jsonl", qa_records(64))}
     for name in ("mixtral", "qwen3_moe"):
         hf_moe_model(name).save_pretrained(root / name)
-        _tokenizer(root / name / "tokenizer.json")
+        word_tokenizer(root / name / "tokenizer.json")
         out[name] = root / name
     return out
 

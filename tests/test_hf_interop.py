@@ -257,3 +257,26 @@ def test_transformers5_rope_parameters_are_read():
                                    rope_scaling=dict(LLAMA3_ROPE)).to_dict()
     args = model_args_from_hf_config(cfg)
     assert args.rope_theta == 123456.0 and args.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 32)
+
+
+@pytest.mark.parametrize("theta,rope", [(10000.0, None), (1e6, None), (500000.0, {
+    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192})])
+def test_rope_tables_equal_transformers_bit_for_bit_at_128k(theta, rope):
+    """Llama-3.2 / Qwen / Llama-2 frequencies at head_dim 128: an ulp off in the frequency
+    table is ~1e-2 off in cos/sin near position 128k."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from scaletrain.models.rope import rope_cos_sin
+
+    cfg = transformers.LlamaConfig(hidden_size=2048, num_attention_heads=16, rope_theta=theta,
+                                   max_position_embeddings=131072,
+                                   rope_scaling=dict(rope) if rope else None)
+    args = model_args_from_hf_config(cfg.to_dict())
+    ref = LlamaRotaryEmbedding(cfg)
+    ours = inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+    assert torch.equal(ours, ref.inv_freq)
+    pos = torch.arange(131072 - 64, 131072)
+    cos, sin = ref(torch.zeros(1, 1, 128), pos[None])
+    our_cos, our_sin = rope_cos_sin(ours, pos, torch.float32)
+    assert torch.equal(our_cos, cos[0]) and torch.equal(our_sin, sin[0])

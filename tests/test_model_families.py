@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from scaletrain.models.args import PRESETS, ModelArgs, count_params  # noqa: E402
-from scaletrain.models.generation import generate  # noqa: E402
+from scaletrain.models.generation import generate, generate_batch  # noqa: E402
 from scaletrain.models.hf import (  # noqa: E402
     from_hf_state_dict,
     hf_config_from_model_args,
@@ -46,6 +46,20 @@ def test_from_hf_logits_and_greedy_generation(tmp_path, family):
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
                       max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert generate(ours, prompt, 30) == out[0, len(prompt):].tolist()
+    # A left-padded batch of different prompt lengths, as transformers batches them (its
+    # positions restart at each row's first token; ours count the padding, RoPE is relative).
+    prompts = [prompt, tokens(12, 2)[1].tolist(), tokens(5, 1)[0].tolist()[::-1]]
+    ids = torch.zeros(3, len(prompt), dtype=torch.long)
+    mask = torch.zeros(3, len(prompt), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, len(prompt) - len(p):], mask[i, len(prompt) - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        real = mask.bool()
+        diff = (ours(ids, key_mask=real) - hf(ids, attention_mask=mask).logits)[real]
+        assert diff.abs().max() < TOL
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                      pad_token_id=0, eos_token_id=None)
+    assert generate_batch(ours, prompts, 30) == out[:, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -84,7 +98,8 @@ def _hf_param_count(args: ModelArgs) -> int:
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304,
              "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920,
              "qwen3-8b": 8_190_735_360, "mistral-7b-v0.3": 7_248_023_552,
-             "phi3-mini": 3_821_079_552, "gemma2-2b": 2_614_341_888,
+             "phi3-mini": 3_821_079_552, "gemma-2b": 2_506_172_416,
+             "gemma-7b": 8_537_680_896, "gemma2-2b": 2_614_341_888,
              "gemma2-9b": 9_241_705_984}
 
 
@@ -112,6 +127,12 @@ def test_unsupported_model_type_lists_the_supported_ones():
                                                    "full_attention", "sliding_attention"]})
     with pytest.raises(ValueError, match="cannot hold"):
         hf_config_from_model_args(PRESETS["debug-qwen2"].replace(family="mistral"))
+    for family in ("gemma", "gemma2", "phi3"):  # a bias transformers would add is refused
+        with pytest.raises(ValueError, match="attention_bias"):
+            model_args_from_hf_config({**hf_config_from_model_args(PRESETS[f"debug-{family}"]),
+                                       "attention_bias": True})
+    gemma = hf_config_from_model_args(PRESETS["debug-gemma"])  # Gemma 1 releases say "gelu"
+    assert model_args_from_hf_config({**gemma, "hidden_act": "gelu"}).mlp_act == "gelu_tanh"
 
 
 def _write_tokenizer(directory, template: str) -> None:
@@ -207,3 +228,24 @@ def test_serve_answers_with_a_gemma2_checkpoint(tmp_path):
                       max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=1)
     expected = " ".join(f"w{i}" if i < 126 else "" for i in out[0, len(ids):].tolist())
     assert text.split() == expected.split()
+
+
+def test_gemma2_with_other_layer_types_converts_both_ways(tmp_path):
+    """Gemma 2 configs name each layer's attention (`layer_types`); a layout other than the
+    default alternation loads and is written back the same way."""
+    cls_name, extra = FAMILIES["gemma2"]
+    cfg = transformers.Gemma2Config(**{**COMMON, **extra,
+                                       "layer_types": ["sliding_attention"] * 3})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    randomize(hf, 0, unit_offset=True)
+    hf.eval().save_pretrained(tmp_path / "hf")
+    ours, args = load_hf_checkpoint(tmp_path / "hf")
+    assert args.sliding_window_pattern == 1
+    save_hf_checkpoint(ours, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager").eval()
+    assert back.config.layer_types == ["sliding_attention"] * 3
+    for model in (hf, back):
+        diff, scale = _diff(ours, model, tokens())
+        assert scale > 0.5 and diff < TOL

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> Path:
     if not finetuned and not step and (loaded.directory / META_NAME).is_file():
         step = read_meta(loaded.directory)["step"]
     if args.to == "hf":
-        save_hf_checkpoint(loaded.model, dst, args.max_shard_size, eos_token_id=loaded.eos_id,
+        eos = list(loaded.stop_ids) if len(loaded.stop_ids) > 1 else loaded.eos_id
+        save_hf_checkpoint(loaded.model, dst, args.max_shard_size, eos_token_id=eos,
                            tokenizer_file=loaded.tokenizer_path)
     else:
         save_model_checkpoint(loaded.model, loaded.args, dst,

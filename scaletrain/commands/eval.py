@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences scored together")
     p.add_argument("--max-gen-toks", type=int, default=256,
                    help="generate_until budget when a task sets none")
+    p.add_argument("--add-bos-token", choices=("auto", "true", "false"), default="auto",
+                   help="auto: the tokenizer's own special tokens (e.g. Llama's and Gemma's BOS), "
+                        "as lm_eval's hf model encodes; true/false: force them on/off")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bootstrap-iters", type=int, default=1000,
@@ -71,7 +74,9 @@ def run(args: argparse.Namespace, log_samples: bool = False) -> dict[str, Any]:
         raise ValueError(f"--include-path {args.include_path} is not a directory")
     t0 = time.perf_counter()
     lm = ScaletrainLM(checkpoint=args.checkpoint, batch_size=args.batch_size,
-                      device=args.device, max_gen_toks=args.max_gen_toks)
+                      device=args.device, max_gen_toks=args.max_gen_toks,
+                      add_bos_token={"auto": None, "true": True, "false": False}[
+                          getattr(args, "add_bos_token", "auto")])
     loaded = time.perf_counter()
     manager = task_manager(tasks, args.include_path)
     results = simple_evaluate(

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     temperature, top_k, top_p = sampling(args, loaded.generation)
     new_ids = generate(
         loaded.model, prompt_ids, args.max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, eos_id=None if args.no_eos else eos, seed=args.seed,
+        top_p=top_p, eos_id=None if args.no_eos else loaded.stop_ids or eos, seed=args.seed,
     )
     text = tokenizer.decode(new_ids, skip_special_tokens=True) if tokenizer else None
     return {"ids": new_ids, "text": text}

@@ -82,7 +82,8 @@ def respond(done: Finetuned, texts: list[str], args: argparse.Namespace) -> list
     out = []
     for text in texts:
         new = generate(done.model, formatter.prompt_ids(text), args.max_new_tokens,
-                       temperature=args.temperature, eos_id=base.eos_id, seed=0)
+                       temperature=args.temperature, eos_id=base.stop_ids or base.eos_id,
+                       seed=0)
         out.append({"prompt": text, "response": base.tokenizer.decode(new,
                                                                       skip_special_tokens=True)})
     return out

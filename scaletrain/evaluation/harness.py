@@ -39,7 +39,7 @@ class ScaletrainLM(TemplateLM):
 
     def __init__(self, gen: LocalGenerator | None = None, checkpoint: str | None = None,
                  batch_size: int | str = 8, device: str = "cpu", max_gen_toks: int = 256,
-                 **_: Any):
+                 add_bos_token: bool | None = None, **_: Any):
         super().__init__()
         if gen is None:
             if checkpoint is None:
@@ -54,6 +54,9 @@ class ScaletrainLM(TemplateLM):
         special = gen.special_tokens or {}
         bos = special.get("bos_token")
         self._bos_id = gen.tokenizer.token_to_id(bos) if bos else None
+        self.add_bos_token = add_bos_token
+        """None: the tokenizer's own special tokens (its post-processor, e.g. Llama's and
+        Gemma's BOS), as lm_eval's `hf` model encodes; True/False forces them on/off."""
 
     # --- tokens --------------------------------------------------------------------------
     @property
@@ -66,7 +69,15 @@ class ScaletrainLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    **kwargs: Any) -> list[int]:
-        return self.gen.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)).ids
+        """As lm_eval's `hf` model: the tokenizer's special tokens unless `add_bos_token` says
+        otherwise, and none when the text already starts with the prefix token."""
+        if add_special_tokens is None:
+            prefix = self.gen.tokenizer.decode([self.prefix_token_id], skip_special_tokens=False)
+            if prefix and string.startswith(prefix):
+                add_special_tokens = False
+            else:
+                add_special_tokens = True if self.add_bos_token is None else self.add_bos_token
+        return self.gen.tokenizer.encode(string, add_special_tokens=add_special_tokens).ids
 
     @property
     def tokenizer_name(self) -> str:
@@ -133,7 +144,7 @@ class ScaletrainLM(TemplateLM):
             for b in range(0, len(rows), self.batch_size):
                 with self.gen.lock:
                     done = decode_rows(self.gen.model, rows[b : b + self.batch_size],
-                                       temperature, eos_id=self.gen.eos_id,
+                                       temperature, eos_id=self.gen.stop_ids,
                                        pad_id=self.gen.pad_id)
                 for i, d in zip(idx[b : b + self.batch_size], done):
                     out[i] = cut_at_stop(self.gen.decode(d.ids), until)[0]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Arch = Literal["llama", "gpt2"]
-Family = Literal["llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "mixtral",
-                 "qwen3_moe"]
+Family = Literal["llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2",
+                 "mixtral", "qwen3_moe"]
 MlpAct = Literal["silu", "gelu_tanh"]
 RouterScore = Literal["softmax", "sigmoid"]
 ExpertCompute = Literal["grouped", "loop"]
@@ -334,6 +334,9 @@ _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5)
 _QWEN = dict(family="qwen2", qkv_bias=True, vocab_size=151936, rope_theta=1e6, norm_eps=1e-6)
 _QWEN3 = dict(family="qwen3", qk_norm=True, head_dim_override=128, vocab_size=151936,
               rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960)
+_GEMMA = dict(family="gemma", head_dim_override=256, vocab_size=256000, max_seq_len=8192,
+              norm_eps=1e-6, tie_embeddings=True, norm_unit_offset=True, mlp_act="gelu_tanh",
+              embed_scale=True)
 _GEMMA2 = dict(family="gemma2", head_dim_override=256, vocab_size=256000, max_seq_len=8192,
                norm_eps=1e-6, tie_embeddings=True, sliding_window=4096, sliding_window_pattern=2,
                norm_unit_offset=True, post_norms=True, mlp_act="gelu_tanh", embed_scale=True,
@@ -380,6 +383,10 @@ PRESETS: dict[str, ModelArgs] = {
     "phi3-mini": ModelArgs(family="phi3", dim=3072, n_layers=32, n_heads=32, n_kv_heads=32,
                            ffn_dim=8192, vocab_size=32064, rope_theta=10000.0, norm_eps=1e-5,
                            max_seq_len=4096, sliding_window=2047),
+    "gemma-2b": ModelArgs(dim=2048, n_layers=18, n_heads=8, n_kv_heads=1, ffn_dim=16384,
+                          **_GEMMA),
+    "gemma-7b": ModelArgs(dim=3072, n_layers=28, n_heads=16, n_kv_heads=16, ffn_dim=24576,
+                          **_GEMMA),
     "gemma2-2b": ModelArgs(dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, ffn_dim=9216,
                            **_GEMMA2),
     "gemma2-9b": ModelArgs(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, ffn_dim=14336,
@@ -392,6 +399,8 @@ PRESETS: dict[str, ModelArgs] = {
            "qwen3": dict(family="qwen3", qk_norm=True, head_dim_override=48),
            "mistral": dict(family="mistral", sliding_window=24),
            "phi3": dict(family="phi3", sliding_window=20),
+           "gemma": dict(family="gemma", head_dim_override=48, norm_unit_offset=True,
+                         mlp_act="gelu_tanh", embed_scale=True),
            "gemma2": dict(family="gemma2", head_dim_override=48, norm_unit_offset=True,
                           post_norms=True, mlp_act="gelu_tanh", embed_scale=True,
                           sliding_window=24, sliding_window_pattern=2, attn_softcap=50.0,

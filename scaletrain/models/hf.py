@@ -1,6 +1,6 @@
 """Hugging Face interop: configs, state-dict renaming and safetensors checkpoints.
 
-Llama-layout checkpoints (Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2; family differences
+Llama-layout checkpoints (Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 1 and 2; family differences
 in `hf_families.py`) map by plain renaming (our RoPE is the HF "rotate half" layout, so q/k need
 no permutation); Phi-3's fused projections are split at load and fused again at export.
 GPT-2 checkpoints use `Conv1D` weights stored as [in, out] and a fused
@@ -61,7 +61,7 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # --- configs ---------------------------------------------------------------------------------
 def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     """`ModelArgs` for a Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3,
-    Gemma 2, GPT-2, Mixtral or Qwen3-MoE), or a ValueError saying why the model cannot be
+    Gemma, Gemma 2, GPT-2, Mixtral or Qwen3-MoE), or a ValueError saying why the model cannot be
     represented."""
     model_type = cfg.get("model_type")
     if model_type == "gpt2":

@@ -1,6 +1,6 @@
 """The RoPE families in Hugging Face format: config.json <-> `ModelArgs`, and module names.
 
-Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 checkpoints share one layout
+Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma and Gemma 2 checkpoints share one layout
 (`model.layers.N.self_attn.q_proj` ...); each family's differences are stated here once:
 its config fields, its norm names (Gemma 2 has four per block) and its fused projections
 (Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, split at load and
@@ -14,11 +14,12 @@ from typing import Any
 
 from scaletrain.models.args import ModelArgs, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gpt2", "mixtral",
-                         "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gpt2",
+                         "mixtral", "qwen3_moe")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM"}
 
 LLAMA_LAYER = {
     "attention.wq": "self_attn.q_proj",
@@ -134,19 +135,27 @@ def _window(cfg: dict[str, Any], family: str, n_layers: int) -> tuple[int | None
 
 
 def rope_family_args(cfg: dict[str, Any]) -> ModelArgs:
-    """`ModelArgs` of a Llama, Qwen2, Qwen3, Mistral, Phi-3 or Gemma 2 config.json."""
+    """`ModelArgs` of a Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma or Gemma 2 config.json."""
     family = cfg.get("model_type")
     if family not in _ARCHITECTURES:
         raise unsupported_model_type(family)
     dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     n_layers = int(cfg["num_hidden_layers"])
     head_dim = cfg.get("head_dim")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    gemma = family in ("gemma", "gemma2")
+    # Gemma's MLP reads hidden_act, Gemma 2's hidden_activation; the Gemma 1 releases say
+    # "gelu", which transformers maps to the tanh approximation the models were trained with.
+    if family == "gemma2":
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    else:
+        act = cfg.get("hidden_act") or "silu"
+    if family == "gemma" and act == "gelu":
+        act = "gelu_pytorch_tanh"
     acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-    if act not in acts or (family != "gemma2" and act != "silu"):
+    if act not in acts or (not gemma and act != "silu"):
         raise ValueError(f"hidden_act {act!r} is not supported for {family} (supported: "
-                         f"{'gelu_pytorch_tanh' if family == 'gemma2' else 'silu'})")
-    if family in ("llama", "qwen3", "mistral") and cfg.get("attention_bias"):
+                         f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
+    if family != "qwen2" and cfg.get("attention_bias"):  # Qwen2's q/k/v biases are implied
         raise ValueError("attention_bias=true is not supported for this model_type")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported: scaletrain MLPs have no bias")
@@ -157,9 +166,10 @@ def rope_family_args(cfg: dict[str, Any]) -> ModelArgs:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     window, pattern = _window(cfg, family, n_layers)
-    gemma = family == "gemma2"
     extra: dict[str, Any] = {}
-    if gemma:
+    if family == "gemma":
+        extra = dict(norm_unit_offset=True, embed_scale=True)
+    if family == "gemma2":
         extra = dict(norm_unit_offset=True, post_norms=True, embed_scale=True,
                      attn_softcap=cfg.get("attn_logit_softcapping"),
                      final_softcap=cfg.get("final_logit_softcapping"),
@@ -223,6 +233,8 @@ def rope_family_config(args: ModelArgs) -> dict[str, Any]:
         if family == "phi3":
             cfg["original_max_position_embeddings"] = args.max_seq_len
             cfg["pad_token_id"] = None
+    elif family == "gemma":
+        cfg["hidden_activation"] = cfg["hidden_act"]
     elif family == "gemma2":
         cfg.update(hidden_activation=cfg["hidden_act"], sliding_window=args.sliding_window,
                    layer_types=layer_types, query_pre_attn_scalar=_int_if_whole(
@@ -256,6 +268,7 @@ def _int_if_whole(x: float) -> int | float:
 _ALLOWED = {
     "llama": set(), "mistral": {"sliding_window"}, "phi3": {"sliding_window"},
     "qwen2": {"qkv_bias", "sliding_window"}, "qwen3": {"qk_norm", "sliding_window"},
+    "gemma": {"norm_unit_offset", "mlp_act", "embed_scale"},
     "gemma2": {"norm_unit_offset", "post_norms", "mlp_act", "embed_scale", "attn_softcap",
                "final_softcap", "query_pre_attn_scalar", "sliding_window"},
 }
@@ -273,6 +286,7 @@ def _check_representable(args: ModelArgs) -> None:
             args.family in ("mistral", "phi3")):
         used.append("sliding_window_pattern")
     required = {"qwen2": {"qkv_bias"}, "qwen3": {"qk_norm"},
+                "gemma": {"norm_unit_offset", "mlp_act", "embed_scale"},
                 "gemma2": {"norm_unit_offset", "post_norms", "mlp_act", "embed_scale"}}
     lacking = sorted(required.get(args.family, set()) - set(used))
     if lacking:
@@ -286,10 +300,6 @@ def _check_representable(args: ModelArgs) -> None:
     if wrong:
         raise ValueError(f"a {args.family} checkpoint cannot hold {', '.join(wrong)}; set "
                          "model family to one that has them (see docs/models.md)")
-    if args.family == "gemma2" and args.sliding_window is not None and (
-            args.sliding_window_pattern != 2):
-        raise ValueError("a gemma2 checkpoint alternates local and global layers "
-                         "(sliding_window_pattern 2)")
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "LLAMA_LAYER", "PHI3_FUSED", "layer_map", "fused_map",

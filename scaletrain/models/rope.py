@@ -19,9 +19,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
                            dtype=torch.float32)
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (ext * theta ** exponent)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # fp32 throughout, as Meta's reference code and transformers compute them: a float64 table
+    # differs by an ulp, which turns into cos/sin errors of ~1e-2 at positions near 128k.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
     if scaling is None:
-        return inv_freq.float()
+        return inv_freq
     low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
     high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -32,7 +35,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, interpolated, scaled).float()
+    return torch.where(is_medium, interpolated, scaled)
 
 
 def rope_cos_sin(

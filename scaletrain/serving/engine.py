@@ -124,7 +124,7 @@ class BatchingEngine:
 
     # --- continuous -----------------------------------------------------------------------
     def _continuous_loop(self) -> None:
-        batch = SlotBatch(self.gen.model, self.batch_size, self.gen.eos_id, self.gen.pad_id)
+        batch = SlotBatch(self.gen.model, self.batch_size, self.gen.stop_ids, self.gen.pad_id)
         while self._wait_for_work(batch.occupied > 0):
             fresh = not batch.occupied
             if fresh:
@@ -225,7 +225,7 @@ class BatchingEngine:
                 with self.gen.lock:
                     out = decode_rows(self.gen.model,
                                       [self._stop_or_cancelled(i[0], i[2]) for i in items],
-                                      temperature, top_k, top_p, self.gen.eos_id,
+                                      temperature, top_k, top_p, self.gen.stop_ids,
                                       self.gen.pad_id)
                 for (_, _, fut), res in zip(items, out):
                     self.tokens += len(res.ids)

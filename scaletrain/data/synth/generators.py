@@ -77,10 +77,13 @@ class LocalGenerator:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, eos_id: int | None,
                  batch_size: int = 16, token_budget: int = 0, name: str = "local",
                  chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
-                 chat: bool = False):
+                 chat: bool = False, stop_ids: tuple[int, ...] | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
         self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
+        self.stop_ids: tuple[int, ...] = tuple(stop_ids) if stop_ids else (
+            () if eos_id is None else (eos_id,))
+        """Every id decoding stops at (`eos_id` and a HF model's other eos ids)."""
         self.chat_template, self.special_tokens = chat_template, special_tokens
         self._formatter: Any = None
         self.chat = chat  # prompts are user messages, formatted as `chat_ids` does
@@ -102,7 +105,7 @@ class LocalGenerator:
                              "the tokenizer file into the checkpoint directory)")
         return cls(loaded.model, loaded.tokenizer, loaded.eos_id, name=str(path),
                    chat_template=loaded.chat_template, special_tokens=loaded.special_tokens,
-                   **kwargs)
+                   stop_ids=loaded.stop_ids, **kwargs)
 
     @property
     def pad_id(self) -> int:
@@ -143,7 +146,7 @@ class LocalGenerator:
             with self.lock:
                 res = generate_batch(
                     self.model, [prompts[i] for i in idx], params.max_new_tokens,
-                    params.temperature, params.top_k, params.top_p, self.eos_id,
+                    params.temperature, params.top_k, params.top_p, self.stop_ids,
                     [seeds[i] for i in idx])
             for i, r in zip(idx, res):
                 out[i] = r
@@ -175,7 +178,7 @@ class LocalGenerator:
             idx = order[b : b + self.batch_size]
             with self.lock:
                 res = decode_rows(self.model, [rows[i] for i in idx], params.temperature,
-                                  params.top_k, params.top_p, self.eos_id, self.pad_id)
+                                  params.top_k, params.top_p, self.stop_ids, self.pad_id)
             for i, r in zip(idx, res):
                 self.tokens_generated += len(r.ids)
                 text = cut_at_stop(self.decode(r.ids), params.stop)[0]

@@ -61,9 +61,31 @@ def _tokenizer(cfg: Any, prefixes: list[Path]) -> TextTokenizer:
                               f"tokenizer.json it was made with; `scaletrain data tokenize` "
                               f"saves one as {prefixes[0]}.tokenizer.json)")
     try:
-        return TextTokenizer.load(spec)
+        tok = TextTokenizer.load(spec)
     except TokenizerError as e:
         raise DataSourceError(str(e)) from None
+    for prefix in prefixes:  # token ids only mean something under the tokenizer that made them
+        made_with = sidecar_tokenizer(prefix)
+        if made_with is not None and not _same_tokenizer(made_with, tok):
+            raise DataSourceError(
+                f"data.paths: '{prefix}' was tokenized with a different tokenizer "
+                f"({made_with}) than the one training uses ({tok.path}); tokenize every "
+                "dataset of a run with one tokenizer (`scaletrain data tokenize --tokenizer "
+                "FILE`)")
+    return tok
+
+
+def _same_tokenizer(path: Path, tok: TextTokenizer) -> bool:
+    """Whether the tokenizer file `path` is `tok` (same bytes, or the same tokenizer
+    written differently)."""
+    if tok.path is not None and path.read_bytes() == tok.path.read_bytes():
+        return True
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).to_str() == tok.tokenizer.to_str()
+    except Exception:  # the Rust side raises a bare Exception on a bad file
+        return False
 
 
 def _open_dataset(prefix: Path) -> IndexedDataset:

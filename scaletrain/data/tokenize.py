@@ -106,11 +106,27 @@ def read_documents(path: Path, text_key: str = "text", report: ReadReport | None
         except ImportError:
             raise TokenizeError("reading Parquet needs pyarrow: pip install 'scaletrain[data]'"
                                 ) from None
-        pf = pq.ParquetFile(path)
+        try:  # pyarrow raises several error types for a file that is not Parquet
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise TokenizeError(f"cannot read Parquet file '{path}': {e}") from None
         if text_key not in pf.schema_arrow.names:
             raise TokenizeError(f"{path}: no '{text_key}' column (has {pf.schema_arrow.names})")
-        for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
-            yield from (t for t in batch.column(0).to_pylist() if t)
+        row = 0
+        try:
+            for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
+                for t in batch.column(0).to_pylist():
+                    if not isinstance(t, str):  # as a JSON record without a string text
+                        report.add(f"{path}:row{row}", f"no string field '{text_key}' "
+                                                       f"({type(t).__name__})")
+                    elif t:
+                        yield t
+                    row += 1
+        except (TokenizeError, InputError):  # InputError: a strict report's first record
+            raise
+        except Exception as e:  # a damaged row group
+            raise TokenizeError(f"cannot read Parquet file '{path}' at row {row}: {e}"
+                                ) from None
         return
     if not name.endswith(SUFFIXES):
         raise TokenizeError(f"{path}: unknown document format (use {', '.join(SUFFIXES)})")
@@ -238,6 +254,12 @@ def tokenize_to_indexed(
     line); with `strict` the first one raises `MalformedRecord` and nothing is written."""
     tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad tokenizer
     prefix = strip_prefix(output)
+    sidecar = Path(f"{prefix}.tokenizer.json")
+    # An earlier dataset at this prefix goes first: an interrupted run then leaves no
+    # dataset at all, never old tokens beside a new tokenizer (or new tokens beside an old
+    # one). The sidecar is replaced before the index, which is renamed last.
+    for old in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
+        old.unlink(missing_ok=True)
     parts = Path(f"{prefix}.parts-tmp")
     shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir(parents=True)
@@ -251,15 +273,15 @@ def tokenize_to_indexed(
             dt = time.perf_counter() - t0
             log.info("tokenized shard %d/%d: %d documents, %d tokens so far (%.0f tokens/s)",
                      i + 1, len(jobs), stats.documents, stats.tokens, stats.tokens / max(dt, 1e-9))
-        with IndexedDatasetWriter(prefix, tok.dtype) as w:
+        if tok.path is not None and tok.path.resolve() != sidecar.resolve():
+            shutil.copyfile(tok.path, f"{sidecar}.tmp")
+            os.replace(f"{sidecar}.tmp", sidecar)
+        with IndexedDatasetWriter(prefix, tok.dtype) as w:  # .bin, then .idx, renamed last
             for _, _, _, part, _, _ in jobs:
                 w.append_dataset(part)
     finally:
         shutil.rmtree(parts, ignore_errors=True)
     stats.seconds = time.perf_counter() - t0
-    if tok.path != Path(f"{prefix}.tokenizer.json"):
-        shutil.copyfile(tok.path, f"{prefix}.tokenizer.json.tmp")
-        os.replace(f"{prefix}.tokenizer.json.tmp", f"{prefix}.tokenizer.json")
     return stats
 
 

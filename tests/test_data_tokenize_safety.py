@@ -1,0 +1,114 @@
+"""Tokenize output that a later step can trust: an interrupted re-run over an existing dataset
+never leaves tokens beside a tokenizer they were not made with; datasets tokenized with
+different tokenizers are not blended; unreadable Parquet input is a clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import scaletrain.data.tokenize as tokenize_mod
+from scaletrain.commands import data as data_cmd
+from scaletrain.data import indexed
+from scaletrain.data.indexed import IndexedDataset
+from scaletrain.data.sources import DataSourceError, build_sources
+from scaletrain.data.tokenizer import TextTokenizer
+from tests.curate_helpers import fixture_dir, write_jsonl
+
+TEXTS = [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7}." for i in range(40)]
+
+
+def _tokenize(src: Path, prefix: Path, *tok_args: str) -> int:
+    return data_cmd.main(["tokenize", "--input", str(src), "--output", str(prefix),
+                          "--workers", "1", *tok_args])
+
+
+def _decoded(prefix: Path) -> list[str]:
+    ds = IndexedDataset(prefix)
+    tok = TextTokenizer.load(f"{prefix}.tokenizer.json")
+    return [tok.decode(ds[i][:-1]) for i in range(ds.num_documents)]
+
+
+class _Interrupt(BaseException):
+    """Stands for Ctrl-C / a kill in the middle of the tokenization."""
+
+
+@pytest.mark.parametrize("how", ["--train-tokenizer", "--tokenizer"])
+def test_interrupted_rerun_leaves_no_dataset_with_a_foreign_tokenizer(
+        tmp_path: Path, monkeypatch, how: str) -> None:
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TEXTS])
+    prefix = tmp_path / "tok" / "web"
+    assert _tokenize(src, prefix, "--train-tokenizer", "300") == 0
+    assert _decoded(prefix) == TEXTS  # byte-level BPE: exact
+
+    def interrupted(*_a, **_k):
+        raise _Interrupt
+    monkeypatch.setattr(tokenize_mod, "write_texts", interrupted)
+    second = (["--train-tokenizer", "280"] if how == "--train-tokenizer"
+              else ["--tokenizer", str(fixture_dir() / "gpt-neox-tokenizer.json")])
+    with pytest.raises(_Interrupt):
+        _tokenize(src, prefix, *second)
+    # either the old dataset with its own tokenizer, or no dataset at all: never a mix
+    if indexed.exists(prefix):
+        assert _decoded(prefix) == TEXTS
+    assert not list(prefix.parent.glob("*tmp*"))
+    monkeypatch.undo()
+    assert _tokenize(src, prefix, *second) == 0  # the re-run completes
+    assert _decoded(prefix) == TEXTS
+
+
+def test_retokenizing_with_the_sidecar_tokenizer_keeps_it(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TEXTS])
+    prefix = tmp_path / "web"
+    assert _tokenize(src, prefix, "--train-tokenizer", "300") == 0
+    before = Path(f"{prefix}.tokenizer.json").read_bytes()
+    assert _tokenize(src, prefix, "--tokenizer", f"{prefix}.tokenizer.json") == 0
+    assert Path(f"{prefix}.tokenizer.json").read_bytes() == before
+    assert _decoded(prefix) == TEXTS
+
+
+def _data_cfg(paths: list[Path], **kw):
+    from scaletrain.config import DataConfig
+
+    return DataConfig(paths=[str(p) for p in paths], split="50,50,0", seq_len=16, **kw)
+
+
+def test_blending_datasets_of_different_tokenizers_is_refused(tmp_path: Path) -> None:
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in TEXTS])
+    assert _tokenize(a, tmp_path / "a", "--train-tokenizer", "300") == 0
+    assert _tokenize(a, tmp_path / "b", "--train-tokenizer", "280") == 0
+    shutil.copy(f"{tmp_path}/a.tokenizer.json", f"{tmp_path}/c.tokenizer.json")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(f"{tmp_path}/a{suffix}", f"{tmp_path}/c{suffix}")
+    cache = tmp_path / "cache"
+    build_sources(_data_cfg([tmp_path / "a", tmp_path / "c"], cache_dir=str(cache)), 0)  # same
+    with pytest.raises(DataSourceError, match=r"different tokenizer.*b\.tokenizer\.json"):
+        build_sources(_data_cfg([tmp_path / "a", tmp_path / "b"], cache_dir=str(cache)), 0)
+    with pytest.raises(DataSourceError, match="different tokenizer"):
+        build_sources(_data_cfg([tmp_path / "a"], cache_dir=str(cache),
+                                tokenizer=f"{tmp_path}/b.tokenizer.json"), 0)
+
+
+@pytest.mark.parametrize("table", ["garbage", "int_text"])
+def test_unreadable_parquet_is_a_clear_error_or_counted(tmp_path: Path, capsys, table) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "in.parquet"
+    if table == "garbage":
+        path.write_bytes(b"not parquet at all\n")
+    else:
+        pq.write_table(pa.table({"text": [1, 2]}), path)
+    write_jsonl(tmp_path / "ok.jsonl", [{"text": "a fine document"}])
+    code = _tokenize(tmp_path, tmp_path / "out" / "x", "--json", "--tokenizer",
+                     str(fixture_dir() / "gpt-neox-tokenizer.json"))
+    out, err = capsys.readouterr()
+    if table == "garbage":
+        assert code == 2 and "cannot read Parquet file" in err and "in.parquet" in err
+    else:  # a non-string text is a malformed record, as in JSON lines
+        assert code == 0 and json.loads(out)["malformed"] == 2
+        assert "in.parquet" in json.loads(out)["malformed_examples"][0]
+        assert IndexedDataset(tmp_path / "out" / "x").num_documents == 1

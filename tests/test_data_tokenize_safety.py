@@ -112,3 +112,16 @@ def test_unreadable_parquet_is_a_clear_error_or_counted(tmp_path: Path, capsys, 
         assert code == 0 and json.loads(out)["malformed"] == 2
         assert "in.parquet" in json.loads(out)["malformed_examples"][0]
         assert IndexedDataset(tmp_path / "out" / "x").num_documents == 1
+
+
+def test_a_file_of_malformed_lines_logs_a_few_and_counts_all(tmp_path: Path, caplog) -> None:
+    from scaletrain.data.io.readers import MAX_EXAMPLES, ReadReport, read_documents
+
+    bad = tmp_path / "config.json"  # a pretty-printed JSON file in an input folder
+    bad.write_text(json.dumps({f"k{i}": i for i in range(500)}, indent=1))
+    report = ReadReport()
+    with caplog.at_level("WARNING", logger="scaletrain.data.io"):
+        assert list(read_documents(str(bad), report)) == []
+    assert report.malformed == 502 and len(report.examples) == MAX_EXAMPLES
+    assert MAX_EXAMPLES < len(caplog.records) <= MAX_EXAMPLES + 1
+    assert "counted, not logged" in caplog.records[-1].getMessage()

@@ -74,7 +74,13 @@ class ReadReport:
         self.malformed += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {message}")
-        log.warning("skipping malformed record at %s: %s", where, message)
+        # the first ones are logged; the rest only counted (a file that is not JSON lines
+        # at all would otherwise log one line per line of it)
+        if self.malformed <= MAX_EXAMPLES:
+            log.warning("skipping malformed record at %s: %s", where, message)
+        elif self.malformed == MAX_EXAMPLES + 1:
+            log.warning("more malformed records (from %s on) are counted, not logged",
+                        where)
 
     def merge(self, other: ReadReport) -> None:
         self.malformed += other.malformed

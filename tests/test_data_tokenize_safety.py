@@ -125,3 +125,18 @@ def test_a_file_of_malformed_lines_logs_a_few_and_counts_all(tmp_path: Path, cap
     assert report.malformed == 502 and len(report.examples) == MAX_EXAMPLES
     assert MAX_EXAMPLES < len(caplog.records) <= MAX_EXAMPLES + 1
     assert "counted, not logged" in caplog.records[-1].getMessage()
+
+
+def test_add_bos_with_a_trained_tokenizer(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TEXTS])
+    prefix = tmp_path / "bos"
+    assert _tokenize(src, prefix, "--train-tokenizer", "300", "--add-bos") == 0
+    ds = IndexedDataset(prefix)
+    tok = TextTokenizer.load(f"{prefix}.tokenizer.json")
+    bos = tok.tokenizer.token_to_id("<|begin_of_text|>")
+    eos = tok.tokenizer.token_to_id("<|endoftext|>")
+    assert bos is not None and ds.num_documents == len(TEXTS)
+    for i, text in enumerate(TEXTS):  # BOS text EOS, nothing else special inside
+        ids = ds[i].tolist()
+        assert ids[0] == bos and ids[-1] == eos and bos not in ids[1:] and eos not in ids[:-1]
+        assert tok.decode(ids[1:-1]) == text

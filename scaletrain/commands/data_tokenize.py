@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
             t0 = time.perf_counter()
             report = ReadReport(strict=args.strict)
             texts = (t for s in shards for t in read_documents(s, args.text_key, report))
-            tok = train_bpe(texts, args.train_tokenizer, progress=sys.stderr.isatty())
+            tok = train_bpe(texts, args.train_tokenizer, progress=sys.stderr.isatty(),
+                            bos=args.add_bos)
             prefix.parent.mkdir(parents=True, exist_ok=True)
             tok.save(trained)
             tokenizer = trained

@@ -140,3 +140,14 @@ def test_add_bos_with_a_trained_tokenizer(tmp_path: Path) -> None:
         ids = ds[i].tolist()
         assert ids[0] == bos and ids[-1] == eos and bos not in ids[1:] and eos not in ids[:-1]
         assert tok.decode(ids[1:-1]) == text
+
+
+def test_a_curation_that_kept_nothing_is_named_as_such(tmp_path: Path, capsys) -> None:
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "too short"}])
+    out = tmp_path / "cur"
+    assert data_cmd.main(["curate", "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(out), "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert _tokenize(out, tmp_path / "t", "--train-tokenizer", "300") == 2
+    err = capsys.readouterr().err
+    assert "kept 0 documents" in err and "stats.json" in err

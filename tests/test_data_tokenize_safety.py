@@ -151,3 +151,15 @@ def test_a_curation_that_kept_nothing_is_named_as_such(tmp_path: Path, capsys) -
     assert _tokenize(out, tmp_path / "t", "--train-tokenizer", "300") == 2
     err = capsys.readouterr().err
     assert "kept 0 documents" in err and "stats.json" in err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path, monkeypatch, capsys) -> None:
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TEXTS])
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tokenize_mod, "write_texts", interrupted)
+    assert _tokenize(src, tmp_path / "x", "--train-tokenizer", "300") == 130
+    err = capsys.readouterr().err
+    assert "interrupted; run the same command again" in err and "Traceback" not in err
+    assert not indexed.exists(tmp_path / "x") and not list(tmp_path.glob("x.*"))

@@ -163,3 +163,13 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path, monkeypatch, capsys) ->
     err = capsys.readouterr().err
     assert "interrupted; run the same command again" in err and "Traceback" not in err
     assert not indexed.exists(tmp_path / "x") and not list(tmp_path.glob("x.*"))
+
+
+def test_files_a_folder_holds_but_tokenize_cannot_read_are_named(tmp_path: Path, caplog) -> None:
+    from scaletrain.data.tokenize import input_shards
+
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "x"}])
+    write_jsonl(tmp_path / "d" / "b.json", [{"text": "y"}])
+    with caplog.at_level("WARNING", logger="scaletrain.data"):
+        assert input_shards(tmp_path / "d") == [tmp_path / "d" / "a.jsonl"]
+    assert "1 file(s)" in caplog.text and "b.json" in caplog.text

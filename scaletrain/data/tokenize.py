@@ -88,6 +88,10 @@ def input_shards(path: str | Path) -> list[Path]:
         files = []
     if p.is_file():
         return files
+    skipped = [f for f in files if not f.name.endswith(SUFFIXES)]
+    if skipped:  # said, not silent: a 'docs.json' of JSON lines would otherwise just vanish
+        log.warning("--input: %d file(s) under '%s' are not %s and are not read (e.g. %s)",
+                    len(skipped), p, "/".join(SUFFIXES), skipped[0])
     files = [f for f in files if f.name.endswith(SUFFIXES)]
     if not files:
         raise TokenizeError(f"--input: no {', '.join(SUFFIXES)} files under '{p}'")

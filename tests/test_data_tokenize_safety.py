@@ -173,3 +173,16 @@ def test_files_a_folder_holds_but_tokenize_cannot_read_are_named(tmp_path: Path,
     with caplog.at_level("WARNING", logger="scaletrain.data"):
         assert input_shards(tmp_path / "d") == [tmp_path / "d" / "a.jsonl"]
     assert "1 file(s)" in caplog.text and "b.json" in caplog.text
+
+
+def test_a_split_too_small_for_validation_names_one_that_works(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TEXTS[:15]])
+    assert _tokenize(src, tmp_path / "small", "--train-tokenizer", "300") == 0
+    cfg = _data_cfg([tmp_path / "small"], cache_dir=str(tmp_path / "cache"))
+    cfg.split = "98,2,0"  # the default, with 15 documents
+    with pytest.raises(DataSourceError, match=r"of 15 document\(s\) rounds to 0") as e:
+        build_sources(cfg, 0)
+    suggested = str(e.value).rsplit("--data.split ", 1)[1]
+    cfg.split = suggested
+    build_sources(cfg, 0)  # the suggestion gives a validation document
+    assert suggested == "96,4,0"

@@ -138,8 +138,14 @@ def build_sources(cfg: Any, seed: int, num_samples: int | None = None
             except ValueError as e:  # too few tokens for one sample in a split
                 raise DataSourceError(f"data.paths: {e} (data.split '{cfg.split}')") from None
         if not val_parts:
-            raise DataSourceError(f"data.split '{cfg.split}' leaves no validation documents; "
-                                  "give the second share a positive value")
+            counts = ", ".join(str(d.num_documents) for d in datasets)
+            need = next((v for v in range(1, 50) if all(  # the smallest share that works
+                (r := split_ranges(d.num_documents, (100 - v, v))[1])[1] > r[0]
+                for d in datasets)), 50)
+            raise DataSourceError(
+                f"data.split '{cfg.split}' leaves no validation documents (the validation "
+                f"share of {counts} document(s) rounds to 0); give the second share more "
+                f"weight, e.g. --data.split {100 - need},{need},0")
         tok_path, vocab, eos = tok.path, tok.vocab_size, tok.eos_id
         first = val_parts[0]
         start = int(first.indexed.sequence_pointers[first.seq_range[0]])

@@ -241,3 +241,16 @@ def test_semdedup_cluster_keeps_first_of_near_identical_rows() -> None:
     e = np.array([[1, 0], [0.999, 0.04], [0, 1]], np.float32)
     e /= np.linalg.norm(e, axis=1, keepdims=True)
     assert semdedup_cluster(e, 0.95).tolist() == [-1, 0, -1]
+
+
+def test_semdedup_compares_with_kept_rows_only_and_includes_the_threshold() -> None:
+    """A 0°, B 20°, C 40° on a circle: cos(A,B) = cos(B,C) = 0.94 > 0.9 > cos(A,C) = 0.77.
+    B goes (a duplicate of A); C stays, as it is close only to the removed B (SemDeDup keeps
+    a row unless it is close to a row that was kept). Cosine equal to the threshold removes."""
+    from scaletrain.data.dedup.semantic import semdedup_cluster
+
+    e = np.array([[np.cos(a), np.sin(a)] for a in np.deg2rad([0, 20, 40])], np.float32)
+    assert semdedup_cluster(e, 0.9).tolist() == [-1, 0, -1]
+    at = np.float32(e[0] @ e[1])
+    assert semdedup_cluster(e[:2], float(at)).tolist() == [-1, 0]
+    assert semdedup_cluster(e[:2], float(np.nextafter(at, np.float32(2)))).tolist() == [-1, -1]

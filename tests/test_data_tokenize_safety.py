@@ -186,3 +186,16 @@ def test_a_split_too_small_for_validation_names_one_that_works(tmp_path: Path) -
     cfg.split = suggested
     build_sources(cfg, 0)  # the suggestion gives a validation document
     assert suggested == "96,4,0"
+
+
+def test_bad_utf8_is_named_as_such_and_a_bom_is_read(tmp_path: Path) -> None:
+    from scaletrain.data.io.readers import ReadReport, read_documents
+
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"text": "after a BOM"}\n\xff\xfe{"text": "x"}\n'
+                  b'{"text": "caf\xe9"}\n{"text": "fine"}\n')
+    report = ReadReport()
+    assert [d.text for d in read_documents(str(p), report)] == ["after a BOM", "fine"]
+    assert report.malformed == 2
+    assert all("not valid UTF-8" in e for e in report.examples), report.examples
+    assert report.examples[0].startswith(f"{p}:2:") and report.examples[1].startswith(f"{p}:3:")

@@ -129,9 +129,15 @@ def json_records(
             where = f"{path}:{line_no}" if line_no > 0 else f"{path}@byte{here}"
             if not raw.strip():
                 continue
+            try:  # decoded here: json.loads(bytes) guesses UTF-16/32 from the first bytes
+                text = raw.decode("utf-8-sig" if here == 0 else "utf-8")
+            except UnicodeDecodeError as e:
+                report.add(where, f"not valid UTF-8 (byte {e.start} of the line: "
+                                  f"{e.object[e.start:e.start + 1]!r})")
+                continue
             try:
-                record = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
+                record = json.loads(text)
+            except ValueError as e:
                 report.add(where, str(e)[:200])
                 continue
             if not isinstance(record, dict):

@@ -199,3 +199,12 @@ def test_bad_utf8_is_named_as_such_and_a_bom_is_read(tmp_path: Path) -> None:
     assert report.malformed == 2
     assert all("not valid UTF-8" in e for e in report.examples), report.examples
     assert report.examples[0].startswith(f"{p}:2:") and report.examples[1].startswith(f"{p}:3:")
+
+
+def test_empty_texts_are_counted_not_lost_silently(tmp_path: Path, capsys) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": ""}, {"text": "a document"},
+                                              {"text": ""}, {"text": "another one"}])
+    assert _tokenize(src, tmp_path / "t", "--json", "--train-tokenizer", "300") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["documents"], out["empty"], out["malformed"]) == (2, 2, 0)
+    assert _decoded(tmp_path / "t") == ["a document", "another one"]

@@ -76,6 +76,8 @@ def main(argv: list[str]) -> int:
         if os.path.exists(trained):
             os.remove(trained)
     out = {"output": str(prefix), "shards": len(shards), **stats.to_dict()}
+    if stats.empty:
+        log.warning("skipped %d record(s) with an empty text (not documents)", stats.empty)
     if stats.malformed:
         log.warning("skipped %d malformed record(s) (--strict stops at the first); e.g. %s",
                     stats.malformed, "; ".join(stats.malformed_examples[:3]))

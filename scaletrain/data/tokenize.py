@@ -50,6 +50,7 @@ class TokenizeStats:
     seconds: float = 0.0
     malformed: int = 0
     malformed_examples: list[str] = field(default_factory=list)
+    empty: int = 0  # records with an empty text, skipped
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,6 +65,7 @@ class TokenizeStats:
         self.tokens += other.tokens
         self.bytes += other.bytes
         self.malformed += other.malformed
+        self.empty += other.empty
         self.malformed_examples = (self.malformed_examples + other.malformed_examples)[
             :MAX_EXAMPLES]
 
@@ -125,6 +127,8 @@ def read_documents(path: Path, text_key: str = "text", report: ReadReport | None
                                                        f"({type(t).__name__})")
                     elif t:
                         yield t
+                    else:
+                        report.empty += 1
                     row += 1
         except (TokenizeError, InputError):  # InputError: a strict report's first record
             raise
@@ -141,6 +145,8 @@ def read_documents(path: Path, text_key: str = "text", report: ReadReport | None
                 report.add(where, f"no string field '{text_key}' (set --text-key)")
             elif text:
                 yield text
+            else:
+                report.empty += 1
     except (OSError, EOFError) as e:  # not readable from its first byte
         raise TokenizeError(f"cannot read '{path}' ({type(e).__name__}: {e}); check that the "
                             "file is complete and its suffix matches its compression") from None
@@ -211,6 +217,7 @@ def _tokenize_shard(job: tuple[str, str, bool, str, str, bool]) -> dict[str, Any
     with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
         stats = write_texts(tok, read_documents(Path(shard), text_key, report), w)
     stats.malformed, stats.malformed_examples = report.malformed, report.examples
+    stats.empty = report.empty
     return asdict(stats)
 
 

@@ -67,6 +67,7 @@ class ReadReport:
     malformed: int = 0
     examples: list[str] = field(default_factory=list)
     strict: bool = False
+    empty: int = 0  # well-formed records with an empty text (tokenize skips them)
 
     def add(self, where: str, message: str) -> None:
         if self.strict:
@@ -84,6 +85,7 @@ class ReadReport:
 
     def merge(self, other: ReadReport) -> None:
         self.malformed += other.malformed
+        self.empty += other.empty
         self.examples = (self.examples + other.examples)[:MAX_EXAMPLES]
 
 

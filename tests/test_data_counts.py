@@ -58,7 +58,7 @@ def test_every_document_is_kept_or_dropped_once_and_tokens_match(tmp_path: Path)
     (tmp_path / "p.toml").write_text(PIPELINE)
     out = tmp_path / "cur"
     assert data_cmd.main(["curate", "--config", str(tmp_path / "p.toml"), "--input", str(src),
-                          "--output", str(out), "--workers", "2", "--tasks", "3"]) == 0
+                          "--output", str(out), "--workers", "1", "--tasks", "3"]) == 0
 
     stats = json.loads((out / "stats.json").read_text())
     assert stats["docs_in"] == WARC_PAGES + sum(len(v) for v in ccnet.values())
@@ -90,7 +90,7 @@ def test_every_document_is_kept_or_dropped_once_and_tokens_match(tmp_path: Path)
     prefix = tmp_path / "tok" / "web"
     neox = fx / "gpt-neox-tokenizer.json"
     assert data_cmd.main(["tokenize", "--input", str(out), "--output", str(prefix),
-                          "--tokenizer", str(neox), "--workers", "2"]) == 0
+                          "--tokenizer", str(neox), "--workers", "1"]) == 0
     ds = IndexedDataset(prefix)
     tok = Tokenizer.from_file(str(neox))
     eos = tok.token_to_id("<|endoftext|>")

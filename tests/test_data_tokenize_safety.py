@@ -208,3 +208,36 @@ def test_empty_texts_are_counted_not_lost_silently(tmp_path: Path, capsys) -> No
     out = json.loads(capsys.readouterr().out)
     assert (out["documents"], out["empty"], out["malformed"]) == (2, 2, 0)
     assert _decoded(tmp_path / "t") == ["a document", "another one"]
+
+
+def _die_on_second(job: tuple) -> dict:
+    """A tokenize job that kills its own worker (as the OOM killer would) for shard 1."""
+    import os
+    import signal
+
+    if job[0].endswith("s1.jsonl"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return tokenize_mod._tokenize_shard(job)
+
+
+def test_a_killed_worker_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    shards = [write_jsonl(tmp_path / f"s{k}.jsonl", [{"text": t} for t in TEXTS])
+              for k in range(3)]
+    tok = fixture_dir() / "gpt-neox-tokenizer.json"
+    jobs = [(str(s), str(tok), False, str(tmp_path / f"part-{k}"), "text", False)
+            for k, s in enumerate(shards)]
+    import threading
+
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            list(tokenize_mod._run_jobs(jobs, 2, "local", fn=_die_on_second))
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+    t = threading.Thread(target=run, daemon=True)  # multiprocessing.Pool waited for ever
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "tokenize hangs after a worker was killed"
+    assert isinstance(outcome[0], tokenize_mod.TokenizeError)
+    assert "a worker process died" in str(outcome[0]) and "run again" in str(outcome[0])

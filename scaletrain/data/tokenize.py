@@ -221,8 +221,11 @@ def _tokenize_shard(job: tuple[str, str, bool, str, str, bool]) -> dict[str, Any
     return asdict(stats)
 
 
-def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[str, Any]]:
-    """Results in job order."""
+def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
+              ) -> Iterator[dict[str, Any]]:
+    """`fn` (default: `_tokenize_shard`) of each job; results in job order. A worker process
+    that dies (killed, out of memory) is a `TokenizeError`, not a wait for ever."""
+    fn = fn or _tokenize_shard
     if executor == "ray":
         try:
             import ray
@@ -230,7 +233,7 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[s
             raise TokenizeError("--executor ray needs ray: pip install 'ray[data]'") from None
         if not ray.is_initialized():
             ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
-        task = ray.remote(_tokenize_shard)
+        task = ray.remote(fn)
         refs = [task.remote(j) for j in jobs]
         for r in refs:
             yield ray.get(r)
@@ -238,15 +241,30 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[s
     if executor != "local":
         raise TokenizeError(f"--executor: unknown executor '{executor}' (local or ray)")
     if workers <= 1 or len(jobs) == 1:
-        yield from map(_tokenize_shard, jobs)
+        yield from map(fn, jobs)
         return
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    # spawn: tokenizers' thread pool does not survive fork.
     from scaletrain.data.executors.lifeline import bind_to_parent
 
-    with mp.get_context("spawn").Pool(min(workers, len(jobs)), bind_to_parent) as pool:
-        yield from pool.imap(_tokenize_shard, jobs)
+    # spawn: tokenizers' thread pool does not survive fork. (multiprocessing.Pool would wait
+    # for ever for the job of a worker that was killed; this pool reports it.)
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp.get_context("spawn"),
+                               initializer=bind_to_parent)
+    try:
+        futures = [pool.submit(fn, j) for j in jobs]
+        for j, fut in zip(jobs, futures):
+            try:
+                yield fut.result()
+            except BrokenProcessPool:
+                raise TokenizeError(
+                    f"a worker process died (killed, or out of memory?) while tokenizing "
+                    f"'{j[0]}' or a shard beside it; nothing was written: run again, with "
+                    "fewer --workers if memory is short") from None
+    finally:  # on an error, the shards not started are not started
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def tokenize_to_indexed(

@@ -241,3 +241,22 @@ def test_a_killed_worker_is_an_error_not_a_hang(tmp_path: Path) -> None:
     assert not t.is_alive(), "tokenize hangs after a worker was killed"
     assert isinstance(outcome[0], tokenize_mod.TokenizeError)
     assert "a worker process died" in str(outcome[0]) and "run again" in str(outcome[0])
+
+
+def test_curate_without_config_picks_the_pipeline_for_its_inputs(tmp_path: Path, capsys) -> None:
+    """Web pages get the web pipeline (the code rules dropped 40 of 57 fixture pages as
+    'avg_line_too_long'); source files keep the code pipeline."""
+    web = fixture_dir() / "ccnet_en_head-0174.jsonl.gz"
+    assert data_cmd.main(["curate", "--input", str(web), "--output", str(tmp_path / "web"),
+                          "--workers", "1"]) == 0
+    steps = [s["name"] for s in json.loads((tmp_path / "web" / "stats.json").read_text())["steps"]]
+    assert steps == ["language", "gopher_repetition", "gopher_quality", "c4", "fineweb_quality",
+                     "exact_dedup", "minhash_dedup", "pii"]
+    assert "default pipeline: web (inputs: jsonl" in capsys.readouterr().err
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("def f(x):\n    return x + 1\n" * 10)
+    assert data_cmd.main(["curate", "--input", str(tmp_path / "src"), "--output",
+                          str(tmp_path / "code"), "--workers", "1"]) == 0
+    steps = [s["name"] for s in json.loads((tmp_path / "code" / "stats.json").read_text())["steps"]]
+    assert steps == ["counts", "code", "exact_dedup", "minhash_dedup", "pii"]
+    assert "default pipeline: code (inputs: text" in capsys.readouterr().err

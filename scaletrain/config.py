@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,6 +241,11 @@ def validate(cfg: Config) -> list[str]:
     if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
         errors.append(f"data.weights has {len(cfg.data.weights)} entries for "
                       f"{len(cfg.data.paths)} data.paths; give one weight per path")
+    if any(not math.isfinite(w) or w < 0 for w in cfg.data.weights):
+        errors.append(f"data.weights must be finite and non-negative (got "
+                      f"{list(cfg.data.weights)})")
+    elif cfg.data.weights and sum(cfg.data.weights) <= 0:
+        errors.append("data.weights sum to 0; give at least one dataset a positive weight")
     if not errors:
         try:
             resolve_batch(t, dp=1)

@@ -44,6 +44,11 @@ def test_global_batch_derives_accumulation() -> None:
         (["--training.steps", "0"], "training.steps must be positive"),
         (["--data.seq_len", "4096"], "exceeds model max_seq_len"),
         (["--optimizer.beta2", "1.5"], "optimizer.beta2 must be in [0, 1)"),
+        (["--data.paths", "a", "b", "--data.weights", "1", "-1"],
+         "data.weights must be finite and non-negative"),
+        (["--data.paths", "a", "b", "--data.weights", "1", "nan"],
+         "data.weights must be finite and non-negative"),
+        (["--data.paths", "a", "b", "--data.weights", "0", "0"], "data.weights sum to 0"),
     ],
 )
 def test_bad_values_get_one_clear_message(argv: list[str], message: str) -> None:

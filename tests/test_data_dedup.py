@@ -241,3 +241,46 @@ def test_semdedup_cluster_keeps_first_of_near_identical_rows() -> None:
     e = np.array([[1, 0], [0.999, 0.04], [0, 1]], np.float32)
     e /= np.linalg.norm(e, axis=1, keepdims=True)
     assert semdedup_cluster(e, 0.95).tolist() == [-1, 0, -1]
+
+
+def test_semdedup_compares_with_kept_rows_only_and_includes_the_threshold() -> None:
+    """A 0°, B 20°, C 40° on a circle: cos(A,B) = cos(B,C) = 0.94 > 0.9 > cos(A,C) = 0.77.
+    B goes (a duplicate of A); C stays, as it is close only to the removed B (SemDeDup keeps
+    a row unless it is close to a row that was kept). Cosine equal to the threshold removes."""
+    from scaletrain.data.dedup.semantic import semdedup_cluster
+
+    e = np.array([[np.cos(a), np.sin(a)] for a in np.deg2rad([0, 20, 40])], np.float32)
+    assert semdedup_cluster(e, 0.9).tolist() == [-1, 0, -1]
+    at = np.float32(e[0] @ e[1])
+    assert semdedup_cluster(e[:2], float(at)).tolist() == [-1, 0]
+    assert semdedup_cluster(e[:2], float(np.nextafter(at, np.float32(2)))).tolist() == [-1, -1]
+
+
+def test_minhash_recall_and_precision_across_similarities(tmp_path: Path) -> None:
+    """Pairs edited at 1..40 % span Jaccard ~0.2..0.95 (exact 5-gram Jaccard in plain Python
+    as the reference). With verification no pair below the threshold goes; pairs at or above
+    it are found about as often as the banding's S-curve 1 - (1 - J^8)^14 predicts."""
+    rng = random.Random(11)
+    vocab = _vocabulary()
+    recs, pairs = [], {}
+    for i in range(120):
+        base = [rng.choice(vocab) for _ in range(300)]
+        recs.append({"id": f"o{i:03d}", "text": " ".join(base)})
+        rate = (0.01, 0.03, 0.05, 0.1, 0.2, 0.4)[i % 6]
+        recs.append({"id": f"n{i:03d}", "text": " ".join(_edit(base, rate, rng, vocab))})
+        pairs[f"n{i:03d}"] = f"o{i:03d}"
+    write_jsonl(tmp_path / "in.jsonl", recs)
+    texts = {r["id"]: r["text"] for r in recs}
+    step = MinHashDedup("fineweb", verify=True)
+    run_pipeline([step], str(tmp_path / "in.jsonl"), str(tmp_path / "o"), LocalExecutor(1),
+                 RunOptions(write_dropped=True))
+    dropped = {d["id"]: d["metadata"]["duplicate_of"] for d in _dropped(tmp_path / "o")}
+    assert set(dropped) <= set(pairs) and all(pairs[n] == o for n, o in dropped.items())
+    js = {n: _true_jaccard(texts[n], texts[o]) for n, o in pairs.items()}
+    assert min(js.values()) < 0.5 < step.threshold < max(js.values())  # the range is spanned
+    assert all(js[n] >= step.threshold for n in dropped)  # precision 1 against exact Jaccard
+    above = [n for n in pairs if js[n] >= step.threshold]
+    expected = sum(1 - (1 - js[n] ** 8) ** 14 for n in above)
+    found = sum(n in dropped for n in above)
+    assert found >= expected - 3 * max(1.0, expected * (1 - expected / len(above))) ** 0.5
+    assert all(n in dropped for n in above if js[n] >= 0.9)  # P(miss) < 1e-3 each

@@ -99,15 +99,41 @@ def test_killed_worker_then_rerun_gives_identical_output(tmp_path: Path) -> None
     assert dropped["counts"] == {"too_few_words": 1}
 
 
-def test_rerun_of_a_complete_run_skips_every_task(tmp_path: Path, caplog) -> None:
-    src = _corpus(tmp_path / "in")
-    steps = [CountsFilter(min_words=5), PIIRedactor()]
-    run_pipeline(steps, str(src), str(tmp_path / "o"), LocalExecutor(1), RunOptions(tasks=3))
+def _uneven_corpus(d: Path) -> Path:
+    """Four input files of equal size (one task each); the first one's documents but one
+    are dropped by `CountsFilter(min_words=5)`, so the intermediate files are uneven."""
+    for k in range(4):
+        recs = []
+        for i in range(50):
+            n = 50 * k + i
+            if k == 0 and i:  # 4 words: dropped
+                text = " ".join(f"d{n:03d}" + "x" * 95 for _ in range(4))
+            else:  # 50 words, as long
+                text = " ".join(f"k{n:03d}w{j:02d}" for j in range(50))
+            assert len(text) == 399
+            recs.append({"id": f"d{n:04d}", "text": text})
+        write_jsonl(d / f"in-{k}.jsonl", recs)
+    return d
+
+
+@pytest.mark.parametrize("dedup", [False, True])  # one stage; two (intermediate one removed)
+def test_rerun_of_a_complete_run_skips_every_task(tmp_path: Path, caplog, dedup: bool) -> None:
+    src = _uneven_corpus(tmp_path / "in")
+    steps: list[Step] = [CountsFilter(min_words=5), *([ExactDedup()] if dedup else []),
+                         PIIRedactor()]
+    # default tasking: tasks follow the sizes of the input, or of the intermediate files a
+    # finished run has removed (the re-run was refused as "a different pipeline" then)
+    first = run_pipeline(steps, str(src), str(tmp_path / "o"), LocalExecutor(1))
     before = _snapshot(tmp_path / "o")
     caplog.set_level("INFO")
-    run_pipeline(steps, str(src), str(tmp_path / "o"), LocalExecutor(1), RunOptions(tasks=3))
-    assert "3/3 tasks already complete" in caplog.text
+    again = run_pipeline(steps, str(src), str(tmp_path / "o"), LocalExecutor(1))
+    assert f"stage 1/{1 + dedup}: 4/4 tasks already complete" in caplog.text
+    assert caplog.text.count("tasks already complete") == 1 + dedup
+    assert "tasks done" not in caplog.text
     assert _snapshot(tmp_path / "o") == before
+    assert (tmp_path / "o" / "manifest.json").is_file() and first["docs_out"] == 151
+    assert [(s["seen"], s["kept"], s["dropped"]) for s in again["steps"]] == \
+        [(s["seen"], s["kept"], s["dropped"]) for s in first["steps"]]
     with pytest.raises(ValueError, match="different pipeline"):
         run_pipeline(
             [CountsFilter(min_words=9)],

@@ -59,4 +59,11 @@ def main(argv: list[str]) -> int:
             raise
         print(f"scaletrain data {sub}: not available in this version", file=sys.stderr)
         return 2
-    return int(module.main(rest))
+    try:
+        return int(module.main(rest))
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; 130 as shells report it
+        again = {"curate": "its finished tasks are kept", "synth": "it resumes"}.get(
+            sub, "it starts over; nothing half-written is left as output")
+        print(f"\nscaletrain data {sub}: interrupted; run the same command again ({again})",
+              file=sys.stderr)
+        return 130

@@ -2,6 +2,9 @@
 
 With no arguments: the default code pipeline (size limits, source-file rules, exact and
 MinHash dedup, PII) on the default corpus, the Python standard library's source files.
+With --input and no --config: that code pipeline for source/text files, the web pipeline
+(language, Gopher, C4, FineWeb rules, exact and MinHash dedup, PII) for WARC, HTML, JSONL or
+Parquet documents.
 """
 
 from __future__ import annotations
@@ -53,8 +56,24 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: invalid TOML: {e}") from e
 
 
+def _default_pipeline(inputs: list[str] | None) -> list[dict[str, Any]]:
+    """Without --config: the code pipeline for source/text files (and the default corpus),
+    the web pipeline when any input is a document format (WARC, HTML, JSONL, Parquet) -- the
+    code rules (mean line <= 100 characters, ...) would drop most prose."""
+    from scaletrain.data.io.paths import expand_inputs, format_of
+    from scaletrain.data.registry import DEFAULT_CODE_PIPELINE, DEFAULT_WEB_PIPELINE
+
+    if inputs is None:
+        return DEFAULT_CODE_PIPELINE
+    formats = {format_of(f) for f in expand_inputs(inputs)}
+    web = formats != {"text"}
+    print(f"default pipeline: {'web' if web else 'code'} (inputs: {', '.join(sorted(formats))};"
+          " --config PIPELINE.toml for another)", file=sys.stderr)
+    return DEFAULT_WEB_PIPELINE if web else DEFAULT_CODE_PIPELINE
+
+
 def _main(argv: list[str]) -> int:
-    from scaletrain.data.registry import DEFAULT_CODE_PIPELINE, build_step
+    from scaletrain.data.registry import build_step
 
     p = argparse.ArgumentParser(
         prog="scaletrain data curate",
@@ -62,7 +81,8 @@ def _main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLE,
     )
-    p.add_argument("--config", "-c", help="pipeline TOML (default: the stdlib demo pipeline)")
+    p.add_argument("--config", "-c", help="pipeline TOML (default: the code pipeline for "
+                   "source/text files, the web pipeline for WARC/HTML/JSONL/Parquet)")
     p.add_argument("--input", "-i", nargs="+", help="override the config's input")
     p.add_argument("--output", "-o", help="override the config's output")
     add_run_options(p)
@@ -84,9 +104,11 @@ def _main(argv: list[str]) -> int:
         if not specs:
             raise ValueError(f"{args.config}: no [[steps]]; see --help for an example")
     else:
-        cfg, specs = {}, DEFAULT_CODE_PIPELINE
+        cfg, specs = {}, None  # chosen below from the inputs
     inputs = args.input or cfg.get("input")
     output = args.output or cfg.get("output")
+    if specs is None:
+        specs = _default_pipeline(inputs)
     if inputs is None:
         if args.config:
             raise ValueError(f'{args.config}: no input; set input = "..." or pass --input')

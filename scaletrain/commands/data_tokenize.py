@@ -49,6 +49,9 @@ def main(argv: list[str]) -> int:
     from scaletrain.data.tokenizer import TokenizerError, train_bpe
 
     prefix = strip_prefix(args.output)
+    # a trained tokenizer waits under a temporary name: tokenize_to_indexed puts it beside
+    # the dataset, so an interrupted run never pairs it with an earlier run's tokens
+    trained = f"{prefix}.trained-tokenizer.tmp.json"
     try:
         shards = input_shards(args.input)
         tokenizer = args.tokenizer
@@ -56,19 +59,25 @@ def main(argv: list[str]) -> int:
             t0 = time.perf_counter()
             report = ReadReport(strict=args.strict)
             texts = (t for s in shards for t in read_documents(s, args.text_key, report))
-            tok = train_bpe(texts, args.train_tokenizer, progress=sys.stderr.isatty())
-            tokenizer = f"{prefix}.tokenizer.json"
+            tok = train_bpe(texts, args.train_tokenizer, progress=sys.stderr.isatty(),
+                            bos=args.add_bos)
             prefix.parent.mkdir(parents=True, exist_ok=True)
-            tok.save(tokenizer)
-            log.info("trained a byte-level BPE tokenizer (vocab %d) in %.1fs: %s",
-                     tok.get_vocab_size(), time.perf_counter() - t0, tokenizer)
+            tok.save(trained)
+            tokenizer = trained
+            log.info("trained a byte-level BPE tokenizer (vocab %d) in %.1fs",
+                     tok.get_vocab_size(), time.perf_counter() - t0)
         stats = tokenize_to_indexed(shards, prefix, tokenizer, workers=args.workers,
                                     executor=args.executor, add_bos=args.add_bos,
                                     text_key=args.text_key, strict=args.strict)
     except (TokenizeError, TokenizerError, InputError, OSError) as e:
         print(f"scaletrain data tokenize: {e}", file=sys.stderr)
         return 2
+    finally:
+        if os.path.exists(trained):
+            os.remove(trained)
     out = {"output": str(prefix), "shards": len(shards), **stats.to_dict()}
+    if stats.empty:
+        log.warning("skipped %d record(s) with an empty text (not documents)", stats.empty)
     if stats.malformed:
         log.warning("skipped %d malformed record(s) (--strict stops at the first); e.g. %s",
                     stats.malformed, "; ".join(stats.malformed_examples[:3]))

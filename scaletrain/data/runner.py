@@ -16,6 +16,7 @@ run in the same folder waits for every process of the first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import hashlib
@@ -174,12 +175,35 @@ def _positioned(shards: list[Shard], first: int, report: ReadReport) -> Iterator
             yield doc
 
 
-def _fingerprint(steps: list[Step], tasks: list[list[Shard]], opts: RunOptions) -> str:
-    desc = [s.describe() for s in steps] + [repr(t) for t in tasks] + [opts.output_format]
+def _fingerprint(steps: list[Step], shards: list[Shard], opts: RunOptions, sized: bool) -> str:
+    """What a stage's tasks are a function of: its steps, its input shards (with their sizes
+    when `sized`: the run's own inputs), the tasking options and the output format.
+
+    Later stages read an earlier stage's files, which a finished run removes; their sizes
+    are left out (the earlier stage's fingerprint covers their content), and the task
+    grouping made from them is saved with the job instead (`_tasks`)."""
+    desc = [s.describe() for s in steps] + [repr(sh) for sh in shards]
+    if sized:
+        desc += [str(_shard_bytes(sh)) for sh in shards]
+    desc += [repr((opts.tasks, opts.task_bytes, opts.min_tasks)), opts.output_format]
     return hashlib.sha256("\n".join(desc).encode()).hexdigest()[:16]
 
 
-def _prepare_job(job_dir: str, fingerprint: str, out_dir: str, n_tasks: int) -> None:
+def _tasks(job_dir: str, shards: list[Shard], opts: RunOptions) -> list[list[Shard]]:
+    """The stage's shards grouped into tasks: as saved by the job's first run, else grouped
+    by size now and saved (a re-run must give task i the same shards)."""
+    path = os.path.join(job_dir, "tasks.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return [[Shard(**sh) for sh in task] for task in json.load(f)]
+    tasks = group_shards(shards, opts.tasks, opts.task_bytes, opts.min_tasks)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump([[dataclasses.asdict(sh) for sh in task] for task in tasks], f)
+    os.replace(path + ".tmp", path)
+    return tasks
+
+
+def _prepare_job(job_dir: str, fingerprint: str, out_dir: str) -> None:
     """Reuse a job dir with the same fingerprint; refuse to mix runs of different jobs."""
     os.makedirs(job_dir, exist_ok=True)
     fp_file = os.path.join(job_dir, "fingerprint")
@@ -193,7 +217,10 @@ def _prepare_job(job_dir: str, fingerprint: str, out_dir: str, n_tasks: int) -> 
     else:
         with open(fp_file, "w") as f:
             f.write(fingerprint)
-    # leftovers of tasks killed half-way: temporary files, and outputs of unfinished tasks
+
+
+def _clean_unfinished(job_dir: str, out_dir: str, n_tasks: int) -> None:
+    """Leftovers of tasks killed half-way: temporary files, outputs of unfinished tasks."""
     for tmp in glob.glob(os.path.join(glob.escape(out_dir), "*.tmp")):
         os.remove(tmp)
     done = (
@@ -216,11 +243,14 @@ def run_stage(
     opts: RunOptions,
     desc: str,
     dropped_dir: str | None = None,
+    sized: bool = True,
 ) -> list[dict[str, Any]]:
-    """Run per-document steps over shards into `out_dir`; returns per-task results."""
-    tasks = group_shards(shards, opts.tasks, opts.task_bytes, opts.min_tasks)
+    """Run per-document steps over shards into `out_dir`; returns per-task results.
+    `sized`: the shards are the run's inputs (not an earlier stage's files)."""
     pipeline = Pipeline(steps)
-    _prepare_job(job_dir, _fingerprint(steps, tasks, opts), out_dir, len(tasks))
+    _prepare_job(job_dir, _fingerprint(steps, shards, opts, sized), out_dir)
+    tasks = _tasks(job_dir, shards, opts)
+    _clean_unfinished(job_dir, out_dir, len(tasks))
     fn = functools.partial(
         process_task,
         tasks=tasks,
@@ -308,6 +338,7 @@ def _run_pipeline(
             opts if last else RunOptions(opts.tasks, opts.task_bytes, opts.min_tasks),
             f"stage {k + 1}/{len(stages)}",
             stage_dropped,
+            sized=k == 0,
         )
         all_results.append(results)
         shards = output_shards(out_dir, results)

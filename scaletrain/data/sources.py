@@ -62,9 +62,31 @@ def _tokenizer(cfg: Any, prefixes: list[Path]) -> TextTokenizer:
                               f"tokenizer.json it was made with; `scaletrain data tokenize` "
                               f"saves one as {prefixes[0]}.tokenizer.json)")
     try:
-        return TextTokenizer.load(spec)
+        tok = TextTokenizer.load(spec)
     except TokenizerError as e:
         raise DataSourceError(str(e)) from None
+    for prefix in prefixes:  # token ids only mean something under the tokenizer that made them
+        made_with = sidecar_tokenizer(prefix)
+        if made_with is not None and not _same_tokenizer(made_with, tok):
+            raise DataSourceError(
+                f"data.paths: '{prefix}' was tokenized with a different tokenizer "
+                f"({made_with}) than the one training uses ({tok.path}); tokenize every "
+                "dataset of a run with one tokenizer (`scaletrain data tokenize --tokenizer "
+                "FILE`)")
+    return tok
+
+
+def _same_tokenizer(path: Path, tok: TextTokenizer) -> bool:
+    """Whether the tokenizer file `path` is `tok` (same bytes, or the same tokenizer
+    written differently)."""
+    if tok.path is not None and path.read_bytes() == tok.path.read_bytes():
+        return True
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).to_str() == tok.tokenizer.to_str()
+    except Exception:  # the Rust side raises a bare Exception on a bad file
+        return False
 
 
 def expected_vocab_size(cfg: Any) -> int | None:
@@ -135,8 +157,14 @@ def build_sources(cfg: Any, seed: int, num_samples: int | None = None
             except ValueError as e:  # too few tokens for one sample in a split
                 raise DataSourceError(f"data.paths: {e} (data.split '{cfg.split}')") from None
         if not val_parts:
-            raise DataSourceError(f"data.split '{cfg.split}' leaves no validation documents; "
-                                  "give the second share a positive value")
+            counts = ", ".join(str(d.num_documents) for d in datasets)
+            need = next((v for v in range(1, 50) if all(  # the smallest share that works
+                (r := split_ranges(d.num_documents, (100 - v, v))[1])[1] > r[0]
+                for d in datasets)), 50)
+            raise DataSourceError(
+                f"data.split '{cfg.split}' leaves no validation documents (the validation "
+                f"share of {counts} document(s) rounds to 0); give the second share more "
+                f"weight, e.g. --data.split {100 - need},{need},0")
         tok_path, vocab, eos = tok.path, tok.vocab_size, tok.eos_id
         first = val_parts[0]
         start = int(first.indexed.sequence_pointers[first.seq_range[0]])

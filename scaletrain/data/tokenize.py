@@ -50,6 +50,7 @@ class TokenizeStats:
     seconds: float = 0.0
     malformed: int = 0
     malformed_examples: list[str] = field(default_factory=list)
+    empty: int = 0  # records with an empty text, skipped
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,6 +65,7 @@ class TokenizeStats:
         self.tokens += other.tokens
         self.bytes += other.bytes
         self.malformed += other.malformed
+        self.empty += other.empty
         self.malformed_examples = (self.malformed_examples + other.malformed_examples)[
             :MAX_EXAMPLES]
 
@@ -88,6 +90,10 @@ def input_shards(path: str | Path) -> list[Path]:
         files = []
     if p.is_file():
         return files
+    skipped = [f for f in files if not f.name.endswith(SUFFIXES)]
+    if skipped:  # said, not silent: a 'docs.json' of JSON lines would otherwise just vanish
+        log.warning("--input: %d file(s) under '%s' are not %s and are not read (e.g. %s)",
+                    len(skipped), p, "/".join(SUFFIXES), skipped[0])
     files = [f for f in files if f.name.endswith(SUFFIXES)]
     if not files:
         raise TokenizeError(f"--input: no {', '.join(SUFFIXES)} files under '{p}'")
@@ -106,11 +112,29 @@ def read_documents(path: Path, text_key: str = "text", report: ReadReport | None
         except ImportError:
             raise TokenizeError("reading Parquet needs pyarrow: pip install 'scaletrain[data]'"
                                 ) from None
-        pf = pq.ParquetFile(path)
+        try:  # pyarrow raises several error types for a file that is not Parquet
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise TokenizeError(f"cannot read Parquet file '{path}': {e}") from None
         if text_key not in pf.schema_arrow.names:
             raise TokenizeError(f"{path}: no '{text_key}' column (has {pf.schema_arrow.names})")
-        for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
-            yield from (t for t in batch.column(0).to_pylist() if t)
+        row = 0
+        try:
+            for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
+                for t in batch.column(0).to_pylist():
+                    if not isinstance(t, str):  # as a JSON record without a string text
+                        report.add(f"{path}:row{row}", f"no string field '{text_key}' "
+                                                       f"({type(t).__name__})")
+                    elif t:
+                        yield t
+                    else:
+                        report.empty += 1
+                    row += 1
+        except (TokenizeError, InputError):  # InputError: a strict report's first record
+            raise
+        except Exception as e:  # a damaged row group
+            raise TokenizeError(f"cannot read Parquet file '{path}' at row {row}: {e}"
+                                ) from None
         return
     if not name.endswith(SUFFIXES):
         raise TokenizeError(f"{path}: unknown document format (use {', '.join(SUFFIXES)})")
@@ -121,6 +145,8 @@ def read_documents(path: Path, text_key: str = "text", report: ReadReport | None
                 report.add(where, f"no string field '{text_key}' (set --text-key)")
             elif text:
                 yield text
+            else:
+                report.empty += 1
     except (OSError, EOFError) as e:  # not readable from its first byte
         raise TokenizeError(f"cannot read '{path}' ({type(e).__name__}: {e}); check that the "
                             "file is complete and its suffix matches its compression") from None
@@ -191,11 +217,15 @@ def _tokenize_shard(job: tuple[str, str, bool, str, str, bool]) -> dict[str, Any
     with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
         stats = write_texts(tok, read_documents(Path(shard), text_key, report), w)
     stats.malformed, stats.malformed_examples = report.malformed, report.examples
+    stats.empty = report.empty
     return asdict(stats)
 
 
-def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[str, Any]]:
-    """Results in job order."""
+def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
+              ) -> Iterator[dict[str, Any]]:
+    """`fn` (default: `_tokenize_shard`) of each job; results in job order. A worker process
+    that dies (killed, out of memory) is a `TokenizeError`, not a wait for ever."""
+    fn = fn or _tokenize_shard
     if executor == "ray":
         try:
             import ray
@@ -203,7 +233,7 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[s
             raise TokenizeError("--executor ray needs ray: pip install 'ray[data]'") from None
         if not ray.is_initialized():
             ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
-        task = ray.remote(_tokenize_shard)
+        task = ray.remote(fn)
         refs = [task.remote(j) for j in jobs]
         for r in refs:
             yield ray.get(r)
@@ -211,15 +241,30 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str) -> Iterator[dict[s
     if executor != "local":
         raise TokenizeError(f"--executor: unknown executor '{executor}' (local or ray)")
     if workers <= 1 or len(jobs) == 1:
-        yield from map(_tokenize_shard, jobs)
+        yield from map(fn, jobs)
         return
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    # spawn: tokenizers' thread pool does not survive fork.
     from scaletrain.data.executors.lifeline import bind_to_parent
 
-    with mp.get_context("spawn").Pool(min(workers, len(jobs)), bind_to_parent) as pool:
-        yield from pool.imap(_tokenize_shard, jobs)
+    # spawn: tokenizers' thread pool does not survive fork. (multiprocessing.Pool would wait
+    # for ever for the job of a worker that was killed; this pool reports it.)
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp.get_context("spawn"),
+                               initializer=bind_to_parent)
+    try:
+        futures = [pool.submit(fn, j) for j in jobs]
+        for j, fut in zip(jobs, futures):
+            try:
+                yield fut.result()
+            except BrokenProcessPool:
+                raise TokenizeError(
+                    f"a worker process died (killed, or out of memory?) while tokenizing "
+                    f"'{j[0]}' or a shard beside it; nothing was written: run again, with "
+                    "fewer --workers if memory is short") from None
+    finally:  # on an error, the shards not started are not started
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def tokenize_to_indexed(
@@ -238,6 +283,12 @@ def tokenize_to_indexed(
     line); with `strict` the first one raises `MalformedRecord` and nothing is written."""
     tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad tokenizer
     prefix = strip_prefix(output)
+    sidecar = Path(f"{prefix}.tokenizer.json")
+    # An earlier dataset at this prefix goes first: an interrupted run then leaves no
+    # dataset at all, never old tokens beside a new tokenizer (or new tokens beside an old
+    # one). The sidecar is replaced before the index, which is renamed last.
+    for old in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
+        old.unlink(missing_ok=True)
     parts = Path(f"{prefix}.parts-tmp")
     shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir(parents=True)
@@ -251,15 +302,15 @@ def tokenize_to_indexed(
             dt = time.perf_counter() - t0
             log.info("tokenized shard %d/%d: %d documents, %d tokens so far (%.0f tokens/s)",
                      i + 1, len(jobs), stats.documents, stats.tokens, stats.tokens / max(dt, 1e-9))
-        with IndexedDatasetWriter(prefix, tok.dtype) as w:
+        if tok.path is not None and tok.path.resolve() != sidecar.resolve():
+            shutil.copyfile(tok.path, f"{sidecar}.tmp")
+            os.replace(f"{sidecar}.tmp", sidecar)
+        with IndexedDatasetWriter(prefix, tok.dtype) as w:  # .bin, then .idx, renamed last
             for _, _, _, part, _, _ in jobs:
                 w.append_dataset(part)
     finally:
         shutil.rmtree(parts, ignore_errors=True)
     stats.seconds = time.perf_counter() - t0
-    if tok.path != Path(f"{prefix}.tokenizer.json"):
-        shutil.copyfile(tok.path, f"{prefix}.tokenizer.json.tmp")
-        os.replace(f"{prefix}.tokenizer.json.tmp", f"{prefix}.tokenizer.json")
     return stats
 
 

@@ -45,22 +45,25 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = False,
-              length: int | None = None) -> Tokenizer:
-    """A byte-level BPE tokenizer with `<|endoftext|>` as its only special token.
+              length: int | None = None, bos: bool = False) -> Tokenizer:
+    """A byte-level BPE tokenizer with `<|endoftext|>` as its only special token (and
+    `<|begin_of_text|>` after it with `bos`, for documents that start with one).
 
     No normalizer and no prefix space, so `decode(encode(x)) == x` for any text.
     """
-    n_base = len(pre_tokenizers.ByteLevel.alphabet()) + 1
+    specials = [EOS_TOKEN, BOS_CANDIDATES[0]] if bos else [EOS_TOKEN]
+    n_base = len(pre_tokenizers.ByteLevel.alphabet()) + len(specials)
     if vocab_size < n_base:
         raise TokenizerError(
-            f"vocab_size must be at least {n_base} (256 bytes + {EOS_TOKEN}); got {vocab_size}"
+            f"vocab_size must be at least {n_base} (256 bytes + {', '.join(specials)}); got "
+            f"{vocab_size}"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=specials,
         show_progress=progress,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )

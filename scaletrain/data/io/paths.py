@@ -96,6 +96,10 @@ def expand_inputs(spec: str | list[str]) -> list[str]:
                 from scaletrain.data.io.manifest import curated_files
 
                 kept = curated_files(str(p))  # a curated folder: its kept shards only
+                if kept == []:
+                    raise InputError(
+                        f"'{s}' is a finished curation run that kept 0 documents; its "
+                        "stats.json says what each step dropped (loosen the pipeline)")
                 found = kept if kept is not None else list(_walk_local(p))
             elif p.is_file():
                 found = [str(p)]

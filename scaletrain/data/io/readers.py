@@ -67,6 +67,7 @@ class ReadReport:
     malformed: int = 0
     examples: list[str] = field(default_factory=list)
     strict: bool = False
+    empty: int = 0  # well-formed records with an empty text (tokenize skips them)
 
     def add(self, where: str, message: str) -> None:
         if self.strict:
@@ -74,10 +75,17 @@ class ReadReport:
         self.malformed += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {message}")
-        log.warning("skipping malformed record at %s: %s", where, message)
+        # the first ones are logged; the rest only counted (a file that is not JSON lines
+        # at all would otherwise log one line per line of it)
+        if self.malformed <= MAX_EXAMPLES:
+            log.warning("skipping malformed record at %s: %s", where, message)
+        elif self.malformed == MAX_EXAMPLES + 1:
+            log.warning("more malformed records (from %s on) are counted, not logged",
+                        where)
 
     def merge(self, other: ReadReport) -> None:
         self.malformed += other.malformed
+        self.empty += other.empty
         self.examples = (self.examples + other.examples)[:MAX_EXAMPLES]
 
 
@@ -123,9 +131,15 @@ def json_records(
             where = f"{path}:{line_no}" if line_no > 0 else f"{path}@byte{here}"
             if not raw.strip():
                 continue
+            try:  # decoded here: json.loads(bytes) guesses UTF-16/32 from the first bytes
+                text = raw.decode("utf-8-sig" if here == 0 else "utf-8")
+            except UnicodeDecodeError as e:
+                report.add(where, f"not valid UTF-8 (byte {e.start} of the line: "
+                                  f"{e.object[e.start:e.start + 1]!r})")
+                continue
             try:
-                record = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
+                record = json.loads(text)
+            except ValueError as e:
                 report.add(where, str(e)[:200])
                 continue
             if not isinstance(record, dict):

@@ -117,6 +117,29 @@ def straight_losses(output: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (output / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_resumed_classification_logs_each_step_once(bases: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    """classification.jsonl, like metrics.jsonl and eval.jsonl, drops the records past the
+    checkpoint a run resumes from (they are written again), and a fresh run starts it anew."""
+    out = tmp_path / "cls"
+    argv = ("--training.steps", "4", "--training.eval_interval", "2", "--checkpoint.interval",
+            "2", "--checkpoint.keep_last", "3", "--data.seq_len", "32")
+
+    def steps(name: str) -> list[int]:
+        return [json.loads(x)["step"] for x in (out / name).read_text().splitlines()]
+
+    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv)
+    assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step-0000004")  # the run died after step 3
+    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv,
+           "--checkpoint.resume", "true")
+    assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
+    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv)  # anew
+    assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
+
+
 def test_peft_loads_our_adapter_and_merge_matches(bases: dict[str, Path], tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")

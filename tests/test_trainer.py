@@ -109,6 +109,19 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, cache: Path,
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_interval_saves_the_last_step_without_save_final(tmp_path: Path, cache: Path) -> None:
+    """`checkpoint.interval N` saves every N-th step, the last one included when `save_final`
+    is off (save_final adds the last step when N does not divide it)."""
+    out = tmp_path / "run"
+    Trainer(tiny_config(out, cache, "--checkpoint.interval", "2", "--checkpoint.keep_last", "5",
+                        "--checkpoint.save_final", "false")).train()
+    assert [c.name for c in sorted((out / "checkpoints").iterdir())] == ["step-0000002",
+                                                                         "step-0000004"]
+    Trainer(tiny_config(tmp_path / "odd", cache, "--checkpoint.interval", "3",
+                        "--checkpoint.save_final", "false")).train()
+    assert [c.name for c in (tmp_path / "odd" / "checkpoints").iterdir()] == ["step-0000003"]
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path: Path, cache: Path) -> None:
     from scaletrain.train.checkpoint import CheckpointError
 

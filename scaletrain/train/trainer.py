@@ -391,7 +391,10 @@ class Trainer:
             prof.stop()  # evaluation and the final checkpoint stay out of the trace
             result.val_loss = self.evaluate()
             metrics.log_eval(self.step, result.val_loss)
-            if cfg.checkpoint.save_final:
+            # The last step is saved by `save_final`, or as any step of `interval` is.
+            on_interval = bool(cfg.checkpoint.interval) and self.step > result.steps \
+                and self.step % cfg.checkpoint.interval == 0
+            if cfg.checkpoint.save_final or on_interval:
                 result.checkpoint = self.save_checkpoint()
         finally:
             prof.stop()

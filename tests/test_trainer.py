@@ -88,13 +88,17 @@ def test_training_writes_metrics_and_learns(tmp_path: Path, cache: Path) -> None
     assert result.checkpoint is not None and (result.checkpoint / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("extra", [(), ("--optimizer.offload", "true")], ids=["plain", "offload"])
+@pytest.mark.parametrize("extra", [(), ("--optimizer.offload", "true"),
+                                   ("--precision.dtype", "fp16", "--training.grad_accum_steps",
+                                    "2", "--training.micro_batch_size", "2")],
+                         ids=["plain", "offload", "fp16-ga2"])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, cache: Path,
                                                  extra: tuple[str, ...]) -> None:
     out = tmp_path / "run"
     argv = ("--training.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5",
             *extra)
-    full = Trainer(tiny_config(out, cache, *argv)).train()
+    straight = Trainer(tiny_config(out, cache, *argv))
+    full = straight.train()
     ckpts = sorted((out / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step-0000003", "step-0000006"]
     # Pretend the run died after step 5: only the step-3 checkpoint survived.
@@ -105,6 +109,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, cache: Path,
     assert resumed.step == 3
     result = resumed.train()
     assert result.losses == full.losses[3:]  # bitwise equal on CPU
+    if straight.scaler is not None:  # fp16: the loss scaler's state (scale, growth tracker)
+        assert resumed.scaler.state_dict() == straight.scaler.state_dict()
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
 

@@ -53,6 +53,9 @@ class TrainResult:
     checkpoint: Path | None = None
     sample: str | None = None
     wall_time_s: float = 0.0
+    tokens_seen: int = 0
+    """Tokens of the training batches the run has consumed in all, earlier runs it resumed
+    included (samples x sequence length; padding of fine-tuning rows included)."""
 
 
 def fused_loss_problem(model: Any, custom_forward: bool) -> str | None:
@@ -402,6 +405,8 @@ class Trainer:
             if heartbeat is not None:
                 heartbeat.stop()
         result.steps = self.step
+        result.tokens_seen = self.train_stream.state_dict()["consumed_samples"] \
+            * self.cfg.data.seq_len
         result.wall_time_s = time.perf_counter() - start
         if cfg.training.sample_tokens:
             result.sample = self.sample(cfg.training.sample_tokens)

@@ -274,6 +274,22 @@ _DESCRIPTIONS = {
 }
 
 
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _yield_batch_fields(base: Config, argv: list[str]) -> None:
+    """A global batch size given on the command line replaces the preset's accumulation steps
+    and accumulation steps replace the preset's global batch size (unless both are given):
+    GBS = MBS x GA x DP takes two of the three, and the presets already set two."""
+    gbs, ga = _given(argv, "--training.global_batch_size"), _given(argv,
+                                                                    "--training.grad_accum_steps")
+    if gbs and not ga:
+        base.training.grad_accum_steps = None
+    elif ga and not gbs:
+        base.training.global_batch_size = None
+
+
 def load_config(argv: list[str] | None = None, prog: str = "scaletrain train") -> Config:
     """TOML preset (`--config NAME_OR_PATH`, default `debug`) + command-line overrides, validated.
 
@@ -295,6 +311,7 @@ def load_config(argv: list[str] | None = None, prog: str = "scaletrain train") -
     # Accept `--checkpoint.resume true` as well as tyro's `True`.
     argv = [{"true": "True", "false": "False"}.get(a.lower(), a) for a in argv]
     base = read_toml(config_path)
+    _yield_batch_fields(base, argv)
     cfg = tyro.cli(
         Config, args=argv, default=base, prog=prog,
         description=_DESCRIPTIONS.get(prog, "`--config NAME_OR_TOML` picks a preset (default: "

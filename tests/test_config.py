@@ -31,6 +31,22 @@ def test_global_batch_derives_accumulation() -> None:
     assert cfg.grad_accum_steps == 4
 
 
+@pytest.mark.parametrize("preset", ["debug", "finetune", "llama3.2-1b"])
+def test_a_batch_size_on_the_command_line_replaces_the_presets(preset: str,
+                                                               tmp_path: Path) -> None:
+    """The presets set micro_batch_size and grad_accum_steps; a global batch size given on the
+    command line (alone) derives the accumulation instead of clashing with the preset's."""
+    mbs = load_config(["--config", preset]).training.micro_batch_size
+    cfg = load_config(["--config", preset, "--training.global_batch_size", str(4 * mbs)])
+    assert (cfg.global_batch_size, cfg.grad_accum_steps) == (4 * mbs, 4)
+    # ... and accumulation steps on the command line replace a file's global batch size
+    toml = tmp_path / "gbs.toml"
+    toml.write_text("[training]\nmicro_batch_size = 2\nglobal_batch_size = 16\n")
+    cfg = load_config(["--config", str(toml), "--training.grad_accum_steps=3"])
+    assert (cfg.global_batch_size, cfg.grad_accum_steps) == (6, 3)
+    assert load_config(["--config", str(toml)]).grad_accum_steps == 8
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

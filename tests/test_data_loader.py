@@ -79,6 +79,20 @@ def test_resume_from_state_dict_is_exact(source: GPTDataset, num_workers: int,
     assert _same(_take(original, 9), expected)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_stream_leaves_the_global_rng_alone(source: GPTDataset, num_workers: int) -> None:
+    """Starting (or restarting, after a resume) the stream draws nothing from torch's RNG,
+    which dropout shares: a resumed run must draw the masks the uninterrupted one draws."""
+    stream = BatchStream(Windows(source), batch_size=8, num_workers=num_workers)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    _take(stream, 2)
+    stream.load_state_dict(stream.state_dict())  # the next batch starts a new iterator
+    _take(stream, 1)
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_data_parallel_ranks_split_each_global_batch(source: GPTDataset) -> None:
     single = BatchStream(Windows(source), batch_size=8)
     ranks = [BatchStream(Windows(source), batch_size=4, dp_rank=r, dp_size=2) for r in range(2)]

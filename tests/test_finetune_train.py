@@ -87,7 +87,12 @@ def test_resume_reproduces_the_uninterrupted_run(method: str, bases: dict[str, P
                                                  tmp_path: Path) -> None:
     if method == "qlora":
         pytest.importorskip("bitsandbytes")
-    extra = ["--optimizer.lr", "2e-3", "--checkpoint.interval", "2"]
+    # accumulation and the default clipping on; LoRA's dropout draws from the RNG, whose
+    # state the checkpoint must carry (and nothing else may draw from after loading it)
+    extra = ["--optimizer.lr", "2e-3", "--checkpoint.interval", "2",
+             "--training.grad_accum_steps", "2", "--training.micro_batch_size", "4"]
+    if method in ("lora", "qlora"):
+        extra += ["--finetune.lora_dropout", "0.1"]
     if method == "freeze":
         extra += ["--finetune.freeze_first", "1"]
     straight = run_ft(tmp_path / "a", bases["native"], bases["sft"], method, "sft",
@@ -110,6 +115,29 @@ def test_resume_reproduces_the_uninterrupted_run(method: str, bases: dict[str, P
 
 def straight_losses(output: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resumed_classification_logs_each_step_once(bases: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    """classification.jsonl, like metrics.jsonl and eval.jsonl, drops the records past the
+    checkpoint a run resumes from (they are written again), and a fresh run starts it anew."""
+    out = tmp_path / "cls"
+    argv = ("--training.steps", "4", "--training.eval_interval", "2", "--checkpoint.interval",
+            "2", "--checkpoint.keep_last", "3", "--data.seq_len", "32")
+
+    def steps(name: str) -> list[int]:
+        return [json.loads(x)["step"] for x in (out / name).read_text().splitlines()]
+
+    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv)
+    assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step-0000004")  # the run died after step 3
+    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv,
+           "--checkpoint.resume", "true")
+    assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
+    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv)  # anew
+    assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
 
 
 def test_peft_loads_our_adapter_and_merge_matches(bases: dict[str, Path], tmp_path: Path) -> None:

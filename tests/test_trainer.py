@@ -69,6 +69,13 @@ def test_accumulation_counts_valid_tokens_globally(tmp_path: Path, cache: Path) 
         torch.testing.assert_close(grads_u[0][name], grads[0][name], rtol=1e-5, atol=1e-7)
 
 
+def _tiny_params(args):  # type: ignore[no-untyped-def]
+    """Every parameter by name, a tied head listed as `output.weight` too."""
+    from scaletrain.models.transformer import empty_model
+
+    return empty_model(args, "meta").named_parameters(remove_duplicate=False)
+
+
 def test_training_writes_metrics_and_learns(tmp_path: Path, cache: Path) -> None:
     out = tmp_path / "run"
     result = Trainer(tiny_config(out, cache, "--training.steps", "12",
@@ -79,7 +86,17 @@ def test_training_writes_metrics_and_learns(tmp_path: Path, cache: Path) -> None
     assert [m["step"] for m in lines] == list(range(1, 13))
     assert all(set(m) == METRIC_KEYS for m in lines)
     assert lines[0]["mfu"] is None  # CPU: no peak-FLOPS entry
-    assert all(m["tokens_per_s"] > 0 and m["tflops"] > 0 for m in lines)
+    # The job's tokens of a step are the global batch x sequence length (4 x 32), and the
+    # model FLOPs per token 6N + 12 L H Q T, N every parameter but the embedding lookup
+    # (torchtitan's convention: norm weights count, a tied head counts as the head).
+    args = tiny_config(out, cache).model.to_model_args()
+    n_matmul = sum(p.numel() for name, p in _tiny_params(args) if name != "tok_embeddings.weight")
+    flops = 6 * n_matmul + 12 * args.n_layers * args.n_heads * args.head_dim * 32
+    for m in lines:
+        assert m["tokens_per_s"] * m["step_time_s"] == pytest.approx(4 * 32, rel=1e-9)
+        assert m["tflops"] * 1e12 == pytest.approx(m["tokens_per_s_per_device"] * flops,
+                                                   rel=1e-9)
+    assert result.tokens_seen == 12 * 4 * 32
     # One process: the job is the device; memory is reported above the pre-model baseline.
     assert all(m["tokens_per_s_per_device"] == m["tokens_per_s"] for m in lines)
     assert all(0 < m["peak_mem_gib"] < m["mem_baseline_gib"] for m in lines)  # a tiny model
@@ -88,13 +105,17 @@ def test_training_writes_metrics_and_learns(tmp_path: Path, cache: Path) -> None
     assert result.checkpoint is not None and (result.checkpoint / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("extra", [(), ("--optimizer.offload", "true")], ids=["plain", "offload"])
+@pytest.mark.parametrize("extra", [(), ("--optimizer.offload", "true"),
+                                   ("--precision.dtype", "fp16", "--training.grad_accum_steps",
+                                    "2", "--training.micro_batch_size", "2")],
+                         ids=["plain", "offload", "fp16-ga2"])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, cache: Path,
                                                  extra: tuple[str, ...]) -> None:
     out = tmp_path / "run"
     argv = ("--training.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5",
             *extra)
-    full = Trainer(tiny_config(out, cache, *argv)).train()
+    straight = Trainer(tiny_config(out, cache, *argv))
+    full = straight.train()
     ckpts = sorted((out / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step-0000003", "step-0000006"]
     # Pretend the run died after step 5: only the step-3 checkpoint survived.
@@ -105,8 +126,24 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, cache: Path,
     assert resumed.step == 3
     result = resumed.train()
     assert result.losses == full.losses[3:]  # bitwise equal on CPU
+    assert result.tokens_seen == full.tokens_seen == 6 * 4 * 32  # earlier steps included
+    if straight.scaler is not None:  # fp16: the loss scaler's state (scale, growth tracker)
+        assert resumed.scaler.state_dict() == straight.scaler.state_dict()
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_interval_saves_the_last_step_without_save_final(tmp_path: Path, cache: Path) -> None:
+    """`checkpoint.interval N` saves every N-th step, the last one included when `save_final`
+    is off (save_final adds the last step when N does not divide it)."""
+    out = tmp_path / "run"
+    Trainer(tiny_config(out, cache, "--checkpoint.interval", "2", "--checkpoint.keep_last", "5",
+                        "--checkpoint.save_final", "false")).train()
+    assert [c.name for c in sorted((out / "checkpoints").iterdir())] == ["step-0000002",
+                                                                         "step-0000004"]
+    Trainer(tiny_config(tmp_path / "odd", cache, "--checkpoint.interval", "3",
+                        "--checkpoint.save_final", "false")).train()
+    assert [c.name for c in (tmp_path / "odd" / "checkpoints").iterdir()] == ["step-0000003"]
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path: Path, cache: Path) -> None:

@@ -73,9 +73,10 @@ def main(argv: list[str]) -> int:
     finally:  # also under torchrun: no process group outlives the run (see shutdown_process_group)
         shutdown_process_group()
     if result.losses:
-        log.info("fine-tuned %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",
-                 len(result.losses), result.wall_time_s, result.losses[0], result.losses[-1],
-                 result.val_loss)
+        log.info("fine-tuned %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f; "
+                 "%s tokens seen (step %d)", len(result.losses), result.wall_time_s,
+                 result.losses[0], result.losses[-1], result.val_loss,
+                 f"{result.tokens_seen:,}", result.steps)
     if scores:
         log.info("validation accuracy %.4f, macro-F1 %.4f", scores["accuracy"],
                  scores["macro_f1"])

@@ -47,8 +47,9 @@ def main(argv: list[str]) -> int:
         shutdown_process_group()
     losses = result.losses
     if losses:
-        log.info("trained %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f",
-                 len(losses), result.wall_time_s, losses[0], losses[-1], result.val_loss)
+        log.info("trained %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f; %s "
+                 "tokens seen (step %d)", len(losses), result.wall_time_s, losses[0],
+                 losses[-1], result.val_loss, f"{result.tokens_seen:,}", result.steps)
     if result.checkpoint:
         log.info("checkpoint: %s", result.checkpoint)
     if result.sample:

@@ -127,8 +127,12 @@ class BatchStream:
         extra: dict[str, Any] = {}
         if num_workers > 0:
             extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+        # Its own generator: starting an iterator draws a seed for the workers, which from the
+        # global RNG would shift every later random draw (dropout) of a resumed run against
+        # the uninterrupted one (a resumed run starts an iterator where the other did not).
         self._loader = DataLoader(dataset, batch_sampler=self._sampler, num_workers=num_workers,
-                                  pin_memory=pin_memory, collate_fn=_as_batch, **extra)
+                                  pin_memory=pin_memory, collate_fn=_as_batch,
+                                  generator=torch.Generator().manual_seed(0), **extra)
         self._it: Iterator[Any] | None = None
 
     @property

@@ -39,7 +39,8 @@ from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.integrity import verification
 from scaletrain.train.loss import cross_entropy_sum
-from scaletrain.train.trainer import Trainer
+from scaletrain.train.metrics import truncate_jsonl
+from scaletrain.train.trainer import Trainer, TrainResult
 
 log = logging.getLogger("scaletrain.finetune")
 
@@ -307,6 +308,14 @@ class FinetuneTrainer(Trainer):
                              base_path=str(Path(self.ft.base).resolve()), head=head,
                              train_norms=self.ft.train_norms, tensors=tensors)
         return path
+
+    def train(self) -> TrainResult:
+        """`Trainer.train`; `classification.jsonl` first loses the records past the step this
+        run starts from, as `metrics.jsonl` and `eval.jsonl` do (a resumed run writes them
+        again; a fresh run starts them anew)."""
+        if self.is_main:
+            truncate_jsonl(self.output / "classification.jsonl", self.step)
+        return super().train()
 
     # --- evaluation -------------------------------------------------------------------------
     def eval_prepare(self, x: dict[str, torch.Tensor], y: torch.Tensor

@@ -12,6 +12,14 @@ from scaletrain.config import ActivationCheckpointConfig
 log = logging.getLogger("scaletrain.parallel")
 
 
+def _wrap(module: nn.Module) -> nn.Module:
+    """A module that draws random numbers in forward (LoRA's dropout) has its RNG state
+    stashed and restored around the recomputation, so backward replays forward's masks; the
+    others skip that cost (the pre-trained decoder has no dropout)."""
+    random = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+    return checkpoint_wrapper(module, preserve_rng_state=random)
+
+
 def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> int:
     """Wrap blocks of `model.layers` so their activations are recomputed in backward.
 
@@ -27,9 +35,9 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> int:
         if cfg.mode == "partial" and index % cfg.every != cfg.every - 1:
             continue
         if cfg.mode == "partial" and cfg.scope == "attention":
-            block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
+            block.attention = _wrap(block.attention)
         else:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[name] = _wrap(block)
         wrapped += 1
     log.info("activation checkpointing: %s, %d of %d blocks", cfg.mode, wrapped, len(model.layers))
     return wrapped

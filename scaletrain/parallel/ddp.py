@@ -9,6 +9,7 @@ hook installed here sums instead (averaging would divide twice).
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,14 @@ def _sum_allreduce_hook(group, bucket):  # noqa: ANN001, ANN202 (DDP checks real
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> nn.Module:
     """Wrap `model` (already materialized) in DDP over `dp_mesh` with a summing comm hook."""
     group = dp_mesh.get_group()
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
-                                  gradient_as_bucket_view=True, broadcast_buffers=False)
+    with warnings.catch_warnings():
+        # torch 2.13 deprecates `broadcast_buffers` but advises keeping `False` (no buffer
+        # sync, also not at init: RoPE tables are computed on each rank) until its replacement
+        # can express that; the warning would print once per rank on every run.
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated",
+                                category=FutureWarning)
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
+                                      gradient_as_bucket_view=True, broadcast_buffers=False)
     ddp.register_comm_hook(group, _sum_allreduce_hook)
     log.info("DDP over %d ranks, buckets of %.0f MB", dp_mesh.size(), bucket_cap_mb)
     return ddp

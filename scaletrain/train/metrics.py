@@ -120,8 +120,9 @@ class MemoryBaseline:
         return max(0.0, peak_memory_gib(self.device) - self.gib)
 
 
-def _open_truncated(path: Path, last_step: int) -> Any:
-    """Open a JSON-lines file for appending after removing the records with step > last_step."""
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Remove the records with step > last_step from a JSON-lines file of a run directory (a
+    resumed run writes them again; a fresh run, `last_step` 0, starts the file anew)."""
     if path.exists():
         keep = []
         for line in path.read_text().splitlines():
@@ -131,6 +132,11 @@ def _open_truncated(path: Path, last_step: int) -> Any:
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a crash
         path.write_text("".join(k + "\n" for k in keep))
+
+
+def _open_truncated(path: Path, last_step: int) -> Any:
+    """Open a JSON-lines file for appending after removing the records with step > last_step."""
+    truncate_jsonl(path, last_step)
     return path.open("a")
 
 

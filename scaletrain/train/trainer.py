@@ -53,6 +53,9 @@ class TrainResult:
     checkpoint: Path | None = None
     sample: str | None = None
     wall_time_s: float = 0.0
+    tokens_seen: int = 0
+    """Tokens of the training batches the run has consumed in all, earlier runs it resumed
+    included (samples x sequence length; padding of fine-tuning rows included)."""
 
 
 def fused_loss_problem(model: Any, custom_forward: bool) -> str | None:
@@ -397,7 +400,10 @@ class Trainer:
             prof.stop()  # evaluation and the final checkpoint stay out of the trace
             result.val_loss = self.evaluate()
             metrics.log_eval(self.step, result.val_loss)
-            if cfg.checkpoint.save_final:
+            # The last step is saved by `save_final`, or as any step of `interval` is.
+            on_interval = bool(cfg.checkpoint.interval) and self.step > result.steps \
+                and self.step % cfg.checkpoint.interval == 0
+            if cfg.checkpoint.save_final or on_interval:
                 result.checkpoint = self.save_checkpoint()
         finally:
             prof.stop()
@@ -405,6 +411,8 @@ class Trainer:
             if heartbeat is not None:
                 heartbeat.stop()
         result.steps = self.step
+        result.tokens_seen = self.train_stream.state_dict()["consumed_samples"] \
+            * self.cfg.data.seq_len
         result.wall_time_s = time.perf_counter() - start
         if cfg.training.sample_tokens:
             result.sample = self.sample(cfg.training.sample_tokens)

@@ -27,7 +27,7 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
                             "--training.micro_batch_size", "8"], 4, capture=False)
     ref_moe = run_trainer([str(tmp_path / "ref-m"), str(cache), *MOE,
                            "--training.micro_batch_size", "8"], 4, capture=False)
-    a, b, c, d, e = (str(tmp_path / f"run-{x}") for x in "abcde")
+    a, b, c, d, e, f = (str(tmp_path / f"run-{x}") for x in "abcdef")
     jobs = [
         # FSDP (ZeRO-3) over 2 ranks -> DDP over 2 ranks (sharded -> replicated).
         ("fsdp-save", [a, str(cache), "--parallel.data_parallel", "zero3",
@@ -39,6 +39,13 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
                      "--training.steps", "4"], {"save": True}),
         ("pp-resume", [b, str(cache), "--parallel.pp", "2", "--training.grad_accum_steps", "2",
                        "--checkpoint.resume", "true", "--training.steps", "4"]),
+        # DDP over 2 ranks with accumulation -> TP over 2 ranks (one data-parallel rank):
+        # the same global batches (2 x 2 x 2 rows, then 4 x 2), the loader's position carried.
+        ("ddp-ga-save", [f, str(cache), "--parallel.data_parallel", "ddp",
+                         "--training.micro_batch_size", "2", "--training.grad_accum_steps", "2",
+                         "--training.steps", "4"], {"save": True}),
+        ("tp-ga-resume", [f, str(cache), "--parallel.tp", "2", "--training.grad_accum_steps",
+                          "2", "--checkpoint.resume", "true", "--training.steps", "4"]),
         # ZeRO-1: each rank writes the optimizer state of the parameters it owns.
         ("zero1-save", [c, str(cache), "--parallel.data_parallel", "zero1",
                         "--training.steps", "4"], {"save": True}),
@@ -53,10 +60,12 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
     ]
     result = spawn(2, jobs, 2, tmp_path)
     r0 = result[0]
-    for name, ref in (("ddp-resume", ref_dp), ("pp-resume", ref_ga), ("zero1-resume", ref_dp)):
+    for name, ref in (("ddp-resume", ref_dp), ("pp-resume", ref_ga), ("zero1-resume", ref_dp),
+                      ("ddp-ga-save", ref_ga), ("tp-ga-resume", ref_ga)):
         resumed = r0[name]["losses"]
         assert len(resumed) == 2
-        diff = max(abs(x - y) for x, y in zip(resumed, ref["losses"][2:], strict=True))
+        part = ref["losses"][:2] if name.endswith("-save") else ref["losses"][2:]
+        diff = max(abs(x - y) for x, y in zip(resumed, part, strict=True))
         assert diff <= TOL, (name, resumed, ref["losses"])
 
     # The ZeRO-3 checkpoint of 2 ranks (mbs 4) continues in one process (mbs 8): the same global

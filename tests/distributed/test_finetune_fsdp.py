@@ -1,7 +1,7 @@
 """Fine-tuning under FSDP (ZeRO-2/3): 2 ranks of LoRA SFT (zero3) and of full classification
-(zero2) give the losses (3 steps, clipping at 1.0 on) and the first step's gradients of one
-process on the same global batches; the LoRA adapter they write equals its adapter, and a run
-resumed from their checkpoint continues as they did."""
+(zero2) give the losses (3 steps of 2 micro-batches, clipping at 1.0) and the first step's
+gradients of one process on the same global batches; the LoRA adapter they write equals its
+adapter, and a run resumed from their checkpoint continues as they did."""
 
 from __future__ import annotations
 
@@ -55,13 +55,12 @@ def _entry(rank: int, world: int, jobs: list[list[str]], out_dir: str) -> None:
 def test_fsdp_fine_tuning_matches_one_process(tmp_path: Path) -> None:
     base = tmp_path / "base"
     Trainer(tiny_config(base, tmp_path / "cache", "--training.steps", "2")).train()
-    sft = write_jsonl(tmp_path / "sft.jsonl", qa_records(64))
-    cls = write_jsonl(tmp_path / "cls.jsonl", sentiment_records(60))
+    sft = write_jsonl(tmp_path / "sft.jsonl", qa_records(96))  # 4 steps of 16 rows
+    cls = write_jsonl(tmp_path / "cls.jsonl", sentiment_records(90))
     cases = [("lora", "sft", sft, "zero3"), ("full", "classification", cls, "zero2")]
 
     def argv(name: str, method: str, task: str, data: Path, mbs: int, mode: str) -> list[str]:
-        out = _argv(tmp_path / name, base, data, method, task, mbs)
-        out[out.index("--training.max_grad_norm") + 1] = "1.0"  # the default users run
+        out = _argv(tmp_path / name, base, data, method, task, mbs)  # clipping at 1.0, GA 2
         out[out.index("--parallel.data_parallel") + 1] = mode
         return out
 

@@ -259,3 +259,18 @@ def test_a_straggler_that_computes_longer_is_compute_bound(tmp_path: Path) -> No
     fast = cpu_trace([("op", 2_200), ("mpi", 12_600)], steps=2, rank=1, world=2)
     r = _run(tmp_path, slow, fast, name="input")
     assert r["across_ranks"]["straggler_rank"] == 0 and r["verdict"] == "input-bound"
+
+
+def test_the_phase_line_of_several_ranks_is_the_stragglers(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """With several ranks the per-phase line is one rank's: the straggler's, and it says so
+    (rank 0's line showed 0 ms of data loading under an input-bound verdict for rank 1)."""
+    fast = cpu_trace([("op", 2_200), ("mpi", 12_600)], steps=2, rank=0, world=2)
+    slow = cpu_trace([("op", 2_000), ("data", 10_000), ("mpi", 2_800)], steps=2, rank=1,
+                     world=2)
+    paths = [t.write(tmp_path / f"rank{i}.json.gz") for i, t in enumerate((fast, slow))]
+    assert diagnose.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("CPU per step"))
+    assert line.startswith("CPU per step, rank 1 (") and "data 10.0 ms" in line, line

@@ -139,7 +139,7 @@ def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
         "top_kernels": _merge_kernels(ranks, top),
         "memory": max((r["memory"] for r in ranks if r.get("memory")),
                       key=lambda m: m["peak_allocated_bytes"], default=None),
-        "cpu": first.get("cpu"), "launch": first.get("launch"),
+        "cpu": first.get("cpu"), "cpu_rank": first["rank"], "launch": first.get("launch"),
         "kernels_summary": first.get("kernels_summary"),
         "ranks": [_rank_summary(r) for r in ranks],
         "across_ranks": across_ranks(ranks),
@@ -172,6 +172,7 @@ def _straggler_headline(out: dict[str, Any], ranks: list[dict[str, Any]]) -> Non
                                f"{slow['verdict']}: " + "; ".join(slow.get("evidence") or []))
     out["evidence"].append(f"over all ranks on average: {out['verdict']}")
     out["verdict"] = own["verdict"]
+    out["cpu"], out["cpu_rank"] = slow.get("cpu"), s  # the phases of the rank that matters
     out["causes"] = own.get("causes", [])
     out["secondary"] = list(own.get("secondary", []))
 

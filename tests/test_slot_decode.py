@@ -35,6 +35,15 @@ def _sharp(args: ModelArgs):
     return m.eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model: on a busy 2-core machine two threads ran it up to 70x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return _sharp(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
@@ -178,8 +187,10 @@ def test_admission_makes_room_at_once_and_restarts_when_drained(model):
     assert batch.try_join(Row(_prompt(2, 3), 124), GREEDY, "budget")
     assert not batch.try_join(Row(_prompt(6, 4), 5), GREEDY, "b")  # every slot taken
     out = dict(batch.step())
-    assert batch.pos == 11 and batch._caches[0].k.shape[2] >= 10 + 124 - 1
+    assert batch.pos == 11
     while batch.occupied:
+        # the cache grows with the columns used, not with the budgets: at most twice them
+        assert batch._caches[0].k.shape[2] <= 2 * batch.pos
         out.update(batch.step())
     assert batch.pos == 0 and batch._caches == []  # drained: restarts, memory given back
     for tag, (n, s, b) in {"a": (5, 1, 20), "long prompt": (10, 2, 4),
@@ -203,7 +214,7 @@ def test_rows_keep_joining_at_once_for_many_times_the_context(model):
     drain: the batch runs for more than three times the model's context (128) without
     emptying, every row joins the step it arrives, long prompts included, and decodes what
     plain decoding without a cache gives."""
-    specs = [(4 + 9 * (k % 5), 60 + 7 * (k % 3)) for k in range(10)]  # prompt 4..40, 60..74
+    specs = [(4 + 9 * (k % 5), 60 + 7 * (k % 3)) for k in range(11)]  # prompt 4..40, 60..74
     rows = [Row(_prompt(n, 100 + k), b) for k, (n, b) in enumerate(specs)]
     arrive = [36 * k for k in range(len(rows))]
     got, joined, ended, _, _, batch = drive(model, [(r, GREEDY) for r in rows], 3,

@@ -248,8 +248,7 @@ class SlotBatch:
         run = [i for i, s in enumerate(self.slots) if s is not None and not s.started]
         if not run:
             return
-        ends = [self.pos + self._remaining(s) - 1 for s in self.slots if s is not None]
-        self._ensure(max(self.pos, *ends))
+        self._ensure(self.pos)  # the prompts' columns; `_feed` grows the cache as pos advances
         slots = [self.slots[i] for i in run]
         assert all(s is not None for s in slots)
         longest = max(len(s.row.prompt) for s in slots)  # type: ignore[union-attr]

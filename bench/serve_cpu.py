@@ -13,8 +13,10 @@ until all its rows have finished; continuous: rows join and leave between tokens
 completion requests in total (prompts of mixed lengths, max_tokens drawn from
 8..`--max-tokens`, greedy, so rows of one batch finish at different times). Reported:
 requests/s, generated tokens/s, latency median and p95, the server's mean slot occupancy
-(`GET /metrics`), whether every server gave the same text; and, on the largest batch size,
-one request carrying B prompts vs the same B prompts as concurrent requests. `--engine` runs
+and its batch starts (`GET /metrics` `batches`: for continuous batching, how often the batch
+started from empty; for static batching, the batches; the warm-up included over HTTP),
+whether every server gave the same text; and, on the largest batch size, one request
+carrying B prompts vs the same B prompts as concurrent requests. `--engine` runs
 the same load on the batching engine in this process too (no HTTP, no client threads
 competing with the server for the CPU).
 
@@ -144,7 +146,9 @@ def engine_load(ckpt: Path, batch_size: int, continuous: bool, requests: int,
     try:
         engine.submit([rows[0]], (0.0, None, None))[0].result()  # warm-up
         r = closed_loop(send, requests, concurrency)
-        r["mean_slot_occupancy"] = engine.metrics()["mean_slot_occupancy"]
+        m = engine.metrics()
+        r["mean_slot_occupancy"] = m["mean_slot_occupancy"]
+        r["batches"] = m["batches"] - 1  # less the warm-up's
         return r
     finally:
         engine.close()
@@ -297,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                     texts.append(r.pop("texts"))
                     m = _metrics(url)
                     r["mean_slot_occupancy"] = m.get("mean_slot_occupancy")
+                    r["batches"] = m.get("batches")  # warm-up's included
                     rows[f"{b} {mode}" + (f" #{rep + 1}" if a.repeats > 1 else "")] = r
                     if b == max(sizes) and mode == modes[-1] and lists is None:
                         lists = prompt_list(url, b, a.max_tokens)
@@ -318,12 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         if not table:
             continue
         print(f"{title + ': batch, mode':<36}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}"
-              f"{'slots':>7}")
+              f"{'slots':>7}{'starts':>8}")
         for name, r in table.items():
             occ = r["mean_slot_occupancy"]
             print(f"{'  ' + name:<36}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
                   f"{r['latency_median_s']:>8.2f}{r['latency_p95_s']:>8.2f}"
-                  f"{'' if occ is None else f'{occ:.2f}':>7}")
+                  f"{'' if occ is None else f'{occ:.2f}':>7}{r.get('batches') or '':>8}")
     if lists:
         print(f"{lists['prompts']} prompts in one request: {lists['one_request_s']:.2f} s; as "
               f"{lists['prompts']} concurrent requests: {lists['concurrent_requests_s']:.2f} s;"

@@ -236,3 +236,41 @@ def test_all_to_all_host_ops_are_communication(name: str) -> None:
     from scaletrain.profiling.cpu import COMM_RE
 
     assert COMM_RE.match(name)
+
+
+def test_a_straggler_that_computes_longer_is_compute_bound(tmp_path: Path) -> None:
+    """Rank 0 computes 12 ms per step, rank 1 2.2 ms and then waits for rank 0 in the
+    all-reduce. Rank 0's own all-reduce (no waiting: pure transfer) is 19 % of its step, over
+    the 15 % threshold, yet the job waits for rank 0's computation: the headline is
+    compute-bound, and no communication remedy is proposed for it."""
+    slow = cpu_trace([("op", 12_000), ("mpi", 2_800)], rank=0, world=2)
+    fast = cpu_trace([("op", 2_200), ("mpi", 12_600)], rank=1, world=2)
+    r = _run(tmp_path, slow, fast)
+    assert r["across_ranks"]["straggler_rank"] == 0
+    assert r["ranks"][0]["verdict"] == "communication-bound"  # its step, collectives included
+    assert r["verdict"] == "compute-bound" and r["straggler_verdict"] == "compute-bound"
+    assert r["job_verdict"] == "communication-bound"  # the mean over ranks
+    assert not any("bucket_cap_mb" in x.get("flag", "") for x in r["remedies"])
+    assert any("own work" in e and "compute-bound" in e for e in r["evidence"])
+    # the same ranks with a slow data loader on rank 0 instead: input-bound (2 steps: with
+    # fewer than 5 operators the reader takes the durations as microseconds)
+    slow = cpu_trace([("op", 2_000), ("data", 10_000), ("mpi", 2_800)], steps=2, rank=0,
+                     world=2)
+    fast = cpu_trace([("op", 2_200), ("mpi", 12_600)], steps=2, rank=1, world=2)
+    r = _run(tmp_path, slow, fast, name="input")
+    assert r["across_ranks"]["straggler_rank"] == 0 and r["verdict"] == "input-bound"
+
+
+def test_the_phase_line_of_several_ranks_is_the_stragglers(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """With several ranks the per-phase line is one rank's: the straggler's, and it says so
+    (rank 0's line showed 0 ms of data loading under an input-bound verdict for rank 1)."""
+    fast = cpu_trace([("op", 2_200), ("mpi", 12_600)], steps=2, rank=0, world=2)
+    slow = cpu_trace([("op", 2_000), ("data", 10_000), ("mpi", 2_800)], steps=2, rank=1,
+                     world=2)
+    paths = [t.write(tmp_path / f"rank{i}.json.gz") for i, t in enumerate((fast, slow))]
+    assert diagnose.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("CPU per step"))
+    assert line.startswith("CPU per step, rank 1 (") and "data 10.0 ms" in line, line

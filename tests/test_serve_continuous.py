@@ -241,25 +241,30 @@ def test_an_error_fails_only_its_rows_and_the_engine_goes_on(gen):
         engine.close()
 
 
-def test_a_prompt_longer_than_the_batch_position_lets_shorter_ones_pass(gen):
+def test_a_prompt_longer_than_the_batch_position_joins_at_once(gen):
+    """A newcomer whose prompt is longer than the running batch's column, and one whose
+    budget runs past the context from that column, join the running row at once (the
+    live columns move; positions are per row) and decode what they decode alone."""
     from scaletrain.serving.engine import BatchingEngine
 
     engine = BatchingEngine(gen, batch_size=3)
     greedy = (0.0, None, None)
     cat = gen.encode("cat")[0]
+    ctx = gen.model.args.max_seq_len
     try:
         running = engine.submit([Row(gen.encode("the"), 60, logit_bias={cat: 100})], greedy)[0]
-        time.sleep(0.2)  # decoding: the batch's position is about 10
+        time.sleep(0.2)  # decoding: the batch's column is about 10
         long_prompt = gen.encode(" ".join(["the cat sat on the mat"] * 6))
         assert len(long_prompt) > 25
-        late_long, late_short = engine.submit([Row(long_prompt, 3)], greedy) + engine.submit(
-            [Row(gen.encode("rain falls"), 3)], greedy)
-        short = late_short.result(30)
-        assert not late_long.done() and not running.done()  # it passed the waiting row
-        for fut, ids in ((late_long, long_prompt), (late_short, gen.encode("rain falls"))):
-            with gen.lock:  # the engine decodes the running row meanwhile
-                want = decode_rows(gen.model, [Row(ids, 3)], eos_id=gen.eos_id)[0].ids
-            assert fut.result(30).ids == want
-        assert short.ids == want and len(running.result(30).ids) == 60
+        short = gen.encode("rain falls")
+        late = [Row(long_prompt, 3), Row(short, ctx - len(short))]
+        futs = engine.submit(late[:1], greedy) + engine.submit(late[1:], greedy)
+        assert len(futs[0].result(30).ids) == 3 and not running.done()  # it did not wait
+        for fut, row in zip(futs, late):
+            with gen.lock:  # the engine decodes the other rows meanwhile
+                want = decode_rows(gen.model, [Row(row.prompt, row.max_new_tokens)],
+                                   eos_id=gen.eos_id)[0].ids
+            assert fut.result(60).ids == want
+        assert len(running.result(30).ids) == 60 and engine.batches == 1  # never drained
     finally:
         engine.close()

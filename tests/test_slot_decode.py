@@ -35,6 +35,15 @@ def _sharp(args: ModelArgs):
     return m.eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model: on a busy 2-core machine two threads ran it up to 70x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return _sharp(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
@@ -65,7 +74,8 @@ def drive(model, items, slots, eos=None, arrive=None, compact_min=64):
             joined[k] = step
             slot[k] = next(i for i, s in enumerate(batch.slots) if s is not None and s.tag == k)
         most = max(most, batch.occupied)
-        assert batch.offset + batch.pos <= model.args.max_seq_len
+        assert batch.pos <= 2 * model.args.max_seq_len  # cache columns
+        assert batch._span() <= model.args.max_seq_len  # the live rows' columns
         for k, r in batch.step():
             assert not isinstance(r, Exception)
             res[k], ended[k] = r, step
@@ -166,20 +176,54 @@ def test_controls_logprobs_echo_and_budget_zero_as_decode_rows(model):
     assert got[2].ids == [7] * 5 and len(set(got[3].ids)) == 8 and got[5].ids == []
 
 
-def test_admission_waits_for_room_and_restarts_when_drained(model):
-    batch = SlotBatch(model, 4)
+def test_admission_makes_room_at_once_and_restarts_when_drained(model):
+    batch = SlotBatch(model, 3)
     assert batch.try_join(Row(_prompt(5, 1), 20), GREEDY, "a")
     batch.step()
     assert batch.pos == 6  # decoding: the next token goes to column 6
-    assert not batch.try_join(Row(_prompt(10, 2), 4), GREEDY, "long prompt")  # 10 > 6
-    assert not batch.try_join(Row(_prompt(2, 3), 124), GREEDY, "budget")  # past 128
-    assert batch.try_join(Row(_prompt(6, 4), 5), GREEDY, "b")
-    while batch.occupied:
-        batch.step()
-    assert batch.pos == 0 and batch._caches == []  # drained: restarts, memory given back
+    # a prompt longer than the column: the live columns move right to make room, at once
+    assert batch.try_join(Row(_prompt(10, 2), 4), GREEDY, "long prompt")
+    # a budget that runs past the context from here: the cache has twice the context
     assert batch.try_join(Row(_prompt(2, 3), 124), GREEDY, "budget")
+    assert not batch.try_join(Row(_prompt(6, 4), 5), GREEDY, "b")  # every slot taken
+    out = dict(batch.step())
+    assert batch.pos == 11
+    while batch.occupied:
+        # the cache grows with the columns used, not with the budgets: at most twice them
+        assert batch._caches[0].k.shape[2] <= 2 * batch.pos
+        out.update(batch.step())
+    assert batch.pos == 0 and batch._caches == []  # drained: restarts, memory given back
+    for tag, (n, s, b) in {"a": (5, 1, 20), "long prompt": (10, 2, 4),
+                           "budget": (2, 3, 124)}.items():
+        assert out[tag].ids == generate(model, _prompt(n, s), b)
     with pytest.raises(ValueError, match="empty"):
         batch.try_join(Row([], 3), GREEDY, "bad")
+
+
+@torch.inference_mode()
+def _greedy_without_cache(model, prompt: list[int], n: int) -> list[int]:
+    """The reference: the whole sequence through the model for every new token."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_rows_keep_joining_at_once_for_many_times_the_context(model):
+    """A steady stream of rows (each fits the context alone) never waits for the batch to
+    drain: the batch runs for more than three times the model's context (128) without
+    emptying, every row joins the step it arrives, long prompts included, and decodes what
+    plain decoding without a cache gives."""
+    specs = [(4 + 9 * (k % 5), 60 + 7 * (k % 3)) for k in range(11)]  # prompt 4..40, 60..74
+    rows = [Row(_prompt(n, 100 + k), b) for k, (n, b) in enumerate(specs)]
+    arrive = [36 * k for k in range(len(rows))]
+    got, joined, ended, _, _, batch = drive(model, [(r, GREEDY) for r in rows], 3,
+                                            arrive=arrive)
+    assert max(ended.values()) > 3 * model.args.max_seq_len
+    assert joined == dict(enumerate(arrive))  # no row waited
+    assert all(joined[k + 1] <= ended[k] for k in range(len(rows) - 1))  # never drained
+    for r, d in zip(rows, got):
+        assert d.ids == _greedy_without_cache(model, r.prompt, r.max_new_tokens)
 
 
 def test_dropped_rows_free_their_slot(model):

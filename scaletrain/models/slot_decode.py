@@ -3,10 +3,12 @@
 `SlotBatch` decodes up to `slots` rows through one KV cache. Every row writes its next token
 at the same cache column `pos`. A newcomer's prompt is prefilled into a free slot
 right-aligned to `pos` (columns `pos - n .. pos - 1`), the columns left of it masked out of
-attention, and from the next step on it decodes alongside the others. RoPE sees only the
-distance between a query and a key (sliding windows too), so the row computes what it would
-compute alone, up to float rounding. A row that finishes, or is dropped, frees its slot at
-once for the next newcomer.
+attention, and from the next step on it decodes alongside the others. Each row carries its
+own RoPE positions: cache column c of a row whose first token sits in column `start` has
+position c - start, so a row sees exactly the positions it has alone (0, 1, ...), wherever
+its columns lie, and computes what it computes alone up to float rounding of the batched
+matrix products. A row that finishes, or is dropped, frees its slot at once for the next
+newcomer.
 
 Per row, exactly as `batch_decode.decode_rows`: the budget, end-of-sequence ids and the stop
 callback, logit bias, presence/frequency penalties, a seeded generator, log-probabilities
@@ -14,14 +16,18 @@ callback, logit bias, presence/frequency penalties, a seeded generator, log-prob
 (temperature, top-k, top-p) are per row as well, so rows with different settings share a
 batch.
 
-Admission (`try_join`): a newcomer fits when its prompt fits left of `pos` (n <= pos) and its
-last position stays inside the model's context (offset + pos + budget - 1 <= max_seq_len); a
-batch with no decoding rows restarts at pos = offset = 0, so a row that does not fit now
-fits once the batch has drained. Compaction: once every row's first column lies right of
-half the used columns, the live columns move to the left of the cache and `offset` keeps
-their RoPE positions, so attention never spans columns that no row uses any more. Learned
-absolute position embeddings and LongRoPE are not shift-invariant: `supports(model)` is
-False for them and callers decode static batches (`decode_rows`) instead.
+Admission (`try_join`): the cache has up to twice `max_seq_len` columns (allocated as they
+are needed). A newcomer fits when, with the live columns (from the first column of the oldest
+row to `pos`) moved as far left as they go, its prompt fits left of the column it would start
+decoding at and every row's remaining tokens fit right of it. Since positions are per row,
+the live columns may move: left (compaction), or right, so that a prompt longer than `pos`
+joins at once. The live columns are at most `max_seq_len` and a row that fits the context
+alone needs at most `max_seq_len` more, so every valid row joins as soon as a slot is free:
+no row waits for the batch to drain. Compaction: once every row's first column lies right of half
+the used columns, the live columns move to the left of the cache, so attention never spans
+columns that no row uses any more. Learned absolute position embeddings and LongRoPE are not
+shift-invariant: `supports(model)` is False for them and callers decode static batches
+(`decode_rows`) instead.
 """
 
 from __future__ import annotations
@@ -79,14 +85,17 @@ class SlotBatch:
         self.stop_ids = (set() if eos_id is None
                          else {eos_id} if isinstance(eos_id, int) else set(eos_id))
         self.limit = model.args.max_seq_len
+        # Cache columns: a row alone needs at most `limit`, and a newcomer placed right of the
+        # live columns (at most `limit` of them) needs at most `limit` more, so with twice the
+        # context every row that fits alone joins as soon as a slot is free.
+        self.columns = 2 * self.limit
         self.device = model.tok_embeddings.weight.device
         vocab = model.args.vocab_size
         self.slots: list[_Slot | None] = [None] * slots
         self.pos = 0  # the cache column the next fed token is written to
-        self.offset = 0  # the RoPE position of cache column 0 (> 0 after compaction)
         self.compact_min = 64  # compact once this many columns at least are dead
         self.compactions = 0
-        self.key_mask = torch.zeros((slots, self.limit), dtype=torch.bool, device=self.device)
+        self.key_mask = torch.zeros((slots, self.columns), dtype=torch.bool, device=self.device)
         self.logits = torch.zeros((slots, vocab), device=self.device)
         self.bias = torch.zeros((slots, vocab), device=self.device)
         self.counts = torch.zeros((slots, vocab), device=self.device)
@@ -118,16 +127,8 @@ class SlotBatch:
         free = next((i for i, s in enumerate(self.slots) if s is None), None)
         if free is None:
             return False
-        n = len(row.prompt)
-        if self.decoding:
-            if n > self.pos or self.offset + self.pos + budget - 1 > self.limit:
-                return False
-        else:  # the newcomers set the position: the longest prompt, all budgets must fit
-            pos = max(self.pos, n)
-            most = max([budget] + [s.budget for s in self.slots if s is not None])
-            if self.offset + pos + most - 1 > self.limit:
-                return False
-            self.pos = pos
+        if not self._fits(len(row.prompt), budget):
+            return False
         generator = None
         if sampling.temperature > 0:
             generator = torch.Generator(device=self.device)
@@ -142,6 +143,23 @@ class SlotBatch:
         self.presence[free] = row.presence_penalty
         self.frequency[free] = row.frequency_penalty
         return True
+
+    def _remaining(self, s: _Slot) -> int:
+        """Tokens row `s` may still pick (each but the last is fed at a later column)."""
+        return s.budget - len(s.result.ids)
+
+    def _span(self) -> int:
+        """Columns the decoding rows occupy (from the oldest row's first column to pos)."""
+        starts = [s.start for s in self.slots if s is not None and s.started]
+        return self.pos - min(starts) if starts else 0
+
+    def _fits(self, n: int, budget: int) -> bool:
+        """Whether a newcomer with an n-token prompt and `budget` fits next to the rows here,
+        once the live columns are moved as far left as they go (`_layout`)."""
+        waiting = [len(s.row.prompt) for s in self.slots if s is not None and not s.started]
+        pos = max(self._span(), n, *waiting)
+        most = max([budget] + [self._remaining(s) for s in self.slots if s is not None])
+        return pos + most - 1 <= self.columns
 
     def drop(self, tag: Hashable) -> Decoded | None:
         """Remove the row `tag` (its slot is free for the next step); what it had decoded, or
@@ -162,7 +180,7 @@ class SlotBatch:
     def _free(self, i: int) -> None:
         self.slots[i] = None
         if self.occupied == 0:  # restart at column 0 and give the cache memory back
-            self.pos = self.offset = 0
+            self.pos = 0
             self._caches = []
 
     # --- decoding -------------------------------------------------------------------------
@@ -172,7 +190,7 @@ class SlotBatch:
         that go on. Returns the rows that finished, with their result (or the exception their
         own callbacks raised). A failing forward pass raises: `clear` the batch then."""
         finished: list[tuple[Hashable, Decoded | Exception]] = []
-        self._compact()
+        self._layout()
         self._prefill()
         need_logp = [i for i, s in enumerate(self.slots) if s is not None
                      and s.row.logprobs is not None and s.budget > 0]
@@ -230,8 +248,7 @@ class SlotBatch:
         run = [i for i, s in enumerate(self.slots) if s is not None and not s.started]
         if not run:
             return
-        ends = [self.pos + s.budget - 1 for s in self.slots if s is not None]
-        self._ensure(max(self.pos, *ends))
+        self._ensure(self.pos)  # the prompts' columns; `_feed` grows the cache as pos advances
         slots = [self.slots[i] for i in run]
         assert all(s is not None for s in slots)
         longest = max(len(s.row.prompt) for s in slots)  # type: ignore[union-attr]
@@ -249,9 +266,10 @@ class SlotBatch:
         rows = (slice(run[0], run[-1] + 1) if adjacent  # a view; else a gather of these rows
                 else torch.tensor(run, dtype=torch.long, device=self.device))
         with self._attached(rows):
+            firsts = torch.tensor([s.start for s in slots], device=self.device)  # type: ignore[union-attr]
+            positions = torch.arange(start, self.pos, device=self.device) - firsts[:, None]
             hidden = self.model.forward_part(tokens, self.model.layers.keys(), embed=True,
-                                             head=False, start_pos=start,
-                                             positions=self._positions(start, self.pos),
+                                             head=False, start_pos=start, positions=positions,
                                              key_mask=self.key_mask[rows])
         for j, s in enumerate(slots):
             assert s is not None
@@ -276,44 +294,57 @@ class SlotBatch:
         tokens = torch.tensor(step, dtype=torch.long, device=self.device)
         with self._attached(rows):
             out = self.model(tokens, self.pos, key_mask=self.key_mask[rows],
-                             positions=self._positions(self.pos, self.pos + 1))
+                             positions=self._positions(hi))
         self.logits[rows] = out[:, -1].float()
         self.pos += 1
         self.steps += 1
 
-    def _positions(self, start: int, end: int) -> torch.Tensor:
-        """The RoPE positions of cache columns start..end - 1."""
-        return torch.arange(start + self.offset, end + self.offset, device=self.device)
+    def _positions(self, hi: int) -> torch.Tensor:
+        """(hi, 1): each of the first `hi` slots' own RoPE position of column `pos` (free
+        slots: 0)."""
+        return torch.tensor([[self.pos - s.start if s is not None else 0]
+                             for s in self.slots[:hi]], device=self.device)
 
     # --- the KV cache ---------------------------------------------------------------------
-    def _compact(self) -> None:
-        """Move the live columns (from the leftmost first token of any row on) to the left
-        of the cache when the dead ones are at least as many; RoPE positions stay."""
-        if not self.decoding:
-            return
-        low = min(s.start if s.started else self.pos - len(s.row.prompt)
-                  for s in self.slots if s is not None)
-        if low < self.compact_min or 2 * low < self.pos:
-            return
-        live = self.pos - low
+    def _layout(self) -> None:
+        """Before a step: place the live columns so that every newcomer's prompt fits left of
+        `pos` and every row's remaining tokens right of it (moving them left or right, as
+        `_fits` promised); without newcomers, drop dead columns once they are at least half
+        of the used ones (and `compact_min`). Positions are per row, so a move changes
+        nothing a row computes."""
+        waiting = [len(s.row.prompt) for s in self.slots if s is not None and not s.started]
+        need = max([self._span(), *waiting])  # the smallest pos that holds them all
+        most = max((self._remaining(s) for s in self.slots if s is not None), default=0)
+        dead = self.pos - need
+        must = bool(waiting) and (max(waiting) > self.pos or self.pos + most - 1 > self.columns)
+        if must or (dead >= self.compact_min and 2 * dead >= self.pos):
+            self._move(need - self.pos)
+
+    def _move(self, shift: int) -> None:
+        """Move the live columns (and `pos`) by `shift` columns."""
+        span = self._span()
+        low, target = self.pos - span, self.pos + shift
+        if shift > 0:
+            self._ensure(target)
         for c in self._caches:
-            c.k[:, :, :live] = c.k[:, :, low:self.pos].clone()
-            c.v[:, :, :live] = c.v[:, :, low:self.pos].clone()
-        self.key_mask[:, :live] = self.key_mask[:, low:self.pos].clone()
-        self.key_mask[:, live:] = False
+            c.k[:, :, low + shift:target] = c.k[:, :, low:self.pos].clone()
+            c.v[:, :, low + shift:target] = c.v[:, :, low:self.pos].clone()
+        live = self.key_mask[:, low:self.pos].clone()
+        self.key_mask[:] = False
+        self.key_mask[:, low + shift:target] = live
         for s in self.slots:
             if s is not None and s.started:
-                s.start -= low
-        self.offset += low
-        self.pos = live
-        self.compactions += 1
+                s.start += shift
+        self.pos = target
+        if shift < 0:
+            self.compactions += 1
 
     def _ensure(self, cols: int) -> None:
-        """Caches of at least `cols` columns (grown by doubling, at most max_seq_len)."""
+        """Caches of at least `cols` columns (grown by doubling, at most `columns`)."""
         have = self._caches[0].k.shape[2] if self._caches else 0
         if cols <= have:
             return
-        size = min(self.limit, max(cols, 2 * have))
+        size = min(self.columns, max(cols, 2 * have))
         param = self.model.tok_embeddings.weight
         grown = []
         for i, layer in enumerate(self.model.layers.values()):

@@ -139,7 +139,7 @@ def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
         "top_kernels": _merge_kernels(ranks, top),
         "memory": max((r["memory"] for r in ranks if r.get("memory")),
                       key=lambda m: m["peak_allocated_bytes"], default=None),
-        "cpu": first.get("cpu"), "launch": first.get("launch"),
+        "cpu": first.get("cpu"), "cpu_rank": first["rank"], "launch": first.get("launch"),
         "kernels_summary": first.get("kernels_summary"),
         "ranks": [_rank_summary(r) for r in ranks],
         "across_ranks": across_ranks(ranks),
@@ -150,25 +150,31 @@ def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
 
 
 def _straggler_headline(out: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
-    """When the ranks wait for one of them, that rank's own cause is the job's verdict."""
+    """When the ranks wait for one of them, what bounds that rank's own work (its step less
+    its collectives: `verdict.decide_work`) is the job's verdict."""
     ar = out["across_ranks"]
     s = ar.get("straggler_rank")
     if s is None:
         return
     slow = next(r for r in ranks if r["rank"] == s)
+    own = verdict.decide_work(slow)
     work = ar["work_ms_per_step"]
     others = [k for k in work if k != s]
     out["job_verdict"] = out["verdict"]
-    out["straggler_verdict"] = slow["verdict"]
+    out["straggler_verdict"] = own["verdict"]
     out["evidence"] = [
         f"rank {s} is the straggler: {work[s]:.1f} ms of its own work per step (step time "
         f"less collectives) vs {float(np.median([work[k] for k in others])):.1f} ms on the "
         f"median other rank; the others wait for it in their collectives",
-        f"rank {s} is {slow['verdict']}: " + "; ".join(slow.get("evidence") or []),
-        f"over all ranks on average: {out['verdict']}"]
-    out["verdict"] = slow["verdict"]
-    out["causes"] = slow.get("causes", [])
-    out["secondary"] = [x for x in slow.get("secondary", [])]
+        f"rank {s}'s own work is {own['verdict']}: " + "; ".join(own.get("evidence") or [])]
+    if own["verdict"] != slow["verdict"]:
+        out["evidence"].append(f"rank {s}'s whole step, collectives included, is "
+                               f"{slow['verdict']}: " + "; ".join(slow.get("evidence") or []))
+    out["evidence"].append(f"over all ranks on average: {out['verdict']}")
+    out["verdict"] = own["verdict"]
+    out["cpu"], out["cpu_rank"] = slow.get("cpu"), s  # the phases of the rank that matters
+    out["causes"] = own.get("causes", [])
+    out["secondary"] = list(own.get("secondary", []))
 
 
 def _rank_summary(r: dict[str, Any]) -> dict[str, Any]:

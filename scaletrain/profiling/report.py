@@ -78,8 +78,9 @@ def terminal(r: dict[str, Any]) -> str:
     phases = cpu.get("phases") or {}
     if cpu.get("step_time_ms"):
         parts = [f"{k} {v['ms_per_step']:.1f} ms" for k, v in phases.items()]
-        lines.append(f"CPU per step ({cpu['step_time_ms']:.1f} ms): " + (" | ".join(parts) or
-                                                                        "no phase ranges"))
+        who = f", rank {r['cpu_rank']}" if r.get("cpu_rank") is not None else ""
+        lines.append(f"CPU per step{who} ({cpu['step_time_ms']:.1f} ms): "
+                     + (" | ".join(parts) or "no phase ranges"))
     outside = cpu.get("outside_phases") or []
     if outside and phases:
         lines.append("  outside those phases: " + ", ".join(

@@ -65,7 +65,25 @@ def decide(r: dict[str, Any]) -> dict[str, Any]:
     if r.get("platform") != "cpu" and not r.get("breakdown"):
         return {"verdict": "no kernel timing", "scores": {}, "causes": [], "secondary": [],
                 "evidence": [r.get("note") or "the trace holds no kernel timing"]}
+    return _decide(r, scores(r))
+
+
+def decide_work(r: dict[str, Any]) -> dict[str, Any]:
+    """`decide` for a straggler's own work: its step less its collectives. The others wait
+    for the straggler's work, not for its collectives (which they share), so its
+    communication is left out and the other shares are taken of the rest."""
+    if r.get("platform") != "cpu" and not r.get("breakdown"):
+        return decide(r)
     s = scores(r)
+    rest = 1.0 - s.get("communication", 0.0)
+    if rest <= 0.0:
+        return decide(r)
+    work = {k: 0.0 if k == "communication" else v / rest for k, v in s.items()}
+    return _decide(r, work, "of its own work")
+
+
+def _decide(r: dict[str, Any], s: dict[str, float], where: str | None = None
+            ) -> dict[str, Any]:
     losses = {k: v for k, v in s.items() if k not in ("compute", "unattributed")}
     worst = max(losses, key=losses.get)  # type: ignore[arg-type]
     causes = [{"cause": k, "share": v} for k, v in sorted(
@@ -82,7 +100,7 @@ def decide(r: dict[str, Any]) -> dict[str, Any]:
     secondary = [f"{k}-bound" for k, v in sorted(losses.items(), key=lambda kv: -kv[1])
                  if k != main and v >= SECONDARY_THRESHOLD and verdict != "mixed"]
     return {"verdict": verdict, "scores": s, "causes": causes,
-            "evidence": evidence(main, r, s, causes), "secondary": secondary}
+            "evidence": evidence(main, r, s, causes, where), "secondary": secondary}
 
 
 def _pct(x: float | None) -> str:
@@ -90,12 +108,13 @@ def _pct(x: float | None) -> str:
 
 
 def evidence(kind: str, r: dict[str, Any], s: dict[str, float],
-             causes: list[dict[str, Any]]) -> list[str]:
-    """The numbers the verdict rests on, as sentences (the same numbers as `scores`)."""
+             causes: list[dict[str, Any]], where: str | None = None) -> list[str]:
+    """The numbers the verdict rests on, as sentences (the same numbers as `scores`, shares
+    `where`: of each step / of the device's time by default)."""
     b = r.get("breakdown") or {}
     ic = r.get("idle_causes") or {}
     cpu_only = r.get("platform") == "cpu"
-    where = "of each step" if cpu_only else "of the device's time"
+    where = where or ("of each step" if cpu_only else "of the device's time")
     lost = sum(c["share"] for c in causes if c["cause"] != "unattributed")
     out: list[str] = []
     if kind == "mixed":
@@ -118,7 +137,7 @@ def evidence(kind: str, r: dict[str, Any], s: dict[str, float],
             out.append(f"{_pct(short['share_of_kernels'])} of kernels run under "
                        f"{short['threshold_us']:.0f} us")
     elif kind == "overhead":
-        out.append(f"{_pct(s['overhead'])} of each step runs outside PyTorch operators, "
+        out.append(f"{_pct(s['overhead'])} {where} runs outside PyTorch operators, "
                    f"collectives and data loading (Python and framework overhead); operators "
                    f"take {_pct(s['compute'])}")
     elif kind == "communication" and cpu_only:

@@ -4,10 +4,8 @@ Continuous batching (the default where the model allows it, `models.slot_decode`
 batch of `batch_size` slots; between two token steps waiting rows join free slots (their
 prompt is prefilled) and finished or cancelled rows leave, so a short request never waits for
 a long one and a freed slot is reused at the next step. Rows with different sampling settings
-share the batch. Waiting rows join in arrival order. A row whose prompt is longer than the
-batch's position is passed over until the position (one more every step) reaches it; a row
-whose budget would run past `max_seq_len` waits, and the rows behind it too, until the batch
-has drained and restarts at position 0.
+share the batch. Waiting rows join in arrival order, each as soon as a slot is free (every row
+has its own positions: the batch never has to drain to make room, see `SlotBatch`).
 
 Static batching (`continuous=False`, and models with learned absolute positions or LongRoPE):
 the oldest waiting row and up to `batch_size - 1` more with the same temperature/top-k/top-p
@@ -158,28 +156,22 @@ class BatchingEngine:
         self._closing(batch.clear())  # type: ignore[arg-type]
 
     def _admit(self, batch: SlotBatch) -> list[tuple[Future, Exception]]:
-        """Waiting rows into free slots in arrival order. A row whose prompt is longer than
-        the batch's position is passed over (the position grows every step: its turn comes
-        without the batch draining); any other row that does not fit stops admission, so
-        that the batch drains and restarts for it."""
+        """Waiting rows into free slots in arrival order (any row that fits the context alone
+        fits the batch: `SlotBatch.try_join`); a row that does not fit stops admission."""
         failed = []
         with self._cv:
-            i = 0
-            while i < len(self._q) and batch.occupied < self.batch_size:
-                row, key, fut = self._q[i]
+            while self._q and batch.occupied < self.batch_size:
+                row, key, fut = self._q[0]
                 try:
                     joined = batch.try_join(row, Sampling(*key), fut)
                 except ValueError as e:  # an invalid row fails alone
-                    del self._q[i]
+                    self._q.popleft()
                     failed.append((fut, e))
                     continue
-                if joined:
-                    del self._q[i]
-                    self.rows_decoded += 1
-                elif batch.decoding and len(row.prompt) > batch.pos:
-                    i += 1
-                else:
+                if not joined:
                     break
+                self._q.popleft()
+                self.rows_decoded += 1
         return failed
 
     def _drop_cancelled(self, batch: SlotBatch) -> None:

@@ -274,7 +274,8 @@ _DESCRIPTIONS = {
 }
 
 
-def _given(argv: list[str], flag: str) -> bool:
+def flag_given(argv: list[str], flag: str) -> bool:
+    """Whether `argv` sets `flag` (as `--flag value` or `--flag=value`)."""
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
@@ -282,8 +283,8 @@ def _yield_batch_fields(base: Config, argv: list[str]) -> None:
     """A global batch size given on the command line replaces the preset's accumulation steps
     and accumulation steps replace the preset's global batch size (unless both are given):
     GBS = MBS x GA x DP takes two of the three, and the presets already set two."""
-    gbs, ga = _given(argv, "--training.global_batch_size"), _given(argv,
-                                                                    "--training.grad_accum_steps")
+    gbs = flag_given(argv, "--training.global_batch_size")
+    ga = flag_given(argv, "--training.grad_accum_steps")
     if gbs and not ga:
         base.training.grad_accum_steps = None
     elif ga and not gbs:

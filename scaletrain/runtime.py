@@ -64,5 +64,7 @@ def resolve_model_args(cfg: Config) -> ModelArgs:
 
         vocab = expected_vocab_size(cfg.data)
         if vocab is not None and vocab > args.vocab_size:
+            log.info("model vocabulary: %d, the tokenizer's (larger than the preset's %d; set "
+                     "--model.vocab_size to override)", vocab, args.vocab_size)
             args = args.replace(vocab_size=vocab)
     return args

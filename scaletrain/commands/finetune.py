@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from scaletrain.commands.train_dry_run import split_flags
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError, flag_given, load_config
 
 log = logging.getLogger("scaletrain")
 
@@ -37,7 +37,7 @@ def expand_aliases(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> int:
     argv, dry_run, as_json = split_flags(argv)
     argv = expand_aliases(argv)
-    own_config = any(a == "--config" or a.startswith("--config=") for a in argv)
+    own_config = flag_given(argv, "--config")
     if not own_config:
         argv = ["--config", "finetune", *argv]
     # the preset's data.seq_len is a default: it is fitted to the base model

@@ -28,7 +28,7 @@ def plan_finetune(cfg: Config, fit: bool = False) -> tuple[Plan, Device | None]:
     """The plan of `scaletrain finetune` with `cfg` (see the module docstring)."""
     from scaletrain.finetune import data as ftdata
     from scaletrain.finetune.lora import parse_targets
-    from scaletrain.finetune.trainer import check_config, fit_seq_len
+    from scaletrain.finetune.trainer import check_config, fit_seq_len, with_ddp_default
     from scaletrain.loader import model_args_of
     from scaletrain.plan.estimate import estimate
     from scaletrain.plan.finetune import finetune_plan
@@ -46,8 +46,7 @@ def plan_finetune(cfg: Config, fit: bool = False) -> tuple[Plan, Device | None]:
         if ft.val_data:
             records += ftdata.read_jsonl(ft.val_data)
         num_labels = len(ftdata.label_set(records, ft.labels))
-    if cfg.parallel.data_parallel == "auto":  # the fine-tuning trainer's data parallelism
-        cfg.parallel.data_parallel = "ddp"
+    cfg = with_ddp_default(cfg)  # the fine-tuning trainer's data parallelism
     device = resolve_device(cfg.training.device)
     lay = layout_from_config(cfg, device, int(os.environ.get("WORLD_SIZE", "1")))
     lora = ft.method in ("lora", "qlora")

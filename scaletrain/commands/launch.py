@@ -48,13 +48,11 @@ def check_train_args(train_args: list[str], world_size: int) -> str | None:
     """Why `scaletrain train TRAIN_ARGS` would stop at once on `world_size` ranks (None: it
     starts). A flag the config does not know exits here with the train parser's message."""
     from scaletrain.config import ConfigError, load_config
-    from scaletrain.plan.estimate import PlanError, check_dims
+    from scaletrain.plan.estimate import PlanError
+    from scaletrain.plan.from_config import dims_from_config
 
     try:
-        cfg = load_config(train_args)
-        par = cfg.parallel
-        check_dims(world_size, pp=par.pp, dp_replicate=par.dp_replicate,
-                   dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep)
+        dims_from_config(load_config(train_args), world_size)
     except (ConfigError, PlanError) as e:
         return str(e)
     return None

@@ -81,8 +81,6 @@ def _same_tokenizer(path: Path, tok: TextTokenizer) -> bool:
     written differently)."""
     if tok.path is not None and path.read_bytes() == tok.path.read_bytes():
         return True
-    from tokenizers import Tokenizer
-
     try:
         return Tokenizer.from_file(str(path)).to_str() == tok.tokenizer.to_str()
     except Exception:  # the Rust side raises a bare Exception on a bad file

@@ -45,7 +45,7 @@ from scaletrain.train.trainer import Trainer, TrainResult
 log = logging.getLogger("scaletrain.finetune")
 
 META_NAME = FINETUNE_META
-# Data-parallel fine-tuning: DDP, or FSDP's ZeRO-2/3 (`auto` is DDP: see `check_config`).
+# Data-parallel fine-tuning: DDP, or FSDP's ZeRO-2/3 (`auto` is DDP: `with_ddp_default`).
 FINETUNE_MODES = ("ddp", "zero2", "zero3")
 
 
@@ -113,6 +113,16 @@ def check_config(cfg: Config) -> None:
                           "pre-training); set training.fused_loss false for fine-tuning")
 
 
+def with_ddp_default(cfg: Config) -> Config:
+    """`cfg` with `parallel.data_parallel auto` read as fine-tuning reads it: DDP (a copy;
+    the trainer and `finetune --dry-run` both run and plan this)."""
+    if cfg.parallel.data_parallel != "auto":
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.data_parallel = "ddp"
+    return cfg
+
+
 def fit_seq_len(seq_len: int, limit: int, fit: bool) -> int:
     """The sequence length a run uses with a base of context `limit`: `seq_len`, lowered to
     `limit` when `fit` (the preset's default, not the user's choice); else an error if longer."""
@@ -133,9 +143,7 @@ class FinetuneTrainer(Trainer):
         the base model's max_seq_len where it is longer (instead of an error)."""
         self.fit_seq_len = fit_seq_len
         check_config(cfg)
-        if cfg.parallel.data_parallel == "auto":  # fine-tuning's default: DDP (as planned)
-            cfg = copy.deepcopy(cfg)
-            cfg.parallel.data_parallel = "ddp"
+        cfg = with_ddp_default(cfg)
         ft = cfg.finetune
         self.ft = ft
         if ft.method in ("lora", "qlora"):

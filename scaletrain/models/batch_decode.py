@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scaletrain.models.generation import _check, filter_logits, rope_switches_at
+from scaletrain.models.generation import _check, filter_logits, rope_switches_at, stop_set
 from scaletrain.models.transformer import Transformer
 
 
@@ -97,7 +97,7 @@ def decode_rows(
 ) -> list[Decoded]:
     """Decode every row; results in the order of `rows`. See the module docstring."""
     budgets = [_check(model, r.prompt, r.max_new_tokens, temperature, top_k, top_p) for r in rows]
-    stop_ids = set() if eos_id is None else ({eos_id} if isinstance(eos_id, int) else set(eos_id))
+    stop_ids = stop_set(eos_id)
     out: list[Decoded | None] = [None] * len(rows)
     for idx in _groups(model, rows, budgets):
         res = _decode_group(model, [rows[i] for i in idx], [budgets[i] for i in idx],

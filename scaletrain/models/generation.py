@@ -64,6 +64,13 @@ def _check(
     return max_new_tokens
 
 
+def stop_set(eos_id: int | Iterable[int] | None) -> set[int]:
+    """The ids decoding stops at, from one end-of-sequence id, several, or none."""
+    if eos_id is None:
+        return set()
+    return {eos_id} if isinstance(eos_id, int) else set(eos_id)
+
+
 @torch.inference_mode()
 def generate(
     model: Transformer,
@@ -86,7 +93,7 @@ def generate(
     n_new = _check(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
     if n_new == 0:
         return []
-    stop = set() if eos_id is None else ({eos_id} if isinstance(eos_id, int) else set(eos_id))
+    stop = stop_set(eos_id)
     device = model.tok_embeddings.weight.device
     generator = None
     if temperature > 0:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from scaletrain.models.batch_decode import Decoded, Row, _top, apply_controls
-from scaletrain.models.generation import _check, filter_logits
+from scaletrain.models.generation import _check, filter_logits, stop_set
 from scaletrain.models.transformer import KVCache, Transformer
 
 
@@ -82,8 +82,7 @@ class SlotBatch:
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
         self.model, self.pad_id = model, pad_id
-        self.stop_ids = (set() if eos_id is None
-                         else {eos_id} if isinstance(eos_id, int) else set(eos_id))
+        self.stop_ids = stop_set(eos_id)
         self.limit = model.args.max_seq_len
         # Cache columns: a row alone needs at most `limit`, and a newcomer placed right of the
         # live columns (at most `limit` of them) needs at most `limit` more, so with twice the
@@ -109,11 +108,6 @@ class SlotBatch:
     @property
     def occupied(self) -> int:
         return sum(s is not None for s in self.slots)
-
-    @property
-    def decoding(self) -> bool:
-        """Whether rows are decoding (pos is then fixed by them)."""
-        return any(s is not None and s.started for s in self.slots)
 
     def tags(self) -> list[Hashable]:
         return [s.tag for s in self.slots if s is not None]

@@ -28,8 +28,8 @@ this module to the measured bytes):
   needs a gradient, and no weight copies.
 
 Covered: Llama-style dense blocks without Qwen3 q/k norms, Gemma 2 post-norms or soft caps,
-one device or DDP (no tensor, sequence or context parallelism). Other models keep the
-pretraining estimate (`supported` says which).
+on one device, DDP or FSDP (which shard weights, not activations); no tensor, sequence or
+context parallelism. Other models keep the pretraining estimate (`supported` says which).
 """
 
 from __future__ import annotations

@@ -7,9 +7,18 @@ import os
 import torch
 
 from scaletrain.config import Config, resolve_batch
+from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
 from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate
 from scaletrain.plan.hardware import Device, match_device
+
+
+def dims_from_config(cfg: Config, world_size: int) -> ParallelDims:
+    """The parallel degrees of `cfg.parallel` on `world_size` ranks (-1 resolved), or a
+    PlanError saying why they do not divide it."""
+    par = cfg.parallel
+    return check_dims(world_size, pp=par.pp, dp_replicate=par.dp_replicate,
+                      dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep)
 
 
 def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> Layout:
@@ -19,8 +28,7 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
     from scaletrain.runtime import resolve_dtype
 
     par = cfg.parallel
-    dims = check_dims(world_size, pp=par.pp, dp_replicate=par.dp_replicate,
-                      dp_shard=par.dp_shard, cp=par.cp, tp=par.tp, ep=par.ep)
+    dims = dims_from_config(cfg, world_size)
     gbs, _ = resolve_batch(cfg.training, dims.dp)
     dtype = resolve_dtype(cfg.precision, device)
     mode = resolve_mode(par.data_parallel, dims)

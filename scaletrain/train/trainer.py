@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -160,7 +161,7 @@ class Trainer:
             raise ConfigError("precision.param_dtype bf16 and optimizer.offload are single-"
                               "process options; with several processes use "
                               "parallel.fsdp_param_dtype bf16 and parallel.cpu_offload")
-        self.par.validate(resolve_model_args(self.cfg), self.cfg.data.seq_len, self.ga)
+        self.par.validate(self.resolved_model_args, self.cfg.data.seq_len, self.ga)
         self.par.start()
         self.is_main = self.par.is_main
 
@@ -188,17 +189,20 @@ class Trainer:
             dp_rank=self.dp_rank, dp_size=self.dp_size, num_samples=num_samples,
         )
 
+    @functools.cached_property
+    def resolved_model_args(self) -> ModelArgs:
+        """The model the config describes (`runtime.resolve_model_args`: the tokenizer may
+        widen the vocabulary), resolved once."""
+        return resolve_model_args(self.cfg)
+
     def _model_args(self) -> ModelArgs:
-        args = resolve_model_args(self.cfg)
+        args = self.resolved_model_args
         if self.corpus.vocab_size > args.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {self.corpus.vocab_size} tokens but model.vocab_size is "
                 f"{args.vocab_size}; drop --model.vocab_size (the model then widens to the "
                 "tokenizer's) or give at least that many"
             )
-        if args.vocab_size != self.cfg.model.to_model_args().vocab_size:
-            log.info("model vocabulary: %d, the tokenizer's (larger than the preset's; set "
-                     "--model.vocab_size to override)", args.vocab_size)
         return args
 
     def _build_model(self) -> Transformer:

@@ -30,6 +30,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check scaletrain tests bench
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed-dev

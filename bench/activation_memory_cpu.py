@@ -1,7 +1,7 @@
 """Activation bytes one Llama block keeps for backward: measured, planned, and Megatron-LM's
 formula for the same dimensions.
 
-Measured: what autograd saves (`profiling/saved_bytes.py`, storages counted once, weights and
+Measured: what autograd saves (`train/saved_bytes.py`, storages counted once, weights and
 their autocast copies left out) for a model of 2 blocks minus a model of 1 block, one forward
 on CPU. Planned: `plan/activations.py` for one block. Megatron: Korthikanti et al. 2022's
 accounting adapted to the Llama block (`plan/korthikanti.py: llama_layer_bytes`).
@@ -23,7 +23,7 @@ import scaletrain
 from scaletrain.models.args import ModelArgs, get_preset
 from scaletrain.plan.activations import ActivationSpec, plain_layer
 from scaletrain.plan.korthikanti import llama_layer_bytes
-from scaletrain.profiling.saved_bytes import per_layer_saved_bytes
+from scaletrain.train.saved_bytes import per_layer_saved_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "activation_memory_cpu.json"

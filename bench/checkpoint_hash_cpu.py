@@ -35,13 +35,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from scaletrain.models.args import ModelArgs  # noqa: E402
-from scaletrain.models.transformer import build_model  # noqa: E402
-from scaletrain.train.integrity import checkpoint_files, file_hash, verification  # noqa: E402
-from scaletrain.train.native_format import (  # noqa: E402
+from scaletrain.checkpoint.integrity import checkpoint_files, file_hash, verification  # noqa: E402
+from scaletrain.checkpoint.native_format import (  # noqa: E402
     load_model_checkpoint,
     save_model_checkpoint,
 )
+from scaletrain.models.args import ModelArgs  # noqa: E402
+from scaletrain.models.transformer import build_model  # noqa: E402
 
 
 def _args_for(mb: float, dim: int) -> ModelArgs:

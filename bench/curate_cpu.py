@@ -52,8 +52,8 @@ def _fixture_dir() -> Path | None:
 def build_corpus(mb: float, out: Path, seed: int = 0) -> tuple[Path, list[dict[str, str]]]:
     """The base documents replicated with small edits to `mb` MB, as JSONL."""
     from scaletrain.config import DataConfig
+    from scaletrain.curate.io import read_documents
     from scaletrain.data.corpus import discover_files
-    from scaletrain.data.io import read_documents
 
     _, files = discover_files(DataConfig())
     base: list[dict[str, str]] = []
@@ -102,8 +102,8 @@ def bench_filters(docs: list[dict[str, str]]) -> dict[str, dict[str, float]]:
     from datatrove.pipeline.filters import GopherQualityFilter as DTQ
     from datatrove.pipeline.filters import GopherRepetitionFilter as DTR
 
-    from scaletrain.data.documents import Document
-    from scaletrain.data.filters import GopherQualityFilter, GopherRepetitionFilter
+    from scaletrain.curate.documents import Document
+    from scaletrain.curate.filters import GopherQualityFilter, GopherRepetitionFilter
 
     ours = [Document(d["id"], d["text"]) for d in docs]
     theirs = [DTDoc(text=d["text"], id=d["id"]) for d in docs]
@@ -130,7 +130,7 @@ def bench_signatures(docs: list[dict[str, str]]) -> tuple[dict[str, float], Any,
     import numpy as np
     from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
 
-    from scaletrain.data.dedup import MinHashDedup
+    from scaletrain.curate.dedup import MinHashDedup
 
     texts = [d["text"] for d in docs]
     mine = MinHashDedup("fineweb")
@@ -184,9 +184,9 @@ def bench_end_to_end(path: Path, work: Path) -> dict[str, dict[str, float]]:
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter as DTWriter
 
-    from scaletrain.data.dedup import ExactDedup, MinHashDedup
-    from scaletrain.data.executors import LocalExecutor
-    from scaletrain.data.runner import RunOptions, run_pipeline
+    from scaletrain.curate.dedup import ExactDedup, MinHashDedup
+    from scaletrain.curate.executors import LocalExecutor
+    from scaletrain.curate.runner import RunOptions, run_pipeline
 
     def dt_run(pipeline: list[Any], name: str, tasks: int = 1) -> float:
         return _timed(
@@ -260,8 +260,8 @@ def minhash_quality(
     import numpy as np
     from scipy import sparse
 
-    from scaletrain.data.dedup import MinHashDedup
-    from scaletrain.data.dedup.shingles import word_ngram_shingles
+    from scaletrain.curate.dedup import MinHashDedup
+    from scaletrain.curate.dedup.shingles import word_ngram_shingles
 
     rng = np.random.default_rng(seed)
     idx = np.sort(rng.choice(len(docs), size=min(sample, len(docs)), replace=False))
@@ -310,7 +310,7 @@ def minhash_quality(
 def _all_bucket_pairs(step: Any, sig: Any) -> set[tuple[int, int]]:
     import numpy as np
 
-    from scaletrain.data.dedup.shingles import splitmix64
+    from scaletrain.curate.dedup.shingles import splitmix64
 
     pairs: set[tuple[int, int]] = set()
     for k in range(step.bands):

@@ -104,10 +104,10 @@ def make_base(name: str, directory: Path, data: Path) -> Path:
     """A seeded random-init native checkpoint with a BPE tokenizer trained on the data."""
     if (directory / "meta.json").is_file():
         return directory
+    from scaletrain.checkpoint.native_format import save_model_checkpoint
     from scaletrain.data.corpus import train_tokenizer
     from scaletrain.models.args import get_preset
     from scaletrain.models.transformer import build_model
-    from scaletrain.train.native_format import save_model_checkpoint
 
     args = get_preset("debug").replace(**MODELS[name], max_seq_len=1024)
     texts = [r["prompt"] + r["response"] for r in map(json.loads, data.read_text().splitlines())]

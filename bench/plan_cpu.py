@@ -44,7 +44,7 @@ def saved_bytes_table() -> list[dict]:
     from scaletrain.config import ActivationCheckpointConfig as AC
     from scaletrain.models.args import ModelArgs
     from scaletrain.plan.activations import ActivationSpec, activation_bytes
-    from scaletrain.profiling.saved_bytes import measure_saved_bytes
+    from scaletrain.train.saved_bytes import measure_saved_bytes
 
     rows = []
     modes = [AC(), AC(mode="full"), AC(mode="partial", every=2),

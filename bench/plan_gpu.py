@@ -2,11 +2,12 @@
 
     python bench/plan_gpu.py                      # debug and llama3.2-1b, every recompute mode
 
-For each model, recompute mode, micro-batch and sequence length a real `Trainer` is built
-(bf16 autocast over fp32 parameters, AdamW, eager), three steps are run on random tokens, and
-the peak allocated memory is compared with `scaletrain.plan.estimate_for_config` of the same
+For each model, recompute mode, micro-batch and sequence length a real `Trainer` is built (bf16
+autocast over fp32 parameters, AdamW, eager), three steps are run on random tokens, and the peak
+allocated memory is compared with `scaletrain.plan.from_config.estimate_for_config` of the same
 config: its `peak` (what decides a fit) and its `total` (every component at once). Writes
-bench/results/plan_gpu.json. Without CUDA it prints a message and exits 0.
+bench/results/plan_gpu.json.
+Without CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ GRID = {  # model -> [(micro-batch, seq_len)]
 
 
 def one(model: str, ac: str, mbs: int, seq: int, work: Path) -> dict[str, Any]:
-    from scaletrain.plan.estimate import estimate_for_config
+    from scaletrain.plan.from_config import estimate_for_config
 
     a = argparse.Namespace(model=model, vocab=None, dim=None, layers=None, seq_len=seq,
                            dtype="bf16", ac=ac, no_compile=True, device="cuda",

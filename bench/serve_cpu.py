@@ -130,8 +130,8 @@ def engine_load(ckpt: Path, batch_size: int, continuous: bool, requests: int,
                 concurrency: int, max_tokens: int) -> dict[str, Any]:
     """The same load on the batching engine in this process (no HTTP, no client processes
     competing for the CPU): what the batching itself gains."""
-    from scaletrain.data.synth.generators import LocalGenerator
-    from scaletrain.models.batch_decode import Row
+    from scaletrain.inference.batch_decode import Row
+    from scaletrain.inference.generators import LocalGenerator
     from scaletrain.serving.engine import BatchingEngine
 
     gen = LocalGenerator.from_checkpoint(ckpt)

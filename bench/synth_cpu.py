@@ -36,9 +36,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from scaletrain.data.synth.generators import LocalGenerator, SamplingParams  # noqa: E402
-from scaletrain.data.synth.http_client import HTTPGenerator  # noqa: E402
-from scaletrain.data.synth.prompts import build_prompts  # noqa: E402
+from scaletrain.inference.generators import LocalGenerator, SamplingParams  # noqa: E402
+from scaletrain.synth.http_client import HTTPGenerator  # noqa: E402
+from scaletrain.synth.prompts import build_prompts  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "synth_cpu.json"
 TOPICS = ["rain", "the water cycle in mountain valleys", "tides",
@@ -51,9 +51,9 @@ def make_checkpoint(directory: Path) -> Path:
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+    from scaletrain.checkpoint.native_format import save_model_checkpoint
     from scaletrain.models.args import get_preset
     from scaletrain.models.transformer import build_model
-    from scaletrain.train.native_format import save_model_checkpoint
 
     text = [_inspect.getsource(m) for m in (argparse, json, subprocess, statistics)]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

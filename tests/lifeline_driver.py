@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 import time
 
-from scaletrain.data.documents import Document
-from scaletrain.data.executors import LocalExecutor
-from scaletrain.data.filters.gopher import GopherQualityFilter
-from scaletrain.data.pipeline import Step
-from scaletrain.data.runner import RunOptions, run_pipeline
+from scaletrain.curate.documents import Document
+from scaletrain.curate.executors import LocalExecutor
+from scaletrain.curate.filters.gopher import GopherQualityFilter
+from scaletrain.curate.pipeline import Step
+from scaletrain.curate.runner import RunOptions, run_pipeline
 
 
 class SlowStep(Step):

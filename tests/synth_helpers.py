@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.data.synth.generators import Completion, SamplingParams
+from scaletrain.inference.generators import Completion, SamplingParams
 
 TEXT = ["the cat sat on the mat", "a dog ran in the park", "the sun is hot today",
         "we like to read books", "rain falls on the green hills"] * 4
@@ -16,9 +16,9 @@ def tiny_checkpoint(directory: Path, arch: str = "llama") -> Path:
     """A random 2-layer model (vocab 128) saved natively, tokenizer.json copied in."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+    from scaletrain.checkpoint.native_format import save_model_checkpoint
     from scaletrain.models.args import ModelArgs
     from scaletrain.models.transformer import build_model
-    from scaletrain.train.native_format import save_model_checkpoint
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scaletrain.inference.batch_decode import Row, decode_rows
+from scaletrain.inference.generation import generate, generate_batch
 from scaletrain.models.args import ModelArgs
-from scaletrain.models.batch_decode import Row, decode_rows
-from scaletrain.models.generation import generate, generate_batch
 from scaletrain.models.transformer import build_model
 
 

@@ -13,10 +13,10 @@ import pytest
 
 from scaletrain.commands import predict as predict_cmd
 from scaletrain.commands.serve import make_server
-from scaletrain.data.synth.generators import LocalGenerator, SamplingParams
 from scaletrain.finetune.loading import Finetuned
-from scaletrain.finetune.sft import ChatFormatter
-from scaletrain.loader import load_model
+from scaletrain.inference.chat import ChatFormatter
+from scaletrain.inference.generators import LocalGenerator, SamplingParams
+from scaletrain.inference.loader import load_model
 from tests.synth_helpers import tiny_checkpoint
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }}\n{% endfor %}"

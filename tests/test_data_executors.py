@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.data.dedup import ExactDedup, MinHashDedup
-from scaletrain.data.documents import Document
-from scaletrain.data.executors import LocalExecutor
-from scaletrain.data.filters import CountsFilter, GopherRepetitionFilter
-from scaletrain.data.pii import PIIRedactor
-from scaletrain.data.pipeline import Step
-from scaletrain.data.runner import RunOptions, run_pipeline
+from scaletrain.curate.dedup import ExactDedup, MinHashDedup
+from scaletrain.curate.documents import Document
+from scaletrain.curate.executors import LocalExecutor
+from scaletrain.curate.filters import CountsFilter, GopherRepetitionFilter
+from scaletrain.curate.pii import PIIRedactor
+from scaletrain.curate.pipeline import Step
+from scaletrain.curate.runner import RunOptions, run_pipeline
 from tests.curate_helpers import write_jsonl
 
 
@@ -158,7 +158,7 @@ def ray_session():
 
 
 def test_ray_executor_matches_local(ray_session, tmp_path: Path) -> None:
-    from scaletrain.data.executors.ray import RayExecutor
+    from scaletrain.curate.executors.ray import RayExecutor
 
     src = _corpus(tmp_path / "in")
     opts = RunOptions(tasks=4)

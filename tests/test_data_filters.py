@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from scaletrain.data.documents import Document
-from scaletrain.data.filters import (
+from scaletrain.curate.documents import Document
+from scaletrain.curate.filters import (
     C4Filter,
     CodeFilter,
     CountsFilter,
@@ -17,7 +17,7 @@ from scaletrain.data.filters import (
     LanguageFilter,
     UrlFilter,
 )
-from scaletrain.data.io import read_documents
+from scaletrain.curate.io import read_documents
 from tests.curate_helpers import fixture_dir
 
 PROSE = (
@@ -186,7 +186,7 @@ def test_real_documents_mostly_pass_and_decisions_are_explained(ccnet: list[Docu
 def test_vectorized_ngram_statistics_equal_the_plain_definitions(ccnet: list[Document]) -> None:
     import random
 
-    from scaletrain.data.filters.text import (
+    from scaletrain.curate.filters.text import (
         WordNgrams,
         duplicate_ngram_char_fraction,
         top_ngram_char_fraction,

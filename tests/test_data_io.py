@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.data.documents import Document
-from scaletrain.data.io import (
+from scaletrain.curate.documents import Document
+from scaletrain.curate.io import (
     InputError,
     ReadReport,
     make_writer,
@@ -127,9 +127,9 @@ def test_fsspec_urls_read_and_write() -> None:
 
 
 def test_a_large_file_becomes_several_tasks_in_order(tmp_path: Path) -> None:
-    from scaletrain.data.executors import LocalExecutor
-    from scaletrain.data.filters import CountsFilter
-    from scaletrain.data.runner import RunOptions, run_pipeline
+    from scaletrain.curate.executors import LocalExecutor
+    from scaletrain.curate.filters import CountsFilter
+    from scaletrain.curate.runner import RunOptions, run_pipeline
     from tests.curate_helpers import read_output
 
     recs = _records(300)

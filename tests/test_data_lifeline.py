@@ -87,7 +87,7 @@ def test_a_run_waits_for_processes_of_an_earlier_run(tmp_path: Path) -> None:
     (and says so after its timeout) instead of racing it on the same files."""
     import pytest
 
-    from scaletrain.data.executors.lifeline import RunLock
+    from scaletrain.curate.executors.lifeline import RunLock
 
     with RunLock(str(tmp_path)):
         pid = os.fork()

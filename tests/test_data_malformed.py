@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from scaletrain.commands import data as data_cmd
+from scaletrain.curate.io.readers import ReadReport, read_documents
 from scaletrain.data.indexed import IndexedDataset
-from scaletrain.data.io.readers import ReadReport, read_documents
 from scaletrain.data.tokenize import _pieces, tokenize_to_indexed
 from scaletrain.data.tokenizer import TextTokenizer
 from tests.curate_helpers import fixture_dir

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.data.documents import Document
-from scaletrain.data.pii import PIIRedactor, find_pii, luhn_ok, redact
+from scaletrain.curate.documents import Document
+from scaletrain.curate.pii import PIIRedactor, find_pii, luhn_ok, redact
 
 # (text, [(kind, exact planted string), ...]); every other part of the text must survive.
 LABELLED: list[tuple[str, list[tuple[str, str]]]] = [

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.data.documents import Document
-from scaletrain.data.io import read_documents
-from scaletrain.data.quality import ScoreFilter
+from scaletrain.curate.documents import Document
+from scaletrain.curate.io import read_documents
+from scaletrain.curate.quality import ScoreFilter
 from tests.curate_helpers import fixture_dir
 
 
@@ -37,7 +37,7 @@ def test_fasttext_classifier_separates_prose_from_code(tmp_path: Path) -> None:
     pytest.importorskip("fasttext")
     import sysconfig
 
-    from scaletrain.data.quality import FastTextScorer, train_classifier
+    from scaletrain.curate.quality import FastTextScorer, train_classifier
 
     prose = [d.text for d in read_documents(str(fixture_dir() / "ccnet_en_head-*.jsonl.gz"))]
     prose += [d.text for d in read_documents(str(fixture_dir() / "cc_sample-0000.warc.gz"))]
@@ -57,7 +57,7 @@ def test_kenlm_perplexity_matches_a_hand_computed_bigram_model(tmp_path: Path) -
         import kenlm  # noqa: F401
     except ImportError:
         pytest.skip("kenlm is not installed (optional: pip install kenlm, builds from source)")
-    from scaletrain.data.quality import PerplexityScorer
+    from scaletrain.curate.quality import PerplexityScorer
 
     # a bigram ARPA model (KenLM needs order >= 2) with every bigram the text uses
     uni = {"<s>": None, "</s>": 0.2, "<unk>": 0.1, "the": 0.4, "cat": 0.3}
@@ -80,7 +80,7 @@ def test_hf_classifier_scores_in_batches(tmp_path: Path) -> None:
     import torch
     from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
-    from scaletrain.data.quality import HFClassifierScorer
+    from scaletrain.curate.quality import HFClassifierScorer
 
     tok = PreTrainedTokenizerFast(
         tokenizer_file=str(fixture_dir() / "gpt-neox-tokenizer.json"), pad_token="<|padding|>"
@@ -119,7 +119,7 @@ def test_fasttext_model_is_sized_to_its_data_and_takes_several_inputs(tmp_path: 
     import sysconfig
 
     from scaletrain.commands import data as data_cmd
-    from scaletrain.data.quality.fasttext_clf import MAX_BUCKETS, FastTextScorer
+    from scaletrain.curate.quality.fasttext_clf import MAX_BUCKETS, FastTextScorer
     from tests.curate_helpers import fixture_dir
 
     fx = fixture_dir()

@@ -13,8 +13,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from scaletrain.commands import data as data_cmd
+from scaletrain.curate.io.readers import MalformedRecord
 from scaletrain.data.indexed import IndexedDataset
-from scaletrain.data.io.readers import MalformedRecord
 from scaletrain.data.tokenize import TokenizeError, input_shards, tokenize_to_indexed
 
 FIXTURES = Path(__file__).resolve().parents[1] / "../shared/fixtures/data"

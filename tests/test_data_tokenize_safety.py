@@ -115,12 +115,12 @@ def test_unreadable_parquet_is_a_clear_error_or_counted(tmp_path: Path, capsys, 
 
 
 def test_a_file_of_malformed_lines_logs_a_few_and_counts_all(tmp_path: Path, caplog) -> None:
-    from scaletrain.data.io.readers import MAX_EXAMPLES, ReadReport, read_documents
+    from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, read_documents
 
     bad = tmp_path / "config.json"  # a pretty-printed JSON file in an input folder
     bad.write_text(json.dumps({f"k{i}": i for i in range(500)}, indent=1))
     report = ReadReport()
-    with caplog.at_level("WARNING", logger="scaletrain.data.io"):
+    with caplog.at_level("WARNING", logger="scaletrain.curate.io"):
         assert list(read_documents(str(bad), report)) == []
     assert report.malformed == 502 and len(report.examples) == MAX_EXAMPLES
     assert MAX_EXAMPLES < len(caplog.records) <= MAX_EXAMPLES + 1
@@ -189,7 +189,7 @@ def test_a_split_too_small_for_validation_names_one_that_works(tmp_path: Path) -
 
 
 def test_bad_utf8_is_named_as_such_and_a_bom_is_read(tmp_path: Path) -> None:
-    from scaletrain.data.io.readers import ReadReport, read_documents
+    from scaletrain.curate.io.readers import ReadReport, read_documents
 
     p = tmp_path / "in.jsonl"
     p.write_bytes(b'\xef\xbb\xbf{"text": "after a BOM"}\n\xff\xfe{"text": "x"}\n'

@@ -15,7 +15,7 @@ pytest.importorskip("lm_eval")
 
 from scaletrain.commands import eval as eval_cmd  # noqa: E402
 from scaletrain.commands.serve import make_server  # noqa: E402
-from scaletrain.data.synth.generators import LocalGenerator  # noqa: E402
+from scaletrain.inference.generators import LocalGenerator  # noqa: E402
 from tests.synth_helpers import tiny_checkpoint  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "lm_eval_tasks"

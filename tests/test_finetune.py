@@ -14,7 +14,8 @@ from scaletrain.finetune.lora import (
     merge_lora,
     parse_targets,
 )
-from scaletrain.finetune.sft import ChatFormatter, pack, to_example
+from scaletrain.finetune.sft import pack, to_example
+from scaletrain.inference.chat import ChatFormatter
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import build_model
 from scaletrain.train.loss import IGNORE_INDEX, cross_entropy_sum
@@ -229,9 +230,9 @@ def test_param_report_counts_4bit_weights_by_logical_size(tiny_args: ModelArgs) 
     ("lora", {"rank": 2, "train_norms": True, "gemma": True})])
 def test_estimate_matches_the_built_model(method: str, kw: dict, tiny_args: ModelArgs) -> None:
     """`gemma`: post-norms and q/k norms (Gemma 2 / Qwen3 block shapes)."""
-    from scaletrain.finetune.estimate import estimate
     from scaletrain.finetune.freeze import train_norms
     from scaletrain.finetune.heads import SequenceClassifier
+    from scaletrain.plan.finetune_estimate import estimate
 
     kw = dict(kw)
     args = tiny_args.replace(ffn_dim=128, tie_embeddings=False)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -189,7 +191,7 @@ def test_peft_loads_our_classification_adapter(bases: dict[str, Path], tmp_path:
 
 def test_generate_uses_base_plus_adapter(bases: dict[str, Path], tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from scaletrain.models.generation import generate
+    from scaletrain.inference.generation import generate
 
     out = tmp_path / "sft"
     assert finetune_cmd.main(ft_argv(out, bases["native"], bases["sft"], "lora", "sft",
@@ -202,6 +204,25 @@ def test_generate_uses_base_plus_adapter(bases: dict[str, Path], tmp_path: Path,
     done = load_finetuned(out)
     ids = done.base.tokenizer.encode(prompt).ids
     assert got == generate(done.model, ids, 6, eos_id=done.base.eos_id)
+    # The loader reads the output in a process that never imported scaletrain.finetune: the
+    # fine-tuned format comes from the package's entry point (inference/finetuned.py).
+    code = ("import sys, scaletrain\n"
+            f"m = scaletrain.load_model({str(out)!r})\n"
+            f"ids = scaletrain.generate(m.model, {ids!r}, 6, eos_id=m.eos_id)\n"
+            "print(ids, m.finetune['method'], 'scaletrain.finetune.loading' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == f"{got} lora True"
+    # Without a registered format the loader says what is missing instead of guessing.
+    code = ("import importlib.metadata as md, scaletrain.inference.finetuned as f\n"
+            "f.entry_points = lambda group: []\n"
+            "from scaletrain.inference.loader import load_model\n"
+            f"load_model({str(out)!r})")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode != 0
+    assert "no reader of fine-tuned outputs is registered" in res.stderr
 
 
 def test_bad_inputs_get_clear_messages(bases: dict[str, Path], tmp_path: Path,
@@ -237,7 +258,7 @@ def test_default_seq_len_fits_the_base(bases: dict[str, Path], tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
-    from scaletrain.loader import load_model
+    from scaletrain.inference.loader import load_model
 
     short = tmp_path / "short-base"  # the HF base, with a context of 64 positions
     shutil.copytree(bases["hf"], short)
@@ -318,7 +339,7 @@ def test_fp8_full_and_freeze_fine_tuning(bases: dict[str, Path], tmp_path: Path)
     output loads as a plain model."""
     from torchao.float8.float8_linear import Float8Linear
 
-    from scaletrain.loader import load_model
+    from scaletrain.inference.loader import load_model
 
     def run(name: str, method: str, *extra: str) -> tuple[FinetuneTrainer, list[float]]:
         argv = ft_argv(tmp_path / name, bases["native"], bases["sft"], method, "sft",

@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+from scaletrain.inference.generation import filter_logits, generate  # noqa: E402
 from scaletrain.models.args import ModelArgs  # noqa: E402
-from scaletrain.models.generation import filter_logits, generate  # noqa: E402
 from scaletrain.models.hf import load_hf_checkpoint  # noqa: E402
 from scaletrain.models.transformer import build_model  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_sampled_tokens_stay_inside_top_k():
 def test_never_exceeds_max_seq_len(pair, caplog):
     _, ours = pair
     prompt = list(range(1, 61))  # max_seq_len is 64
-    with caplog.at_level(logging.WARNING, logger="scaletrain.models.generation"):
+    with caplog.at_level(logging.WARNING, logger="scaletrain.inference.generation"):
         new = generate(ours, prompt, 10)
     assert len(new) == 4 and "max_seq_len" in caplog.text
     with pytest.raises(ValueError, match="max_seq_len"):

@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from scaletrain.commands import convert, generate  # noqa: E402
+from scaletrain.inference.generation import generate as generate_ids  # noqa: E402
 from scaletrain.models.args import PRESETS  # noqa: E402
-from scaletrain.models.generation import generate as generate_ids  # noqa: E402
 from scaletrain.models.hf import (  # noqa: E402
     from_hf_state_dict,
     hf_config_from_model_args,

@@ -10,8 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from scaletrain.inference.generation import generate, generate_batch  # noqa: E402
 from scaletrain.models.args import PRESETS, ModelArgs, count_params  # noqa: E402
-from scaletrain.models.generation import generate, generate_batch  # noqa: E402
 from scaletrain.models.hf import (  # noqa: E402
     from_hf_state_dict,
     hf_config_from_model_args,
@@ -190,7 +190,7 @@ def test_phi3_longrope_matches_transformers_both_ways(tmp_path):
         tmp_path / "back", attn_implementation="eager").eval()
     diff, _ = _diff(ours, back, tokens(80))
     assert diff < TOL
-    from scaletrain.models.generation import generate_batch
+    from scaletrain.inference.generation import generate_batch
 
     assert generate_batch(ours, [prompt, prompt[5:]], 30)[0] == out[0, len(prompt):].tolist()
 
@@ -202,7 +202,7 @@ def test_serve_answers_with_a_gemma2_checkpoint(tmp_path):
     import urllib.request
 
     from scaletrain.commands.serve import make_server
-    from scaletrain.data.synth.generators import LocalGenerator
+    from scaletrain.inference.generators import LocalGenerator
 
     hf = hf_model("gemma2")
     hf.save_pretrained(tmp_path / "hf")

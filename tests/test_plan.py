@@ -167,7 +167,7 @@ def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], argv: list[str],
 
 
 def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> None:
-    from scaletrain.finetune.estimate import estimate as ft_estimate
+    from scaletrain.plan.finetune_estimate import estimate as ft_estimate
 
     base = ["plan", "--model", "llama3.2-1b", "--seq-len", "1024", "--mbs", "1", "--json"]
 

@@ -7,7 +7,7 @@ import pytest
 from scaletrain.config import ActivationCheckpointConfig as AC
 from scaletrain.models.args import PRESETS, ModelArgs
 from scaletrain.plan.activations import ActivationSpec, activation_bytes
-from scaletrain.profiling.saved_bytes import measure_saved_bytes
+from scaletrain.train.saved_bytes import measure_saved_bytes
 
 SHAPES = {
     "gqa": ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96,

@@ -20,7 +20,7 @@ from scaletrain.plan.finetune_activations import (
     kept_weight_casts,
     method_blocks,
 )
-from scaletrain.profiling.saved_bytes import measure_saved_bytes
+from scaletrain.train.saved_bytes import measure_saved_bytes
 
 SHAPES = {
     "gqa": ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=96,

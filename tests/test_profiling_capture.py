@@ -163,12 +163,12 @@ def test_oom_writes_snapshot_and_plan_estimate(tmp_path: Path,
     import torch
 
     from scaletrain.config import ProfilingConfig
-    from scaletrain.plan import estimate
+    from scaletrain.plan import from_config
     from scaletrain.profiling import capture
 
     monkeypatch.setattr(capture, "dump_snapshot", lambda p: Path(p).write_bytes(b"snapshot"))
     monkeypatch.setattr(capture, "cuda_memory_stats", lambda d: {"max_allocated_bytes": 7})
-    monkeypatch.setattr(estimate, "estimate_for_config",
+    monkeypatch.setattr(from_config, "estimate_for_config",
                         lambda cfg: {"total_bytes": 5, "model": cfg})
     prof = capture.StepProfiler(ProfilingConfig(), tmp_path, torch.device("cpu"), rank=3)
     prof.cuda = True  # as if training on a GPU

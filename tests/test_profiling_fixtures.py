@@ -12,7 +12,8 @@ import pytest
 
 from scaletrain.commands import diagnose
 from scaletrain.profiling.analyze import analyze
-from scaletrain.profiling.trace import TraceError, load
+from scaletrain.profiling.load import load
+from scaletrain.profiling.trace import TraceError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "traces"
 if not FIXTURES.exists():  # the worktree layout: /work/wt/issueN -> /work/shared

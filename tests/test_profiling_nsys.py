@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from scaletrain.profiling.analyze import analyze
-from scaletrain.profiling.trace import TraceError, load
+from scaletrain.profiling.load import load
+from scaletrain.profiling.trace import TraceError
 
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1"
 ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>"

@@ -8,7 +8,7 @@ import pytest
 from scaletrain.models.args import ModelArgs
 from scaletrain.plan.activations import ActivationSpec, plain_layer
 from scaletrain.plan.korthikanti import llama_layer_bytes
-from scaletrain.profiling.saved_bytes import per_layer_saved_bytes
+from scaletrain.train.saved_bytes import per_layer_saved_bytes
 
 SHAPES = {
     "gqa": ModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=256, ffn_dim=352,

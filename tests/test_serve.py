@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from scaletrain.commands.serve import make_server
-from scaletrain.data.synth.generators import BudgetExhausted, LocalGenerator, SamplingParams
-from scaletrain.data.synth.http_client import HTTPError, HTTPGenerator
+from scaletrain.inference.generators import BudgetExhausted, LocalGenerator, SamplingParams
+from scaletrain.synth.http_client import HTTPError, HTTPGenerator
 from tests.synth_helpers import lines as _lines
 from tests.synth_helpers import tiny_checkpoint
 
@@ -146,8 +146,8 @@ def test_client_retries_backoff_and_request_budget():
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_data_synth_over_http_matches_in_process(served, tmp_path, temperature):
-    from scaletrain.data.synth.config import load_config
-    from scaletrain.data.synth.runner import SynthRunner
+    from scaletrain.synth.config import load_config
+    from scaletrain.synth.runner import SynthRunner
 
     url, _, ckpt, _ = served
     common = {"prompts.template": "the {topic} sat on", "prompts.num_prompts": 4,

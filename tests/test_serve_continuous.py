@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 
 from scaletrain.commands.serve import ServerLimits, make_server
-from scaletrain.data.synth.generators import LocalGenerator
-from scaletrain.models.batch_decode import Row, decode_rows
+from scaletrain.inference.batch_decode import Row, decode_rows
+from scaletrain.inference.generators import LocalGenerator
 from tests.synth_helpers import tiny_checkpoint
 
 STEP_S = 0.02

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scaletrain.commands.serve import ServerLimits, make_server
-from scaletrain.data.synth.generators import LocalGenerator, SamplingParams
+from scaletrain.inference.generators import LocalGenerator, SamplingParams
 from tests.synth_helpers import tiny_checkpoint
 
 

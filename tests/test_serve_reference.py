@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from scaletrain.commands.serve import make_server
-from scaletrain.data.synth.generators import LocalGenerator, cut_at_stop
+from scaletrain.inference.generators import LocalGenerator, cut_at_stop
 from tests.synth_helpers import tiny_checkpoint
 
 

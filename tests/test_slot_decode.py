@@ -17,10 +17,10 @@ from collections import deque
 import pytest
 import torch
 
+from scaletrain.inference.batch_decode import Row, decode_rows
+from scaletrain.inference.generation import generate
+from scaletrain.inference.slot_decode import Sampling, SlotBatch, supports
 from scaletrain.models.args import ModelArgs, RopeScaling
-from scaletrain.models.batch_decode import Row, decode_rows
-from scaletrain.models.generation import generate
-from scaletrain.models.slot_decode import Sampling, SlotBatch, supports
 from scaletrain.models.transformer import build_model
 
 GREEDY = Sampling()

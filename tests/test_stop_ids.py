@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from scaletrain.commands import convert as convert_cmd  # noqa: E402
 from scaletrain.commands import generate as generate_cmd  # noqa: E402
-from scaletrain.data.synth.generators import LocalGenerator, SamplingParams  # noqa: E402
-from scaletrain.loader import load_model  # noqa: E402
+from scaletrain.inference.generators import LocalGenerator, SamplingParams  # noqa: E402
+from scaletrain.inference.loader import load_model  # noqa: E402
 from tests.family_helpers import hf_model, tokens  # noqa: E402
 
 

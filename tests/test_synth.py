@@ -8,15 +8,15 @@ import os
 import pytest
 import torch
 
-from scaletrain.data.synth.config import load_config
-from scaletrain.data.synth.critique import JudgeCritic, parse_score
-from scaletrain.data.synth.filters import Decontaminator, MinHashIndex
-from scaletrain.data.synth.monitor import distinct_n, self_bleu
-from scaletrain.data.synth.prompts import build_prompts
-from scaletrain.data.synth.runner import LOG_NAME, SynthRunner, task_log
+from scaletrain.inference.generation import generate, generate_batch
 from scaletrain.models.args import ModelArgs
-from scaletrain.models.generation import generate, generate_batch
 from scaletrain.models.transformer import build_model
+from scaletrain.synth.config import load_config
+from scaletrain.synth.critique import JudgeCritic, parse_score
+from scaletrain.synth.filters import Decontaminator, MinHashIndex
+from scaletrain.synth.monitor import distinct_n, self_bleu
+from scaletrain.synth.prompts import build_prompts
+from scaletrain.synth.runner import LOG_NAME, SynthRunner, task_log
 from tests.synth_helpers import ScriptedGenerator, tiny_checkpoint
 from tests.synth_helpers import lines as _lines
 

@@ -21,8 +21,8 @@ def add_trust_flags(parser: argparse.ArgumentParser) -> None:
 def trust_settings(args: argparse.Namespace) -> Iterator[None]:
     """The flags of `add_trust_flags` in force for the loads inside the block, in this thread
     and (through the environment) in the worker threads and processes the verb starts."""
+    from scaletrain.checkpoint.integrity import VERIFY_ENV, verification
     from scaletrain.finetune.base_pin import ALLOW_ENV, base_mismatch_allowed
-    from scaletrain.train.integrity import VERIFY_ENV, verification
 
     env = {VERIFY_ENV: "0" if args.no_verify else None,
            ALLOW_ENV: "1" if args.allow_base_mismatch else None}

@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Any
 
-from scaletrain.data.io.paths import InputError
-from scaletrain.data.pipeline import Step
+from scaletrain.curate.io.paths import InputError
+from scaletrain.curate.pipeline import Step
 
 log = logging.getLogger("scaletrain.data")
 
@@ -80,9 +80,9 @@ def run_and_report(
     config: dict[str, Any] | None = None,
 ) -> int:
     """Run the steps, print the per-step table, write stats.json and report.html."""
-    from scaletrain.data.executors import make_executor
-    from scaletrain.data.report import html_report, terminal_table
-    from scaletrain.data.runner import RunOptions, run_pipeline
+    from scaletrain.curate.executors import make_executor
+    from scaletrain.curate.report import html_report, terminal_table
+    from scaletrain.curate.runner import RunOptions, run_pipeline
 
     cfg = config or {}
     ex_cfg = cfg.get("executor", {})

@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from scaletrain.loader import load_model
+    from scaletrain.checkpoint.native_format import META_NAME, read_meta, save_model_checkpoint
+    from scaletrain.inference.loader import load_model
     from scaletrain.models.hf import save_hf_checkpoint
     from scaletrain.models.transformer import Transformer
-    from scaletrain.train.native_format import META_NAME, read_meta, save_model_checkpoint
 
     dst = Path(args.dst)
     if dst.exists():

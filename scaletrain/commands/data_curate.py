@@ -60,8 +60,8 @@ def _default_pipeline(inputs: list[str] | None) -> list[dict[str, Any]]:
     """Without --config: the code pipeline for source/text files (and the default corpus),
     the web pipeline when any input is a document format (WARC, HTML, JSONL, Parquet) -- the
     code rules (mean line <= 100 characters, ...) would drop most prose."""
-    from scaletrain.data.io.paths import expand_inputs, format_of
-    from scaletrain.data.registry import DEFAULT_CODE_PIPELINE, DEFAULT_WEB_PIPELINE
+    from scaletrain.curate.io.paths import expand_inputs, format_of
+    from scaletrain.curate.registry import DEFAULT_CODE_PIPELINE, DEFAULT_WEB_PIPELINE
 
     if inputs is None:
         return DEFAULT_CODE_PIPELINE
@@ -73,7 +73,7 @@ def _default_pipeline(inputs: list[str] | None) -> list[dict[str, Any]]:
 
 
 def _main(argv: list[str]) -> int:
-    from scaletrain.data.registry import build_step
+    from scaletrain.curate.registry import build_step
 
     p = argparse.ArgumentParser(
         prog="scaletrain data curate",

@@ -6,8 +6,8 @@ from scaletrain.commands._data_common import guarded, run_and_report, stage_pars
 
 
 def _main(argv: list[str]) -> int:
-    from scaletrain.data.dedup import ExactDedup, MinHashDedup, SemanticDedup
-    from scaletrain.data.pipeline import Step
+    from scaletrain.curate.dedup import ExactDedup, MinHashDedup, SemanticDedup
+    from scaletrain.curate.pipeline import Step
 
     p = stage_parser("dedup", "Remove exact, near (MinHash) or semantic duplicates.")
     p.add_argument("--method", choices=("exact", "minhash", "semantic"), default="minhash")

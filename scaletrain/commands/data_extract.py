@@ -6,7 +6,7 @@ from scaletrain.commands._data_common import guarded, run_and_report, stage_pars
 
 
 def _main(argv: list[str]) -> int:
-    from scaletrain.data.filters import CountsFilter
+    from scaletrain.curate.filters import CountsFilter
 
     p = stage_parser(
         "extract",

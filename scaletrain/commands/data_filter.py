@@ -6,7 +6,7 @@ from scaletrain.commands._data_common import guarded, parse_params, run_and_repo
 
 
 def _main(argv: list[str]) -> int:
-    from scaletrain.data.registry import ALIASES, build_step
+    from scaletrain.curate.registry import ALIASES, build_step
 
     p = stage_parser("filter", "Apply heuristic filters, each with its published thresholds.")
     p.add_argument(

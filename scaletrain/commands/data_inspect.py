@@ -17,7 +17,7 @@ def inspect_documents(
     path: str, samples: int = 3, seed: int = 0, max_docs: int | None = None
 ) -> dict[str, Any]:
     """Counts, length percentiles, metadata keys and value histograms, and random samples."""
-    from scaletrain.data.io.readers import ReadReport, read_documents
+    from scaletrain.curate.io.readers import ReadReport, read_documents
 
     report = ReadReport()
     chars: list[int] = []
@@ -102,7 +102,7 @@ def _main(argv: list[str]) -> int:
         for e in info["malformed_examples"]:
             print(f"  {e}")
     if "pipeline_stats" in info:
-        from scaletrain.data.report import terminal_table
+        from scaletrain.curate.report import terminal_table
 
         print("\npipeline that wrote it:\n" + terminal_table(info["pipeline_stats"]))
     for s in info["samples"]:

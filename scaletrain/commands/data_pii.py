@@ -6,7 +6,7 @@ from scaletrain.commands._data_common import guarded, run_and_report, stage_pars
 
 
 def _main(argv: list[str]) -> int:
-    from scaletrain.data.pii import DETECTORS, PIIRedactor
+    from scaletrain.curate.pii import DETECTORS, PIIRedactor
 
     p = stage_parser("pii", "Replace e-mails, public IPs, phones, card numbers and secrets.")
     p.add_argument(

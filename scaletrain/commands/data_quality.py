@@ -7,8 +7,8 @@ from scaletrain.commands._data_common import guarded, run_and_report, stage_pars
 
 
 def _main(argv: list[str]) -> int:
-    from scaletrain.data.pipeline import Step
-    from scaletrain.data.quality import (
+    from scaletrain.curate.pipeline import Step
+    from scaletrain.curate.quality import (
         FastTextScorer,
         HFClassifierScorer,
         PerplexityScorer,
@@ -48,7 +48,7 @@ def _main(argv: list[str]) -> int:
                 "training needs --train-positive, --train-negative and "
                 "--fasttext MODEL.bin (where to save it)"
             )
-        from scaletrain.data.quality.fasttext_clf import DocumentTexts
+        from scaletrain.curate.quality.fasttext_clf import DocumentTexts
 
         train_classifier(DocumentTexts(args.train_positive), DocumentTexts(args.train_negative),
                          args.fasttext)

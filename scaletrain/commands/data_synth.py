@@ -73,8 +73,8 @@ def overrides(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from scaletrain.data.synth.config import load_config
-    from scaletrain.data.synth.runner import SynthRunner
+    from scaletrain.synth.config import load_config
+    from scaletrain.synth.runner import SynthRunner
 
     try:
         cfg = load_config(args.config, overrides(args))
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
         print(f"scaletrain data synth: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a server that fails for good, a spent budget, a failed task
-        from scaletrain.data.synth.generators import BudgetExhausted
+        from scaletrain.inference.generators import BudgetExhausted
 
         print(f"scaletrain data synth: {e}\nwhat is done is kept; run again to resume",
               file=sys.stderr)

@@ -37,9 +37,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    from scaletrain.curate.io.paths import InputError
+    from scaletrain.curate.io.readers import ReadReport
     from scaletrain.data.indexed import strip_prefix
-    from scaletrain.data.io.paths import InputError
-    from scaletrain.data.io.readers import ReadReport
     from scaletrain.data.tokenize import (
         TokenizeError,
         input_shards,

@@ -29,7 +29,7 @@ def plan_finetune(cfg: Config, fit: bool = False) -> tuple[Plan, Device | None]:
     from scaletrain.finetune import data as ftdata
     from scaletrain.finetune.lora import parse_targets
     from scaletrain.finetune.trainer import check_config, fit_seq_len, with_ddp_default
-    from scaletrain.loader import model_args_of
+    from scaletrain.inference.loader import model_args_of
     from scaletrain.plan.estimate import estimate
     from scaletrain.plan.finetune import finetune_plan
     from scaletrain.plan.from_config import device_for, layout_from_config

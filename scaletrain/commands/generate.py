@@ -64,8 +64,8 @@ def sampling(args: argparse.Namespace, defaults: dict) -> tuple[float, int | Non
 
 
 def run(args: argparse.Namespace) -> dict:
-    from scaletrain.loader import load_model
-    from scaletrain.models.generation import generate
+    from scaletrain.inference.generation import generate
+    from scaletrain.inference.loader import load_model
     from scaletrain.models.transformer import Transformer
 
     device = torch.device(args.device)  # a malformed name raises RuntimeError

@@ -3,97 +3,44 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
+from scaletrain.commands._plan_args import (
+    GB,
+    GIB,
+    add_common_args,
+    parse_device,
+    parse_model,
+    positive_int,
+)
 from scaletrain.models.args import ModelArgs, count_active_params
-from scaletrain.models.source import load_model_args
 from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate, plan_json
 from scaletrain.plan.finetune import METHODS, finetune_plan
-from scaletrain.plan.hardware import Device, get_device
-
-GIB, GB = 2**30, 1e9
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value})")
-    return n
-
-
-def _model(name: str, sets: list[str]) -> ModelArgs:
-    args = load_model_args(name)
-    fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
-    changes = {}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        key = key.removeprefix("model.")
-        if not sep or key not in fields:
-            raise PlanError(f"--set {item}: expected model.FIELD=VALUE with FIELD one of "
-                            f"{', '.join(fields)}")
-        current = getattr(args, key)
-        if isinstance(current, bool):
-            changes[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(current, int) or key in ("n_kv_heads", "ffn_dim"):
-            changes[key] = int(value)
-        elif isinstance(current, float):
-            changes[key] = float(value)
-        else:
-            changes[key] = value
-    return args.replace(**changes) if changes else args
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model preset (see `scaletrain models`), or a "
-                   "Hugging Face config.json or model folder")
-    p.add_argument("--set", action="append", default=[], metavar="model.FIELD=VALUE",
-                   help="override a model dimension (repeatable)")
-    p.add_argument("--seq-len", type=_positive, required=True, help="tokens per sequence")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
-    p.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype parameters are stored in (default: 16-bit with fp32 masters "
-                        "for 16-bit precision)")
-    p.add_argument("--grad-convention", choices=["playbook", "megatron", "bf16"],
-                   default="playbook", help="gradient bytes under mixed precision: 2+4, 4 or 2")
-    p.add_argument("--optimizer", choices=["adamw", "sgd", "adamw8bit"], default="adamw")
-    p.add_argument("--kernels", choices=["cuda", "cpu"], default="cuda",
-                   help="whose saved tensors to model (CPU keeps one more tensor per RMSNorm)")
-    p.add_argument("--gpu", default=None, help="device name (A100-40GB, A100-80GB, H100, H200, "
-                                               "B200, ...)")
-    p.add_argument("--gpu-mem", type=float, default=None, help="override device memory (GiB)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _device(name: str | None, mem: float | None) -> Device | None:
-    if name is None:
-        return None if mem is None else Device("custom", mem)
-    dev = get_device(name)
-    return dataclasses.replace(dev, memory_gib=mem) if mem is not None else dev
+from scaletrain.plan.hardware import Device
 
 
 def _estimate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="scaletrain plan", description="Memory, FLOPs and "
                                 "communication of one model + layout, for the most loaded rank.")
-    _common(p)
-    p.add_argument("--mbs", type=_positive, required=True, help="micro-batch (sequences)")
-    p.add_argument("--gbs", type=_positive, default=None, help="global batch (sequences)")
+    add_common_args(p)
+    p.add_argument("--mbs", type=positive_int, required=True, help="micro-batch (sequences)")
+    p.add_argument("--gbs", type=positive_int, default=None, help="global batch (sequences)")
     for name, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"),
                        ("cp", "context")):
-        p.add_argument(f"--{name}", type=_positive, default=1, help=f"{what}-parallel degree")
-    p.add_argument("--ep", type=_positive, default=1,
+        p.add_argument(f"--{name}", type=positive_int, default=1, help=f"{what}-parallel degree")
+    p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel degree (MoE; borrowed from the data-parallel shards)")
-    p.add_argument("--vpp", type=_positive, default=1, help="model chunks per pipeline rank")
+    p.add_argument("--vpp", type=positive_int, default=1, help="model chunks per pipeline rank")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     p.add_argument("--recompute", choices=["none", "partial", "full"], default="none",
                    help="partial: every n-th block (--every), or its attention (--scope)")
-    p.add_argument("--every", type=_positive, default=2, help="partial: every n-th block")
+    p.add_argument("--every", type=positive_int, default=2, help="partial: every n-th block")
     p.add_argument("--scope", choices=["block", "attention"], default="block")
     p.add_argument("--fused-loss", action="store_true",
                    help="head + cross-entropy chunk by chunk, no logits (training.fused_loss)")
-    p.add_argument("--loss-chunk", type=_positive, default=4096,
+    p.add_argument("--loss-chunk", type=positive_int, default=4096,
                    help="tokens per fused-loss chunk (training.loss_chunk_tokens)")
     p.add_argument("--offload", action="store_true",
                    help="one process: optimizer state and masters on CPU (optimizer.offload)")
@@ -101,26 +48,26 @@ def _estimate_main(argv: list[str]) -> int:
                    help="ZeRO-2/3: FSDP's offload of every sharded state (parallel.cpu_offload)")
     p.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="ZeRO-2/3: dtype FSDP gathers parameters in (parallel.fsdp_param_dtype)")
-    p.add_argument("--dp-replicate", type=_positive, default=None,
+    p.add_argument("--dp-replicate", type=positive_int, default=None,
                    help="replicas among the --dp ranks (default: all of them for --zero 0, "
                         "else 1; HSDP for ZeRO-2/3)")
     p.add_argument("--schedule", default=None, help="pipeline schedule (default 1F1B, "
                    "Interleaved1F1B with --vpp > 1)")
-    p.add_argument("--gpus", type=_positive, default=None, help="world size (default: product "
+    p.add_argument("--gpus", type=positive_int, default=None, help="world size (default: product "
                                                                 "of the degrees)")
     ft = p.add_argument_group("fine-tuning (one device)")
     ft.add_argument("--method", choices=METHODS, default="pretrain",
                     help="model states of a fine-tuning method instead of pretraining")
-    ft.add_argument("--lora-rank", type=_positive, default=8, help="lora/qlora rank")
+    ft.add_argument("--lora-rank", type=positive_int, default=8, help="lora/qlora rank")
     ft.add_argument("--train-last", type=int, default=None,
                     help="freeze: train only the last k blocks (and the head)")
     ft.add_argument("--freeze-first", type=int, default=0, help="freeze: the first n blocks")
     ft.add_argument("--lora-dropout", type=float, default=0.0,
                     help="lora/qlora dropout (> 0: the adapters run composed, not fused)")
-    ft.add_argument("--num-labels", type=_positive, default=None,
+    ft.add_argument("--num-labels", type=positive_int, default=None,
                     help="classification head with this many labels")
     a = p.parse_args(argv)
-    args = _model(a.model, a.set)
+    args = parse_model(a.model, a.set)
     world = a.gpus or a.dp * a.tp * a.pp * a.cp
     replicate = a.dp_replicate or (a.dp if a.zero == 0 else 1)
     if a.dp % replicate:
@@ -141,7 +88,7 @@ def _estimate_main(argv: list[str]) -> int:
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
                              freeze_first=a.freeze_first, num_labels=a.num_labels,
                              lora_dropout=a.lora_dropout)
-    device = _device(a.gpu, a.gpu_mem)
+    device = parse_device(a.gpu, a.gpu_mem)
     if a.json:
         print(json.dumps(plan_json(plan, device), indent=2))
     else:

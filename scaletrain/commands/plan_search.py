@@ -6,7 +6,13 @@ import argparse
 import dataclasses
 import json
 
-from scaletrain.commands.plan import GIB, _common, _device, _model, _positive
+from scaletrain.commands._plan_args import (
+    GIB,
+    add_common_args,
+    parse_device,
+    parse_model,
+    positive_int,
+)
 from scaletrain.plan.estimate import Layout, PlanError
 from scaletrain.plan.search import Cluster, alternatives, search, why_lost
 
@@ -16,12 +22,12 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="scaletrain plan search", description="Search the "
                                 "layouts that fit, ranked by estimated step time.",
                                 allow_abbrev=False)
-    _common(p)
-    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs")
-    p.add_argument("--gpus-per-node", type=_positive, default=8)
+    add_common_args(p)
+    p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
     batch = p.add_mutually_exclusive_group(required=True)
-    batch.add_argument("--gbs-tokens", type=_positive, help="global batch in tokens")
-    batch.add_argument("--gbs", type=_positive,
+    batch.add_argument("--gbs-tokens", type=positive_int, help="global batch in tokens")
+    batch.add_argument("--gbs", type=positive_int,
                        help="global batch in sequences (--gbs-tokens = GBS x --seq-len)")
     p.add_argument("--max-zero", type=int, choices=[0, 1, 2, 3], default=3,
                    help="highest ZeRO stage to consider (1: Megatron-style)")
@@ -33,13 +39,13 @@ def main(argv: list[str]) -> int:
                    help="override the intra-node bandwidth (GB/s per GPU and direction)")
     p.add_argument("--inter-node-gbs", type=float, default=None,
                    help="override the inter-node bandwidth (GB/s per GPU and direction)")
-    p.add_argument("--top", type=_positive, default=5)
+    p.add_argument("--top", type=positive_int, default=5)
     a = p.parse_args(argv)
     if a.gbs is not None:
         a.gbs_tokens = a.gbs * a.seq_len
     if a.gpu is None:
         raise PlanError("--gpu is required for a search (e.g. --gpu H100)")
-    device = _device(a.gpu, a.gpu_mem)
+    device = parse_device(a.gpu, a.gpu_mem)
     assert device is not None
     for flag, value in (("--peak-tflops", a.peak_tflops), ("--intra-node-gbs", a.intra_node_gbs),
                         ("--inter-node-gbs", a.inter_node_gbs)):
@@ -54,7 +60,7 @@ def main(argv: list[str]) -> int:
         device = dataclasses.replace(device, inter_node_gbs=a.inter_node_gbs)
     if not 0 < a.efficiency <= 1:
         raise PlanError(f"--efficiency must be in (0, 1] (got {a.efficiency})")
-    args = _model(a.model, a.set)
+    args = parse_model(a.model, a.set)
     cluster = Cluster(device, a.gpus, a.gpus_per_node, efficiency=a.efficiency)
     base = Layout(precision=a.precision, param_dtype=a.param_dtype,
                   grad_convention=a.grad_convention, optimizer=a.optimizer, kernels=a.kernels)

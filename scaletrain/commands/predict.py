@@ -73,8 +73,8 @@ def classify(done: Finetuned, texts: list[str], batch_size: int,
 
 
 def respond(done: Finetuned, texts: list[str], args: argparse.Namespace) -> list[dict]:
-    from scaletrain.finetune.sft import ChatFormatter
-    from scaletrain.models.generation import generate
+    from scaletrain.inference.chat import ChatFormatter
+    from scaletrain.inference.generation import generate
 
     base = done.base
     formatter = ChatFormatter(base.tokenizer, base.eos_id, base.chat_template,

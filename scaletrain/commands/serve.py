@@ -17,7 +17,7 @@ import logging
 import sys
 
 from scaletrain.commands._checkpoint_flags import add_trust_flags, trust_settings
-from scaletrain.data.synth.generators import LocalGenerator
+from scaletrain.inference.generators import LocalGenerator
 from scaletrain.serving.http import ServerLimits, make_server
 
 logger = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from scaletrain.config import DataConfig
+from scaletrain.curate.builtin_corpus import curate_documents, curation_spec
 from scaletrain.data import tokenizer as tokmod
-from scaletrain.data.corpus_curation import curate_documents, curation_spec
 from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 from scaletrain.data.tokenize import write_texts
 from scaletrain.data.tokenizer import TextTokenizer, TokenizerError

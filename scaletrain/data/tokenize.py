@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from scaletrain.curate.io.paths import InputError, expand_inputs
+from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, json_records
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
-from scaletrain.data.io.paths import InputError, expand_inputs
-from scaletrain.data.io.readers import MAX_EXAMPLES, ReadReport, json_records
 from scaletrain.data.tokenizer import TextTokenizer
 
 log = logging.getLogger("scaletrain.data")
@@ -247,7 +247,7 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    from scaletrain.data.executors.lifeline import bind_to_parent
+    from scaletrain.curate.executors.lifeline import bind_to_parent
 
     # spawn: tokenizers' thread pool does not survive fork. (multiprocessing.Pool would wait
     # for ever for the job of a worker that was killed; this pool reports it.)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from scaletrain.data.optional import require
+from scaletrain.optional import require
 
 lm_eval = require("lm_eval", "scaletrain eval needs lm-evaluation-harness: pip install "
                   "'scaletrain[eval]'", ValueError)
@@ -22,11 +22,11 @@ from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import handle_stop_sequences  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
-from scaletrain.data.synth.generators import cut_at_stop  # noqa: E402
-from scaletrain.models.batch_decode import Row, decode_rows  # noqa: E402
+from scaletrain.inference.batch_decode import Row, decode_rows  # noqa: E402
+from scaletrain.inference.generators import cut_at_stop  # noqa: E402
 
 if TYPE_CHECKING:
-    from scaletrain.data.synth.generators import LocalGenerator
+    from scaletrain.inference.generators import LocalGenerator
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ScaletrainLM(TemplateLM):
         if gen is None:
             if checkpoint is None:
                 raise ValueError("the scaletrain lm_eval model needs checkpoint=DIR")
-            from scaletrain.data.synth.generators import LocalGenerator
+            from scaletrain.inference.generators import LocalGenerator
 
             gen = LocalGenerator.from_checkpoint(checkpoint, device=device)
         self.gen = gen

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.loader import LoadedModel, load_model, read_chat_template
+from scaletrain.inference.loader import LoadedModel, load_model, read_chat_template
 from scaletrain.models.transformer import Transformer
 
 log = logging.getLogger("scaletrain.finetune")

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from scaletrain.checkpoint.integrity import checkpoint_fingerprint
 from scaletrain.finetune.base import FinetuneError
-from scaletrain.train.integrity import checkpoint_fingerprint
 
 log = logging.getLogger("scaletrain.finetune")
 

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from scaletrain.finetune.base import BaseModel, FinetuneError
-from scaletrain.finetune.sft import ChatFormatter, pack, to_example
+from scaletrain.finetune.sft import pack, to_example
+from scaletrain.inference.chat import ChatFormatError, ChatFormatter
 
 log = logging.getLogger("scaletrain.finetune")
 
@@ -105,10 +106,13 @@ def epochs_for(rows: RowDataset, n_samples: int) -> int:
 # --- SFT ---------------------------------------------------------------------------------------
 def sft_dataset(records: list[tuple[str, dict[str, Any]]], base: BaseModel, seq_len: int,
                 packing: bool) -> RowDataset:
-    formatter = ChatFormatter(base.tokenizer, base.eos_id, base.chat_template,
-                              base.special_tokens)
-    examples = [to_example(*formatter.encode(rec, where), seq_len, where)
-                for where, rec in records]
+    try:
+        formatter = ChatFormatter(base.tokenizer, base.eos_id, base.chat_template,
+                                  base.special_tokens)
+        examples = [to_example(*formatter.encode(rec, where), seq_len, where)
+                    for where, rec in records]
+    except ChatFormatError as e:
+        raise FinetuneError(str(e)) from None
     rows = pack(examples, seq_len, base.pad_id, packing)
     n_tokens = sum(len(e.inputs) for e in examples)
     log.info("SFT: %d examples -> %d rows of %d tokens (%.0f%% filled, packing %s)",

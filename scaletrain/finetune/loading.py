@@ -1,4 +1,6 @@
-"""A fine-tuning run's result for inference (predict, convert), through the one loader."""
+"""A fine-tuning run's result for inference (predict, convert), through the one loader, and
+the fine-tuned format that tells the loader how to read it (`FORMAT`, the package's
+`scaletrain.finetuned_format` entry point; see `inference.finetuned`)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.checkpoint.native_format import load_state
 from scaletrain.finetune.base import FinetuneError
-from scaletrain.loader import FINETUNE_META, LoadedModel, load_model
+from scaletrain.finetune.base_pin import base_path, check_base
+from scaletrain.finetune.heads import SequenceClassifier
+from scaletrain.finetune.lora import merge_lora
+from scaletrain.finetune.peft_io import load_adapter
+from scaletrain.inference.finetuned import register_finetuned_format
+from scaletrain.inference.loader import (
+    ADAPTER_DIR,
+    FINETUNE_META,
+    LoadedModel,
+    find_checkpoint,
+    load_model,
+)
 from scaletrain.models.args import ModelArgs
 
 log = logging.getLogger("scaletrain.finetune")
@@ -60,4 +74,41 @@ def load_for_export(output: str | Path, dtype: torch.dtype = torch.float32
     return done.model, done.base.args, done.base.tokenizer_path, done.base.eos_id
 
 
-__all__ = ["Finetuned", "load_finetuned", "load_for_export", "is_finetune_output"]
+class FinetunedOutputs:
+    """The loader's reader of `scaletrain finetune` outputs (`inference.finetuned`)."""
+
+    def base_of(self, meta: dict[str, Any]) -> str:
+        return base_path(meta)
+
+    def check_base(self, meta: dict[str, Any], directory: Path, where: Path) -> None:
+        check_base(meta, directory, where)
+
+    def apply(self, output: Path, meta: dict[str, Any], backbone: nn.Module,
+              merge: bool) -> nn.Module:
+        model: nn.Module = backbone
+        if meta.get("task") == "classification":
+            model = SequenceClassifier(backbone, len(meta.get("labels") or []))
+        head = model.score if isinstance(model, SequenceClassifier) else None
+        if meta.get("method") in ("lora", "qlora"):
+            load_adapter(output / ADAPTER_DIR, backbone, head)
+            if merge:
+                merge_lora(backbone)
+            return model
+        try:
+            latest = find_checkpoint(output)[1]
+        except ValueError:
+            raise ValueError(f"{output} has no complete checkpoint under checkpoints/; the "
+                             "run did not finish a save") from None
+        # full weights: hashes, safe metadata, shapes and finite values checked by load_state
+        state = {"model": model.state_dict()}
+        load_state(state, latest)
+        model.load_state_dict(state["model"])
+        return model
+
+
+FORMAT = FinetunedOutputs()
+register_finetuned_format(FORMAT)
+
+
+__all__ = ["FORMAT", "FinetunedOutputs", "Finetuned", "load_finetuned", "load_for_export",
+           "is_finetune_output"]

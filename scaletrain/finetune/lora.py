@@ -16,19 +16,12 @@ from torch import nn
 
 from scaletrain.finetune.lora_fused import lora_linear
 from scaletrain.finetune.qlora import dequantize_weight, is_nf4
+from scaletrain.models.linears import BLOCK_LINEARS
 
 log = logging.getLogger("scaletrain.finetune")
 
 # Short target names -> our module names inside a block (and the HF Llama names PEFT uses).
-TARGETS: dict[str, str] = {
-    "q": "attention.wq",
-    "k": "attention.wk",
-    "v": "attention.wv",
-    "o": "attention.wo",
-    "gate": "feed_forward.w1",
-    "down": "feed_forward.w2",
-    "up": "feed_forward.w3",
-}
+TARGETS: dict[str, str] = BLOCK_LINEARS
 HF_TARGETS: dict[str, str] = {
     "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
     "gate": "gate_proj", "up": "up_proj", "down": "down_proj",

@@ -1,5 +1,5 @@
 """What a fine-tuning method does to the base model before training: the one path the trainer
-and the activation measurement (`profiling/saved_bytes.py`) share."""
+and the activation measurement (`train/saved_bytes.py`) share."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from scaletrain.checkpoint.integrity import verification
 from scaletrain.config import Config, ConfigError
 from scaletrain.finetune import data as ftdata
 from scaletrain.finetune.base import FinetuneError, load_base
@@ -30,14 +31,13 @@ from scaletrain.finetune.freeze import memory_report, param_report
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
 from scaletrain.finetune.lora import LoRASettings, parse_targets
 from scaletrain.finetune.methods import apply_method, with_head
-from scaletrain.loader import ADAPTER_DIR, FINETUNE_META
+from scaletrain.inference.loader import ADAPTER_DIR, FINETUNE_META
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
-from scaletrain.train.integrity import verification
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.metrics import truncate_jsonl
 from scaletrain.train.trainer import Trainer, TrainResult

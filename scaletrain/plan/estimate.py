@@ -377,13 +377,3 @@ def plan_json(plan: Plan, device: Any = None) -> dict[str, Any]:
         out["device"] = {"name": device.name, "memory_bytes": device.memory_bytes,
                          "fits": plan.peak_bytes <= device.memory_bytes}
     return out
-
-
-def estimate_for_config(cfg: Any) -> dict[str, Any]:
-    """The plan of a training `Config` as JSON-ready data (the profiler's OOM summary uses it;
-    `scaletrain train --dry-run --json` prints the same)."""
-    from scaletrain.plan.from_config import plan_config
-    from scaletrain.runtime import resolve_device
-
-    plan, device = plan_config(cfg, resolve_device(cfg.training.device))
-    return plan_json(plan, device)

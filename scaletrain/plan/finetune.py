@@ -1,6 +1,6 @@
 """A plan for fine-tuning, for `scaletrain plan --method`: the model-state rows of the
 pretraining plan recomputed for the parameters a method trains (counts from
-`scaletrain.finetune.estimate`, the numbers the fine-tuning trainer reports)."""
+`scaletrain.plan.finetune_estimate`, the numbers the fine-tuning trainer reports)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2,
     fused loss) keep the pretraining activations, an upper bound.
     """
-    from scaletrain.finetune.estimate import estimate
-    from scaletrain.finetune.lora import TARGETS
+    from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
+    from scaletrain.plan.finetune_estimate import estimate
 
     lay = plan.layout
     d = lay.dims
@@ -86,7 +86,7 @@ def _activations(plan: Plan, method: str, options: dict[str, Any],
                  mem: dict[str, int]) -> dict[str, int]:
     """Set `mem`'s activations, cast_weights and logits_loss for the method (see
     `finetune_plan`); returns the activation breakdown."""
-    from scaletrain.finetune.lora import TARGETS
+    from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
     from scaletrain.plan.activations import DTYPE_BYTES
     from scaletrain.plan.estimate import _spec
     from scaletrain.plan.finetune_activations import (

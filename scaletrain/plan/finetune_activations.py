@@ -1,7 +1,7 @@
 """Activation bytes of a fine-tuning run: what autograd keeps when parts of the model are frozen.
 
 Autograd keeps a tensor only for a gradient it will compute (measured with
-`profiling/saved_bytes.py`'s `finetune` hook; tests/test_plan_finetune_activations.py holds
+`train/saved_bytes.py`'s `finetune` hook; tests/test_plan_finetune_activations.py holds
 this module to the measured bytes):
 
 - a block (or the embedding) in front of the first trainable parameter keeps nothing. The
@@ -138,7 +138,7 @@ def block_bytes(args: ModelArgs, spec: ActivationSpec, b: BlockTraining, input_g
                                                                      b.norms)
     adapters = {name: c * t * rank for name in b.adapted}  # x A^T (the input of B)
     if b.dropout:  # its output (or its cast) for A, and the mask when x needs a gradient
-        from scaletrain.finetune.estimate import _linear_shapes
+        from scaletrain.plan.finetune_estimate import _linear_shapes
 
         for name, (width, _) in _linear_shapes(args).items():
             if name in b.adapted:
@@ -156,7 +156,7 @@ def kept_weight_casts(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockT
     """Bytes of the autocast copies of weights kept for backward (autocast over fp32
     parameters only): a trained linear's weight once, a frozen linear's on each call whose
     input needs a gradient; a LoRA base none (the fused layer casts it again in backward)."""
-    from scaletrain.finetune.estimate import _linear_shapes
+    from scaletrain.plan.finetune_estimate import _linear_shapes
 
     c = DTYPE_BYTES[spec.compute_dtype]
     if c >= DTYPE_BYTES[spec.residual_dtype]:

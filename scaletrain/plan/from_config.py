@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from scaletrain.config import Config, resolve_batch
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
-from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate
+from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate, plan_json
 from scaletrain.plan.hardware import Device, match_device
 
 
@@ -66,3 +67,12 @@ def plan_config(cfg: Config, device: torch.device) -> tuple[Plan, Device | None]
     from scaletrain.runtime import resolve_model_args
 
     return estimate(resolve_model_args(cfg), lay), device_for(device)
+
+
+def estimate_for_config(cfg: Any) -> dict[str, Any]:
+    """The plan of a training `Config` as JSON-ready data (the profiler's OOM summary uses it;
+    `scaletrain train --dry-run --json` prints the same)."""
+    from scaletrain.runtime import resolve_device
+
+    plan, device = plan_config(cfg, resolve_device(cfg.training.device))
+    return plan_json(plan, device)

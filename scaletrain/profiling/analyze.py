@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from scaletrain.profiling import cpu, gpu, intervals, memory, verdict, warnings
-from scaletrain.profiling.trace import Trace, load_all
+from scaletrain.profiling.load import load_all
+from scaletrain.profiling.trace import Trace
 
 log = logging.getLogger("scaletrain.profiling")
 

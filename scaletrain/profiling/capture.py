@@ -245,14 +245,14 @@ def cuda_memory_stats(device: torch.device) -> dict[str, int]:
 
 
 def plan_estimate(run_cfg: Any) -> dict[str, Any] | None:
-    """The planner's estimate for this config (`scaletrain.plan.estimate_for_config`); any
+    """The planner's estimate for this config (`plan.from_config.estimate_for_config`); any
     failure leaves the field out: an estimate must never hide the OOM itself."""
     if run_cfg is None:
         return None
-    from scaletrain.plan import estimate
+    from scaletrain.plan import from_config
 
     try:
-        return estimate.estimate_for_config(run_cfg)
+        return from_config.estimate_for_config(run_cfg)
     except Exception as e:
         log.warning("plan estimate failed: %s", e)
         return None

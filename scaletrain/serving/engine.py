@@ -1,6 +1,6 @@
 """The batching engine: rows from concurrent requests decoded together, in one worker thread.
 
-Continuous batching (the default where the model allows it, `models.slot_decode`): a running
+Continuous batching (the default where the model allows it, `inference.slot_decode`): a running
 batch of `batch_size` slots; between two token steps waiting rows join free slots (their
 prompt is prefilled) and finished or cancelled rows leave, so a short request never waits for
 a long one and a freed slot is reused at the next step. Rows with different sampling settings
@@ -26,12 +26,12 @@ from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from scaletrain.models.slot_decode import Sampling, SlotBatch, supports
+from scaletrain.inference.slot_decode import Sampling, SlotBatch, supports
 from scaletrain.serving.protocol import ApiError
 
 if TYPE_CHECKING:
-    from scaletrain.data.synth.generators import LocalGenerator
-    from scaletrain.models.batch_decode import Row
+    from scaletrain.inference.batch_decode import Row
+    from scaletrain.inference.generators import LocalGenerator
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class BatchingEngine:
             row, stop=lambda ids: fut in self._cancelled or (own is not None and own(ids)))
 
     def _static_loop(self) -> None:
-        from scaletrain.models.batch_decode import decode_rows
+        from scaletrain.inference.batch_decode import decode_rows
 
         while self._wait_for_work(False):
             items = self._take()

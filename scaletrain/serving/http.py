@@ -28,7 +28,7 @@ from scaletrain.serving.engine import BatchingEngine
 from scaletrain.serving.protocol import ApiError, Limits, parse
 
 if TYPE_CHECKING:
-    from scaletrain.data.synth.generators import LocalGenerator
+    from scaletrain.inference.generators import LocalGenerator
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from scaletrain.finetune.sft import content_text
+from scaletrain.inference.chat import content_text
 
 # Accepted and without effect on the result: identifiers and transport options.
 _INERT = {"model", "user", "stream_options", "metadata", "store"}

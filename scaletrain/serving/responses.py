@@ -9,14 +9,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scaletrain.data.synth.generators import cut_at_stop
-from scaletrain.models.batch_decode import Decoded, Row
+from scaletrain.inference.batch_decode import Decoded, Row
+from scaletrain.inference.generators import cut_at_stop
 from scaletrain.serving.protocol import ApiError, Request
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from scaletrain.data.synth.generators import LocalGenerator
+    from scaletrain.inference.generators import LocalGenerator
     from scaletrain.serving.engine import BatchingEngine
 
 

@@ -2,11 +2,12 @@
 RNG states and step, through torch.distributed.checkpoint (DCP; one process works too).
 
 Layout: `<output>/checkpoints/step-0000100/` holds DCP shards plus `meta.json` (the native
-format of `scaletrain.train.native_format`, so `generate` and `convert` read it) and
-`manifest.json` (content hashes of every file, `scaletrain.train.integrity`). Each checkpoint is
-written under a temporary name and renamed when complete; the last K are kept. Loading verifies
-the hashes, reads DCP metadata through a restricted unpickler (`scaletrain.train.safe_dcp`)
-and refuses non-finite state; non-finite state is never saved.
+format of `scaletrain.checkpoint.native_format`, so `generate` and `convert` read it) and
+`manifest.json` (content hashes of every file, `scaletrain.checkpoint.integrity`). Each
+checkpoint is written under a temporary name and renamed when complete; the last K are kept.
+Loading verifies the hashes, reads DCP metadata through a restricted unpickler
+(`scaletrain.checkpoint.safe_dcp`) and refuses non-finite state; non-finite state is never
+saved.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from scaletrain.models.args import ModelArgs
-from scaletrain.train import native_format
-from scaletrain.train.integrity import (
+from scaletrain.checkpoint import native_format
+from scaletrain.checkpoint.integrity import (
     CheckpointError,
     NonFiniteStateError,
     checkpoint_files,
@@ -46,7 +46,8 @@ from scaletrain.train.integrity import (
     verify_manifest,
     write_manifest,
 )
-from scaletrain.train.safe_dcp import load_dcp
+from scaletrain.checkpoint.safe_dcp import load_dcp
+from scaletrain.models.args import ModelArgs
 from scaletrain.train.zero1 import PartitionedOptimizer
 
 log = logging.getLogger("scaletrain.train")

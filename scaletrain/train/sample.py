@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.inference.generation import generate
 from scaletrain.models.args import ModelArgs
-from scaletrain.models.generation import generate
 from scaletrain.models.transformer import build_model
 
 TEMPERATURE = 0.8

@@ -92,7 +92,7 @@ def test_save_in_one_layout_resume_in_another(tmp_path: Path) -> None:
 
     # One process reads the FSDP checkpoint (its manifest verified): the same weights the
     # ranks held.
-    from scaletrain.train.native_format import load_model_checkpoint
+    from scaletrain.checkpoint.native_format import load_model_checkpoint
 
     assert (Path(r0["fsdp-save"]["checkpoint"]) / "manifest.json").is_file()
 
@@ -135,7 +135,7 @@ def test_ep_x_tp_checkpoint_reshards(tmp_path: Path) -> None:
     diff = max(abs(x - y) for x, y in zip(solo["losses"], ref["losses"][2:], strict=True))
     assert diff <= TOL, (solo["losses"], ref["losses"])
     # The full expert tensors the 4 ranks gathered are those one process holds after loading.
-    from scaletrain.train.native_format import load_model_checkpoint
+    from scaletrain.checkpoint.native_format import load_model_checkpoint
 
     model = load_model_checkpoint(result[0]["ep-x-tp-save"]["checkpoint"])[0]
     state = model.state_dict()

@@ -34,8 +34,8 @@ def _resume(rank: int, world: int, runs: list[str], cache: str, out: str) -> Non
 
 @pytest.mark.distributed
 def test_damage_seen_by_one_rank_stops_all(tmp_path: Path) -> None:
-    from scaletrain.train.integrity import MANIFEST_NAME, verify_manifest, write_manifest
-    from scaletrain.train.safe_dcp import read_metadata
+    from scaletrain.checkpoint.integrity import MANIFEST_NAME, verify_manifest, write_manifest
+    from scaletrain.checkpoint.safe_dcp import read_metadata
 
     cache, saved = tmp_path / "cache", tmp_path / "saved"
     spawn(2, [("save", [str(saved), str(cache), *LAYOUT], {"save": True})], 2, tmp_path)

@@ -50,7 +50,7 @@ def megatron_bytes(args: ModelArgs, tokens: int, t: int, sp: bool) -> float:
 
 
 def _saved_bytes(mesh: Any) -> dict[tuple[str, str, str], int]:
-    from scaletrain.profiling.saved_bytes import per_layer_saved_bytes
+    from scaletrain.train.saved_bytes import per_layer_saved_bytes
 
     return {(shape, prec, mode): per_layer_saved_bytes(
                 args, MBS, SEQ, *PRECISIONS[prec], tp_mesh=mesh, sequence_parallel=sp,
@@ -100,7 +100,7 @@ def _dtensor_layers(mesh: Any) -> dict[str, float]:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from scaletrain.models.layers import _ACTS, RMSNorm, _GatedAct
-    from scaletrain.profiling.saved_bytes import _local
+    from scaletrain.train.saved_bytes import _local
 
     out: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

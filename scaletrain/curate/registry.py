@@ -1,0 +1,89 @@
+"""Steps by name, for TOML pipelines and the CLI: `build_step({"type": "c4", ...})`."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from scaletrain.curate.pipeline import Step
+
+# name -> "module:Class"; imported only when used (optional dependencies stay optional)
+STEP_TYPES: dict[str, str] = {
+    "gopher_quality": "scaletrain.curate.filters.gopher:GopherQualityFilter",
+    "gopher_repetition": "scaletrain.curate.filters.gopher:GopherRepetitionFilter",
+    "c4": "scaletrain.curate.filters.c4:C4Filter",
+    "fineweb_quality": "scaletrain.curate.filters.fineweb:FineWebQualityFilter",
+    "counts": "scaletrain.curate.filters.counts:CountsFilter",
+    "code": "scaletrain.curate.filters.counts:CodeFilter",
+    "language": "scaletrain.curate.filters.language:LanguageFilter",
+    "url": "scaletrain.curate.filters.url:UrlFilter",
+    "exact_dedup": "scaletrain.curate.dedup.exact:ExactDedup",
+    "minhash_dedup": "scaletrain.curate.dedup.minhash:MinHashDedup",
+    "semantic_dedup": "scaletrain.curate.dedup.semantic:SemanticDedup",
+    "pii": "scaletrain.curate.pii:PIIRedactor",
+    "fasttext_score": "scaletrain.curate.quality.fasttext_clf:FastTextScorer",
+    "perplexity": "scaletrain.curate.quality.kenlm_ppl:PerplexityScorer",
+    "hf_score": "scaletrain.curate.quality.hf_classifier:HFClassifierScorer",
+    "score_filter": "scaletrain.curate.quality.threshold:ScoreFilter",
+}
+ALIASES = {
+    "gopher": "gopher_quality",
+    "repetition": "gopher_repetition",
+    "fineweb": "fineweb_quality",
+    "exact": "exact_dedup",
+    "minhash": "minhash_dedup",
+    "semantic": "semantic_dedup",
+    "lang": "language",
+}
+
+
+def step_class(name: str) -> type[Step]:
+    key = ALIASES.get(name, name)
+    if key not in STEP_TYPES:
+        import difflib
+
+        near = difflib.get_close_matches(name, list(STEP_TYPES) + list(ALIASES), n=1)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        raise ValueError(f"unknown step type '{name}'.{hint} Known: {', '.join(STEP_TYPES)}")
+    module, cls = STEP_TYPES[key].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_step(spec: dict[str, Any]) -> Step:
+    """A step from `{"type": NAME, **parameters}`; unknown parameters are a clear error."""
+    spec = dict(spec)
+    if "type" not in spec:
+        raise ValueError(f"step {spec} has no 'type'; e.g. type = \"gopher_quality\"")
+    kind = spec.pop("type")
+    cls = step_class(kind)
+    params = inspect.signature(cls.__init__).parameters
+    unknown = [k for k in spec if k not in params]
+    if unknown:
+        allowed = [p for p in params if p != "self"]
+        raise ValueError(f"step '{kind}': unknown parameter(s) {unknown}; allowed: {allowed}")
+    try:
+        return cls(**spec)
+    except TypeError as e:
+        raise ValueError(f"step '{kind}': {e}") from e
+
+
+# The default pipeline for the default corpus (Python source files).
+DEFAULT_CODE_PIPELINE: list[dict[str, Any]] = [
+    {"type": "counts", "min_chars": 100, "max_chars": 1_000_000},
+    {"type": "code"},
+    {"type": "exact_dedup"},
+    {"type": "minhash_dedup", "preset": "fineweb", "verify": True},
+    {"type": "pii"},
+]
+# A web-text pipeline in the FineWeb order (language, quality rules, dedup, PII).
+DEFAULT_WEB_PIPELINE: list[dict[str, Any]] = [
+    {"type": "language", "languages": ["en"]},
+    {"type": "gopher_repetition"},
+    {"type": "gopher_quality"},
+    {"type": "c4"},
+    {"type": "fineweb_quality"},
+    {"type": "exact_dedup"},
+    {"type": "minhash_dedup", "preset": "fineweb"},
+    {"type": "pii"},
+]

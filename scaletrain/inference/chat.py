@@ -1,0 +1,181 @@
+"""The chat format: a conversation -> the token ids a model is trained on and prompted with.
+
+One formatter for every verb: fine-tuning (`finetune/sft.py` scores the assistant turns it
+marks), `predict`, `serve`'s chat endpoint and `data synth` (chat) prompt with the same tokens,
+so a model is asked exactly as it was trained. With a chat template (the tokenizer config's
+Jinja `chat_template`) each assistant turn's rendered text is the response and everything the
+template puts around it (system prompt, user turns, role headers) is prompt. Without one the
+documented default is `role: content` lines and `assistant: ` before the reply.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+class ChatFormatError(ValueError):
+    """A record, a conversation or a chat template that cannot be formatted."""
+
+
+class ChatFormatter:
+    """Turns one JSON record into token ids and a loss mask.
+
+    Records: {"prompt": ..., "response": ...} (also "completion") or
+    {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int | None, template: str | None = None,
+                 special_tokens: dict[str, str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+        self.special = dict(special_tokens or {})
+        self._template = None
+        if template:
+            try:
+                from jinja2.exceptions import TemplateError
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError as e:  # pragma: no cover
+                raise ChatFormatError("the tokenizer's chat template needs jinja2: "
+                                    "pip install jinja2") from e
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            try:
+                self._template = env.from_string(template)
+            except TemplateError as e:
+                raise ChatFormatError(
+                    f"the tokenizer's chat_template does not parse: {e}") from None
+
+    @property
+    def has_template(self) -> bool:
+        return self._template is not None
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        assert self._template is not None
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special)
+
+    # --- records -> (ids, mask) -----------------------------------------------------------
+    def encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[bool]]:
+        """Token ids of the whole example and, per token, whether it is scored."""
+        if "messages" in record:
+            messages = record["messages"]
+            _check_messages(messages, where)
+        elif "prompt" in record and ("response" in record or "completion" in record):
+            response = record.get("response", record.get("completion"))
+            if not isinstance(record["prompt"], str) or not isinstance(response, str):
+                raise ChatFormatError(f"{where}: 'prompt' and 'response' must be strings")
+            messages = [{"role": "user", "content": record["prompt"]},
+                        {"role": "assistant", "content": response}]
+        else:
+            raise ChatFormatError(
+                f"{where}: expected {{\"prompt\": ..., \"response\": ...}} or "
+                f"{{\"messages\": [...]}} (got keys {sorted(record)})"
+            )
+        return self._templated(messages, where) if self.has_template else self._fallback(messages)
+
+    def _fallback(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+        """No template, the documented default format: one `role: content` line per message,
+        an assistant turn being `assistant: ` + content + end-of-text + newline; assistant
+        contents + end-of-text are scored."""
+        ids: list[int] = []
+        mask: list[bool] = []
+        for m in messages:
+            if m["role"] == "assistant":
+                head = self._ids("assistant: ")
+                body = self._ids(m["content"]) + ([self.eos_id] if self.eos_id is not None else [])
+                tail = self._ids("\n")
+                ids += head + body + tail
+                mask += [False] * len(head) + [True] * len(body) + [False] * len(tail)
+            else:
+                piece = self._ids(f"{m['role']}: {m['content']}\n")
+                ids += piece
+                mask += [False] * len(piece)
+        return ids, mask
+
+    def _templated(self, messages: list[dict[str, str]],
+                   where: str) -> tuple[list[int], list[bool]]:
+        """Render prefixes of the conversation: the text an assistant turn adds after the
+        generation prompt is scored; the text between turns is not."""
+        from jinja2.exceptions import TemplateError
+
+        ids: list[int] = []
+        mask: list[bool] = []
+        done = ""
+        try:
+            for k, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                prompt = self.render(messages[:k], add_generation_prompt=True)
+                full = self.render(messages[: k + 1], add_generation_prompt=False)
+                if not prompt.startswith(done) or not full.startswith(prompt):
+                    raise ChatFormatError(
+                        f"{where}: the chat template does not render the conversation as a "
+                        "growing prefix, so response tokens cannot be told from prompt tokens; "
+                        "use prompt/response records with a simpler template"
+                    )
+                head, body = self._ids(prompt[len(done):]), self._ids(full[len(prompt):])
+                ids += head + body
+                mask += [False] * len(head) + [True] * len(body)
+                done = full
+            tail = self._ids(self.render(messages, add_generation_prompt=False)[len(done):])
+        except TemplateError as e:
+            raise ChatFormatError(f"{where}: the chat template failed: {e}") from None
+        return ids + tail, mask + [False] * len(tail)
+
+    def conversation_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Ids of a conversation followed by the assistant's turn opening (serve's chat), the
+        same tokens fine-tuning puts before an assistant reply."""
+        if self.has_template:
+            return self._ids(self.render(messages, add_generation_prompt=True))
+        return self._fallback(messages)[0] + self._ids("assistant: ")
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """Ids of a new prompt as one user message, ready for the model to generate the
+        response (predict), formatted exactly as a prompt/response record is in training."""
+        return self.conversation_prompt_ids([{"role": "user", "content": prompt}])
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of OpenAI text parts
+    ({"type": "text", "text": ...}) joined. Other part types raise ValueError."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}: content part of type {kind!r} is not supported; "
+                                 "only text parts are")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"{where}: 'content' must be a string or a list of text parts")
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    """Validate messages in place; list-of-parts content becomes its text."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError(f"{where}: 'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ChatFormatError(f"{where}: each message needs a string 'role' and a 'content'")
+        try:
+            m["content"] = content_text(m.get("content"), where)
+        except ValueError as e:
+            raise ChatFormatError(str(e)) from None
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ChatFormatError(f"{where}: no assistant message, so nothing would be trained on")
+
+
+__all__ = ["ChatFormatter", "ChatFormatError", "content_text"]

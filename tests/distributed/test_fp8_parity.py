@@ -7,15 +7,17 @@ micro-batches (data parallel: 2 ranks x 2 steps of 4 rows; TP and PP: all 4 step
 tensorwise activation scale is taken over the same rows. FSDP (weights all-gathered in fp8,
 their scales precomputed after each step), HSDP, DDP, ZeRO-1 and PP then do the very same fp8
 matmuls: losses and gradient norms match to 1e-7 (measured: at most 7.8e-8 and 1.4e-7 over 3
-steps). So does rowwise TP (0 and 7e-8; its scales are powers of two). Tensorwise TP (and FSDP
-x TP) in fp32: the first loss is equal (measured 7.6e-8), later steps differ a little (loss
-1.2e-6, gradient norm 1.3e-3): a TP-split sum rounds differently by an ulp, its amax and so the
-(non-power-of-two) tensorwise scale follow, and elements near an fp8 rounding boundary (e4m3
-steps are 6 %, e5m2 12 %) flip. With power-of-two scales forced, the same TP run matched to
-1e-7, which locates the difference there. CP is not bit-comparable (scales taken over tokens
-cover one rank's half of each sequence) and is held to the bf16 layout tolerance. The other
-checks also assert that one process without fp8 differs by more than 10x their tolerance (fp8
-really ran in the layout).
+steps). TP in fp32 (tensorwise, rowwise, FSDP x TP): the first loss is equal (measured 7.6e-8
+and 0), later steps differ a little (tensorwise: loss 1.2e-6 to 2.8e-6, gradient norm 1.3e-3 to
+5.4e-3): a TP-split sum rounds differently by an ulp, its amax and so the (non-power-of-two)
+tensorwise scale follow, and elements near an fp8 rounding boundary (e4m3 steps are 6 %, e5m2 12
+%) flip. With power-of-two scales forced, the same TP run matched to 1e-7, which locates the
+difference there. Rowwise scales are powers of two, so they move only when an amax crosses one:
+one machine measured 0 and 7e-8 over 3 steps, an AMD EPYC (AVX-512) one 5.1e-6 and 1.5e-3 at the
+third step, so rowwise TP is held to the TP tolerances too. CP is not bit-comparable (scales
+taken over tokens cover one rank's half of each sequence) and is held to the bf16 layout
+tolerance. The other checks also assert that one process without fp8 differs by more than 10x
+their tolerance (TP: 10x the layout's own difference), so fp8 really ran in the layout.
 """
 
 from __future__ import annotations
@@ -118,10 +120,11 @@ def _check(refs: dict, layouts: list, world: int, tmp_path: Path) -> None:
         fp8_effect = _rel(plain["losses"], ref["losses"])  # what skipping fp8 would change
         if name.startswith("cp"):  # other scales, and bf16 CP alone differs by 1.9e-3
             assert max(*dloss, dnorm) <= LOW_TOL, (name, dloss, dnorm)
-        elif "tp" in name.split("-") and recipe == "tensorwise":
-            assert fp8_effect[0] > 10 * TP_FIRST_LOSS_TOL, fp8_effect
+        elif "tp" in name.split("-"):
             assert dloss[0] <= TP_FIRST_LOSS_TOL, (name, dloss)
             assert max(dloss) <= TP_LOSS_TOL and dnorm <= TP_NORM_TOL, (name, dloss, dnorm)
+            # fp8 ran: the layout is far closer to the fp8 process than the run without fp8 is
+            assert max(fp8_effect) > 10 * max(dloss), (name, fp8_effect, dloss)
         else:
             norm_effect = max(_rel(plain["norms"], ref["norms"]))
             assert max(*fp8_effect, norm_effect) > 10 * SAME_MATMULS_TOL

@@ -8,7 +8,6 @@ import it from its module at your own risk.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 __version__ = "0.1.0"
 
@@ -55,7 +54,7 @@ _API: dict[str, tuple[str, str]] = {
 __all__ = sorted(_API)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name not in _API:
         raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")
     module, attribute = _API[name]

@@ -5,6 +5,7 @@ placed in the layers."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -96,3 +97,25 @@ def test_plan_and_qlora_store_nf4_blocks_alike() -> None:
     from scaletrain.plan.finetune_estimate import NF4_BLOCK_SIZE
 
     assert NF4_BLOCK_SIZE == BLOCK_SIZE
+
+
+def test_layout_report_finds_cycles_and_sees_none_here(tmp_path: Path) -> None:
+    """bench/layout_report.py (the issue's measurement) counts lazy imports and skips
+    TYPE_CHECKING ones; it finds a cycle through a function-level import."""
+    spec = importlib.util.spec_from_file_location("layout_report",
+                                                  ROOT / "bench" / "layout_report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    edges = report.module_edges(PACKAGE)
+    assert report.cycles(edges) == [] and report.cycles(report.room_edges(edges)) == []
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f() -> None:\n    from pkg import b\n")
+    (pkg / "b.py").write_text("from pkg.a import f\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                              "    from pkg import a\n")
+    scratch = report.module_edges(pkg)
+    assert report.cycles(scratch) == [["pkg.a", "pkg.b"]]
+    assert not scratch.get("pkg.c")

@@ -1,7 +1,8 @@
 """Which device and which autocast dtype a run uses.
 
 Shared by the trainer (to build the run) and the planner (`train --dry-run` plans what the
-trainer will run), so it lives below both: it imports only the config.
+trainer will run), and by the parallel layers and fine-tuning, so it lives below all of them: it
+imports only the config.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import logging
 
 import torch
 
-from scaletrain.config import Config, ConfigError, PrecisionConfig
-from scaletrain.models.args import ModelArgs
+from scaletrain.config import ConfigError, PrecisionConfig
 
 log = logging.getLogger("scaletrain")
 
@@ -52,19 +52,3 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
         return torch.get_autocast_dtype(device)
     return x.dtype
 
-
-def resolve_model_args(cfg: Config) -> ModelArgs:
-    """The model a training run builds: the preset with the `model.*` overrides; without
-    `model.vocab_size`, a tokenizer larger than the preset's vocabulary widens it to the
-    tokenizer's (a smaller one leaves the preset as it is, so the model matches
-    `scaletrain plan --model PRESET`)."""
-    args = cfg.model.to_model_args()
-    if cfg.model.vocab_size is None:
-        from scaletrain.data.sources import expected_vocab_size
-
-        vocab = expected_vocab_size(cfg.data)
-        if vocab is not None and vocab > args.vocab_size:
-            log.info("model vocabulary: %d, the tokenizer's (larger than the preset's %d; set "
-                     "--model.vocab_size to override)", vocab, args.vocab_size)
-            args = args.replace(vocab_size=vocab)
-    return args

@@ -12,7 +12,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -24,6 +24,10 @@ from scaletrain.data.gpt_dataset import GPTDataset, split_ranges
 from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, strip_prefix
 from scaletrain.data.tokenize import sidecar_tokenizer
 from scaletrain.data.tokenizer import TextTokenizer, TokenizerError, resolve_tokenizer_file
+
+if TYPE_CHECKING:
+    from scaletrain.config import Config
+    from scaletrain.models.args import ModelArgs
 
 log = logging.getLogger("scaletrain.data")
 
@@ -103,6 +107,21 @@ def expected_vocab_size(cfg: Any) -> int | None:
             with_added_tokens=True)
     except Exception:  # a missing file, bad JSON (the Rust side raises a bare Exception)
         return None
+
+
+def resolve_model_args(cfg: Config) -> ModelArgs:
+    """The model a training run builds: the preset with the `model.*` overrides; without
+    `model.vocab_size`, a tokenizer larger than the preset's vocabulary widens it to the
+    tokenizer's (a smaller one leaves the preset as it is, so the model matches
+    `scaletrain plan --model PRESET`)."""
+    args = cfg.model.to_model_args()
+    if cfg.model.vocab_size is None:
+        vocab = expected_vocab_size(cfg.data)
+        if vocab is not None and vocab > args.vocab_size:
+            log.info("model vocabulary: %d, the tokenizer's (larger than the preset's %d; set "
+                     "--model.vocab_size to override)", vocab, args.vocab_size)
+            args = args.replace(vocab_size=vocab)
+    return args
 
 
 def _open_dataset(prefix: Path) -> IndexedDataset:

@@ -64,7 +64,7 @@ def device_for(device: torch.device) -> Device | None:
 def plan_config(cfg: Config, device: torch.device) -> tuple[Plan, Device | None]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lay = layout_from_config(cfg, device, world)
-    from scaletrain.runtime import resolve_model_args
+    from scaletrain.data.sources import resolve_model_args
 
     return estimate(resolve_model_args(cfg), lay), device_for(device)
 

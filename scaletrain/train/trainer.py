@@ -26,7 +26,7 @@ from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
 from scaletrain.profiling.capture import StepProfiler, phase
-from scaletrain.runtime import resolve_device, resolve_model_args
+from scaletrain.runtime import resolve_device
 from scaletrain.train import precision
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
 from scaletrain.train.evaluate import evaluate
@@ -191,8 +191,10 @@ class Trainer:
 
     @functools.cached_property
     def resolved_model_args(self) -> ModelArgs:
-        """The model the config describes (`runtime.resolve_model_args`: the tokenizer may
-        widen the vocabulary), resolved once."""
+        """The model the config describes (`data.sources.resolve_model_args`: the tokenizer
+        may widen the vocabulary), resolved once."""
+        from scaletrain.data.sources import resolve_model_args
+
         return resolve_model_args(self.cfg)
 
     def _model_args(self) -> ModelArgs:

@@ -42,9 +42,9 @@ def _pct(xs: list[int], q: float) -> int:
 
 def run(ckpt: Path, requests: int, concurrency: int, max_tokens: int,
         batch_size: int) -> dict[str, Any]:
+    from scaletrain.inference import slot_decode
     from scaletrain.inference.batch_decode import Row
     from scaletrain.inference.generators import LocalGenerator
-    from scaletrain.inference import slot_decode
     from scaletrain.serving.engine import BatchingEngine
 
     gen = LocalGenerator.from_checkpoint(ckpt)

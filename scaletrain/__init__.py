@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 
+from scaletrain import _moved
+
 __version__ = "0.1.0"
+_moved.install()  # documented old module paths, for one release (docs/api.md)
 
 # public name -> (module, attribute)
 _API: dict[str, tuple[str, str]] = {

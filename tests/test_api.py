@@ -85,6 +85,9 @@ def test_moved_modules_keep_their_old_path_with_a_warning() -> None:
     res = _python("import warnings\n" + "".join(checks) +
                   "from scaletrain.loader import load_model\n"
                   "from scaletrain.inference.loader import load_model as new\n"
-                  "assert load_model is new\nprint('ok')")
+                  "assert load_model is new\n"
+                  "import scaletrain.data.io.readers as r, scaletrain.curate.io.readers as n\n"
+                  "assert r is n and n.__spec__.name == 'scaletrain.curate.io.readers'\n"
+                  "print('ok')")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"

@@ -49,11 +49,10 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 def test_every_room_is_in_a_layer() -> None:
     layers = next(c for c in _contracts() if c["type"] == "layers")["layers"]
     placed = {m.strip() for layer in layers for m in layer.split("|")}
-    deprecated = {"scaletrain.loader"}  # an old path kept for one release (docs/api.md)
     rooms = {f"scaletrain.{p.stem if p.suffix else p.name}" for p in PACKAGE.iterdir()
              if (p.suffix == ".py" or (p / "__init__.py").exists())
              and p.name not in ("__init__.py", "__main__.py")}
-    assert rooms - deprecated == placed, (rooms - deprecated) ^ placed
+    assert rooms == placed, rooms ^ placed
 
 
 @needs_linter

@@ -118,3 +118,16 @@ def test_layout_report_finds_cycles_and_sees_none_here(tmp_path: Path) -> None:
     scratch = report.module_edges(pkg)
     assert report.cycles(scratch) == [["pkg.a", "pkg.b"]]
     assert not scratch.get("pkg.c")
+
+
+def test_layout_report_runs_as_documented() -> None:
+    """docs/benchmarks.md's command: tables, no cycles, an import time for every verb."""
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "layout_report.py"),
+                          "--repeat", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "room cycles: none" in out and "module cycles: none" in out
+    verbs = [p.stem for p in (PACKAGE / "commands").glob("*.py") if not p.stem.startswith("_")]
+    for verb in verbs:
+        assert f"scaletrain.commands.{verb} " in out, verb

@@ -3,14 +3,13 @@ cold import time of `scaletrain` and of each verb's module (`python -X importtim
 
     python bench/layout_report.py [--package-dir scaletrain] [--repeat 3]
 
-Every import counts, also those inside functions (they run when the function does) and under
-`TYPE_CHECKING` (they are left out: they never run). Prints tables; asserts nothing.
+Every import counts, also those inside functions (they run when the function does); those
+under `TYPE_CHECKING` are left out (they never run). Prints tables; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import statistics
 import subprocess
@@ -29,42 +28,18 @@ def _modules(package_dir: Path) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def module_edges(package_dir: Path) -> dict[str, set[str]]:
-    """module -> the package's modules it imports (at any depth, TYPE_CHECKING left out)."""
-    mods = _modules(package_dir)
-    root = package_dir.name
+    """module -> the package's modules it imports (grimp's graph, the one import-linter checks:
+    imports at any depth, TYPE_CHECKING ones left out)."""
+    import grimp  # with import-linter: `pip install -e ".[dev]"`
 
-    def resolve(name: str) -> str:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name
-
-    edges: dict[str, set[str]] = defaultdict(set)
-    for mod, path in mods.items():
-        stack: list[ast.AST] = [ast.parse(path.read_text())]
-        while stack:
-            node = stack.pop()
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and _is_type_checking(child):
-                    stack.extend(child.orelse)
-                    continue
-                names: list[str] = []
-                if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                    names = [f"{child.module}.{a.name}" for a in child.names]
-                elif isinstance(child, ast.Import):
-                    names = [a.name for a in child.names]
-                for name in names:
-                    if name.split(".")[0] == root and (target := resolve(name)) \
-                            and target != mod:
-                        edges[mod].add(target)
-                stack.append(child)
-    return edges
+    sys.path.insert(0, str(package_dir.parent))  # this folder's package, not an installed one
+    try:
+        graph = grimp.build_graph(package_dir.name, exclude_type_checking_imports=True,
+                                  cache_dir=None)
+    finally:
+        sys.path.remove(str(package_dir.parent))
+    return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
 
 
 def room(module: str) -> str:

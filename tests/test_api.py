@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import scaletrain
+from scaletrain._moved import MOVED
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "api.md"
@@ -57,16 +58,6 @@ def test_docs_examples_run(tmp_path: Path) -> None:
     assert out.rstrip().splitlines()[-1].startswith("def main(")
 
 
-MOVED = {
-    "scaletrain.loader": "scaletrain.inference.loader",
-    "scaletrain.models.generation": "scaletrain.inference.generation",
-    "scaletrain.train.native_format": "scaletrain.checkpoint.native_format",
-    "scaletrain.train.safe_dcp": "scaletrain.checkpoint.safe_dcp",
-    "scaletrain.train.integrity": "scaletrain.checkpoint.integrity",
-    "scaletrain.finetune.estimate": "scaletrain.plan.finetune_estimate",
-    "scaletrain.data.io": "scaletrain.curate.io",
-    "scaletrain.data.runner": "scaletrain.curate.runner",
-}
 
 
 def test_moved_modules_keep_their_old_path_with_a_warning() -> None:

@@ -91,13 +91,6 @@ def test_data_never_imports_torch_nn() -> None:
     assert not bad, bad
 
 
-def test_plan_and_qlora_store_nf4_blocks_alike() -> None:
-    from scaletrain.finetune.qlora import BLOCK_SIZE
-    from scaletrain.plan.finetune_estimate import NF4_BLOCK_SIZE
-
-    assert NF4_BLOCK_SIZE == BLOCK_SIZE
-
-
 def test_layout_report_finds_cycles_and_sees_none_here(tmp_path: Path) -> None:
     """bench/layout_report.py (the issue's measurement) counts lazy imports and skips
     TYPE_CHECKING ones; it finds a cycle through a function-level import."""

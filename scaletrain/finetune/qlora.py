@@ -14,9 +14,11 @@ import logging
 import torch
 from torch import nn
 
+from scaletrain.plan.finetune_estimate import NF4_BLOCK_SIZE
+
 log = logging.getLogger("scaletrain.finetune")
 
-BLOCK_SIZE = 64  # NF4 block size (elements sharing one absmax), bitsandbytes' default
+BLOCK_SIZE = NF4_BLOCK_SIZE  # elements sharing one absmax; the plan counts the same
 
 
 def _bnb():

@@ -12,7 +12,7 @@ from scaletrain.models.args import ModelArgs, count_params
 from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
 
 # NF4 block size (elements sharing one absmax), bitsandbytes' default: what finetune.qlora
-# quantizes with (tests/test_layering.py keeps the two equal).
+# quantizes with (it takes it from here).
 NF4_BLOCK_SIZE = 64
 
 

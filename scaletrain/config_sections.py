@@ -46,6 +46,13 @@ class ModelConfig:
     """Mixture of Experts: experts every token goes through (one MLP of n x moe_ffn_dim)."""
     moe_aux_loss_coef: float | None = None
     """Mixture of Experts: weight of the load-balancing auxiliary loss (0 = off)."""
+    moe_aux_loss_scope: Literal["sequence", "micro_batch"] | None = None
+    """Mixture of Experts: what the auxiliary loss balances. `sequence` (default): each
+    sequence on its own, averaged over the step's sequences (DeepSeek-V3, Megatron
+    `seq_aux_loss`): the same objective for every layout of a global batch. `micro_batch`:
+    the load of one micro-batch of all data-parallel ranks (Switch/Mixtral, transformers'
+    `aux_loss`): it changes with how the global batch splits into micro-batch x accumulation x
+    data-parallel ranks."""
     moe_bias_update_rate: float | None = None
     """Mixture of Experts: auxiliary-loss-free balancing bias step (DeepSeek-V3; 0 = off)."""
     moe_capacity_factor: float | None = None

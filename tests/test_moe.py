@@ -20,9 +20,11 @@ from scaletrain.models.moe import (
     aux_loss_weighting,
     balancing_loss,
     moe_layers,
+    sequence_balancing_loss,
     update_expert_bias,
 )
 from scaletrain.models.transformer import build_model
+from tests.distributed.worker import run_trainer
 
 TINY = ModelArgs(family="mixtral", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                  ffn_dim=48, max_seq_len=64, n_experts=4, n_experts_per_token=2)
@@ -115,12 +117,45 @@ def test_counts_match_the_built_model_and_published_sizes() -> None:
     assert count_active_params(dense) == count_params(dense).total
 
 
-def test_aux_loss_gradient_is_coef_times_token_weighted_mean() -> None:
-    """Through the injected gradient, the router gets d(CE + coef * aux)/dW; inside the step's
+def test_sequence_aux_loss_is_the_mean_of_per_sequence_losses_by_hand() -> None:
+    """Scope `sequence`: E * sum_i f_i * P_i of each row on its own, averaged over the rows;
+    scope `micro_batch`: the same formula over all the rows' tokens at once."""
+    torch.manual_seed(0)
+    moe = MoE(TINY.replace(n_experts_per_token=2))
+    torch.nn.init.normal_(moe.router.gate.weight, std=1.0)
+    x = torch.randn(3, 7, TINY.dim)
+    routing = moe.router(x.reshape(-1, TINY.dim))
+    probs = routing.probs.view(3, 7, 4)
+    chosen = routing.experts.view(3, 7, 2)
+    by_hand = []
+    for b in range(3):
+        loss = 0.0
+        for i in range(4):
+            f = float((chosen[b] == i).sum()) / 7
+            loss += f * float(probs[b, :, i].mean())
+        by_hand.append(4 * loss)
+    got = sequence_balancing_loss(routing, 3)
+    assert abs(float(got) - sum(by_hand) / 3) < 1e-6
+    f_all = torch.stack([(chosen == i).sum() for i in range(4)]).float() / 21
+    pooled = 4 * float((f_all * probs.reshape(-1, 4).mean(0)).sum())
+    assert abs(float(balancing_loss(routing)) - pooled) < 1e-6
+    assert abs(pooled - float(got)) > 1e-3  # the two scopes are different statistics
+
+
+@pytest.mark.parametrize("scope", ["sequence", "micro_batch"])
+def test_aux_loss_gradient_is_coef_times_token_weighted_mean(scope: str) -> None:
+    """Through the injected gradient, the router gets d(CE + coef * aux)/dW (aux of the
+    layer's scope: the mean over the sequences, or the micro-batch's); inside the step's
     weighting, a forward of T tokens out of a step of N counts T/N of its aux loss."""
     coef = 0.5
-    args = TINY.replace(moe_aux_loss_coef=coef)
-    x = torch.randint(0, 64, (2, 16))
+    args = TINY.replace(moe_aux_loss_coef=coef, moe_aux_loss_scope=scope)
+    x = torch.randint(0, 64, (3, 16))
+
+    def aux_of(mod: MoE, inp: torch.Tensor) -> torch.Tensor:
+        routing = mod.router(inp.reshape(-1, args.dim))
+        return (sequence_balancing_loss(routing, inp.shape[0]) if scope == "sequence"
+                else balancing_loss(routing))
+
     model = build_model(args, seed=3)
     model.train()
     F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
@@ -130,8 +165,7 @@ def test_aux_loss_gradient_is_coef_times_token_weighted_mean() -> None:
     ref.train()
     auxes = []
     for _, m in moe_layers(ref):
-        m.register_forward_hook(lambda mod, inp, out: auxes.append(
-            balancing_loss(mod.router(inp[0].reshape(-1, args.dim)))))
+        m.register_forward_hook(lambda mod, inp, out: auxes.append(aux_of(mod, inp[0])))
     ce = F.cross_entropy(ref(x).flatten(0, 1), x.flatten())
     (ce + coef * sum(auxes)).backward()
     for name, g in _grads(ref).items():
@@ -147,6 +181,42 @@ def test_aux_loss_gradient_is_coef_times_token_weighted_mean() -> None:
     (ce + coef / 4 * sum(auxes)).backward()
     for name, g in _grads(ref).items():
         torch.testing.assert_close(_grads(weighted)[name], g, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_aux_loss_scope_is_validated() -> None:
+    with pytest.raises(ValueError, match="moe_aux_loss_scope must be one of sequence"):
+        TINY.replace(moe_aux_loss_scope="global")
+    assert TINY.moe_aux_loss_scope == "sequence"
+
+
+MOE_FLAGS = ["--model.n_experts", "4", "--model.n_experts_per_token", "2",
+             "--model.moe_ffn_dim", "64", "--model.moe_aux_loss_coef", "0.01",
+             "--training.max_grad_norm", "1.0"]
+
+
+def test_sequence_scope_objective_does_not_depend_on_the_accumulation_split(
+        tmp_path: pytest.TempPathFactory) -> None:
+    """One process, one global batch of 8 sequences per step as 8 x 1, 4 x 2 and 2 x 4
+    micro-batches: with scope `sequence` the losses and gradient norms are equal (fp32, 1e-6);
+    with `micro_batch` the objective changes with the split (what the scope fixes)."""
+    cache = tmp_path / "cache"
+    runs: dict[tuple[str, int], dict] = {}
+    for scope in ("sequence", "micro_batch"):
+        for mbs in (8, 4, 2):
+            runs[scope, mbs] = run_trainer(
+                [str(tmp_path / f"{scope}-{mbs}"), str(cache), *MOE_FLAGS,
+                 "--model.moe_aux_loss_scope", scope, "--training.micro_batch_size", str(mbs),
+                 "--training.grad_accum_steps", str(8 // mbs)], 2, capture=False)
+
+    def rel(a: list[float], b: list[float]) -> float:
+        return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+    for mbs in (4, 2):
+        seq, ref = runs["sequence", mbs], runs["sequence", 8]
+        assert rel(seq["losses"], ref["losses"]) < 1e-6, mbs
+        assert rel(seq["norms"], ref["norms"]) < 1e-6, mbs
+        mb, mb_ref = runs["micro_batch", mbs], runs["micro_batch", 8]
+        assert rel(mb["norms"], mb_ref["norms"]) > 1e-5, mbs
 
 
 def _skewed_router(moe: MoE) -> None:

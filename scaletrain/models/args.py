@@ -17,6 +17,8 @@ Family = Literal["llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma", 
 MlpAct = Literal["silu", "gelu_tanh"]
 RouterScore = Literal["softmax", "sigmoid"]
 ExpertCompute = Literal["grouped", "loop"]
+MoeAuxLossScope = Literal["sequence", "micro_batch"]
+MOE_AUX_LOSS_SCOPES: tuple[str, ...] = ("sequence", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,14 @@ class ModelArgs:
     """Renormalize the k chosen weights to sum to 1 (Mixtral: always; Qwen3-MoE: norm_topk_prob)."""
     moe_aux_loss_coef: float = 0.0
     """Weight of the load-balancing auxiliary loss (Mixtral 0.02, Qwen3-MoE 0.001); 0 = off."""
+    moe_aux_loss_scope: MoeAuxLossScope = "sequence"
+    """Tokens the auxiliary loss E * sum_i f_i * P_i counts together. `sequence`: each sequence
+    (row) on its own, the loss is the mean over the step's sequences (DeepSeek-V3's
+    sequence-wise loss, Megatron's `seq_aux_loss`); the objective is the same for every layout
+    of a global batch (micro-batch size, accumulation, DP/EP/TP/PP/CP). `micro_batch`:
+    Switch/Mixtral's statistic over one micro-batch of every data-parallel rank (transformers'
+    and Megatron's `aux_loss`); it changes when the global batch is split differently into
+    micro-batch x accumulation x data-parallel ranks."""
     moe_bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): per-step move of the routing bias; 0 = off."""
     moe_capacity_factor: float | None = None
@@ -179,6 +189,9 @@ class ModelArgs:
             out.append(f"moe_ffn_dim must be positive (got {self.moe_ffn_dim})")
         if self.moe_aux_loss_coef < 0 or self.moe_bias_update_rate < 0:
             out.append("moe_aux_loss_coef and moe_bias_update_rate must be >= 0")
+        if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
+            out.append(f"moe_aux_loss_scope must be one of {', '.join(MOE_AUX_LOSS_SCOPES)} "
+                       f"(got {self.moe_aux_loss_scope!r})")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             out.append("moe_capacity_factor must be positive or unset")
         return out

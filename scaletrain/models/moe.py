@@ -214,8 +214,8 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def balancing_loss(routing: Routing, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Switch/Mixtral auxiliary loss of one layer: E * sum_i (tokens to i / tokens) * P_i
-    (k when perfectly balanced).
+    """Switch/Mixtral auxiliary loss of one layer over one micro-batch (scope `micro_batch`):
+    E * sum_i (tokens to i / tokens) * P_i (k when perfectly balanced).
 
     With `group` (the data-parallel ranks, set by the parallel layout), the load fractions
     count the micro-batch of every rank of the group (equal-sized micro-batches), so a
@@ -229,6 +229,31 @@ def balancing_loss(routing: Routing, group: dist.ProcessGroup | None = None) -> 
         tokens *= dist.get_world_size(group)
     fraction = counts.to(routing.probs.dtype) / tokens
     return n_experts * (fraction * routing.probs.mean(0)).sum()
+
+
+def sequence_balancing_loss(routing: Routing, sequences: int,
+                            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The auxiliary loss per sequence (scope `sequence`), averaged over the `sequences` rows
+    of the routed tokens (row-major: each row's tokens are contiguous):
+    mean_b E * sum_i f_bi * P_bi, f_bi = tokens of row b to expert i / tokens of row b (summed
+    over the k choices), P_bi = mean router probability of i over row b's tokens.
+
+    Under context parallelism each rank holds an equal part of every row: `group` (the
+    context-parallel ranks) sums the rows' expert counts, so f_bi is the whole sequence's,
+    while P_bi is the mean over this rank's part. The step's token weighting gives each rank
+    (its tokens / the step's tokens), so the sum over the ranks holds the mean of the parts'
+    P_bi, the whole sequence's P_bi: the sequence's loss exactly."""
+    n_experts = routing.probs.shape[-1]
+    choices = routing.experts.reshape(sequences, -1)  # (rows, local tokens x k)
+    counts = torch.zeros(sequences, n_experts, dtype=torch.long, device=choices.device)
+    counts.scatter_add_(1, choices, torch.ones_like(choices))
+    tokens = routing.experts.shape[0] // sequences
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+        tokens *= dist.get_world_size(group)
+    fraction = counts.to(routing.probs.dtype) / tokens
+    probs = routing.probs.reshape(sequences, -1, n_experts).mean(1)
+    return n_experts * (fraction * probs).sum(-1).mean()
 
 
 # --- the block's MLP --------------------------------------------------------------------------
@@ -247,13 +272,16 @@ class MoE(nn.Module):
         self.shared = (FeedForward(args.replace(ffn_dim=args.shared_expert_hidden_dim))
                        if args.n_shared_experts else None)
         self.aux_coef = args.moe_aux_loss_coef
+        self.aux_scope = args.moe_aux_loss_scope
         self.bias_rate = args.moe_bias_update_rate
         self.capacity_factor = args.moe_capacity_factor
         # Expert parallelism replaces this: (sorted tokens, tokens per expert, experts) -> out.
         self.dispatcher: Dispatcher | None = None
         # Tensor parallelism: sums the partial outputs of the TP ranks' experts (identity else).
         self.output_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # The data-parallel ranks whose micro-batches the balancing loss counts together.
+        # The ranks whose expert counts the balancing loss sums (set by the parallel layout):
+        # those holding parts of the same sequences (context parallel) for scope `sequence`,
+        # the data-parallel ranks (context parallel included) for scope `micro_batch`.
         self.balance_group: dist.ProcessGroup | None = None
         # Statistics since they were last read (see `moe_stats`); device tensors, no host sync.
         # Integer counts, so that `model.to(bf16)` leaves them exact.
@@ -283,7 +311,10 @@ class MoE(nn.Module):
         if self.training:
             self._record(routing)
         if self.aux_coef > 0 and self.training and torch.is_grad_enabled():
-            aux = balancing_loss(routing, self.balance_group)
+            rows = shape[0] if x.dim() == 3 else 1  # (batch, seq, dim): one row per sequence
+            aux = (sequence_balancing_loss(routing, rows, self.balance_group)
+                   if self.aux_scope == "sequence"
+                   else balancing_loss(routing, self.balance_group))
             self.last_aux_loss = aux.detach()
             out = _InjectAuxGrad.apply(out, aux, _aux_weight(self.aux_coef, flat.shape[0],
                                                              x.device))
@@ -365,5 +396,5 @@ def update_expert_bias(model: nn.Module,
 MLP_BUILDERS.append((lambda args: args.is_moe, MoE))
 
 __all__ = ["MoE", "Router", "Routing", "GroupedExperts", "balancing_loss", "expert_counts",
-           "moe_layers",
+           "moe_layers", "sequence_balancing_loss",
            "update_expert_bias", "aux_loss_weighting"]

@@ -259,10 +259,12 @@ class Parallelism:
         return self.mesh["dp_shard_mod_ep"] if d.ep > 1 and d.dp_shard_mod_ep > 1 else None
 
     def _set_balance_group(self, model: nn.Module) -> None:
-        """MoE balancing losses count the expert load over all data-parallel ranks."""
-        group = self.mesh.group("dp_cp") if self.mesh["dp_cp"].size() > 1 else None
+        """The ranks whose expert counts MoE balancing losses sum: for scope `sequence` the
+        context-parallel ranks (each holds a part of the same sequences; every other
+        dimension keeps sequences whole), for scope `micro_batch` all data-parallel ranks."""
         for _, moe in moe_layers(model):
-            moe.balance_group = group
+            dim = "cp" if moe.aux_scope == "sequence" else "dp_cp"
+            moe.balance_group = self.mesh.group(dim) if self.mesh[dim].size() > 1 else None
 
     def _materialize(self, model: nn.Module, args: ModelArgs, seed: int) -> None:
         """Allocate this rank's shards and fill them with the values the single-process model

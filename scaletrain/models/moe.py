@@ -11,13 +11,19 @@ reference). With expert parallelism the sorted tokens are exchanged with an all-
 the ranks that own the experts (`MoE.dispatcher`, installed by `parallel/ep.py`).
 
 Load balancing, two options that can be combined:
-- the auxiliary loss of Switch/Mixtral, `E * sum_i f_i * P_i` per layer (f_i: fraction of the
-  layer's routed tokens that chose expert i, times k; P_i: mean router probability of i), added
-  to the objective with weight `moe_aux_loss_coef`. Its gradient is injected in backward at the
-  MoE output (`_InjectAuxGrad`), so it works unchanged under pipeline parallelism; the training
-  step weights each micro-batch's term by its share of the step's tokens (`aux_loss_weighting`).
-  Under data parallelism f_i counts the micro-batches of all data-parallel ranks
-  (`balance_group`), so every layout optimizes the term one process would.
+- the auxiliary loss `E * sum_i f_i * P_i` per layer (f_i: fraction of the tokens that chose
+  expert i, times k; P_i: mean router probability of i; k when perfectly balanced), added to the
+  objective with weight `moe_aux_loss_coef`. `moe_aux_loss_scope` says which tokens one term
+  counts: `sequence` (default, `sequence_balancing_loss`) one sequence (row), the step's term
+  being the mean over its sequences, so the objective is the same for every layout of a global
+  batch; `micro_batch` (`balancing_loss`, Switch/Mixtral) one micro-batch of every
+  data-parallel rank, which changes with how the global batch splits into micro-batch x
+  accumulation x data parallelism. Its gradient is injected in backward at the MoE output
+  (`_InjectAuxGrad`), so it works unchanged under pipeline parallelism; the training step
+  weights each forward's term by its share of the step's tokens (`aux_loss_weighting`).
+  Only context parallelism splits a sequence over ranks: `balance_group` sums the counts
+  over the ranks that share the tokens (the cp ranks for `sequence`, the data-parallel and cp
+  ranks for `micro_batch`).
 - the auxiliary-loss-free bias of DeepSeek-V3: a per-expert bias added to the scores for the
   top-k choice only (not to the weights), moved by `moe_bias_update_rate * sign(mean load -
   load)` after each optimizer step (`update_expert_bias`).
@@ -52,8 +58,9 @@ def aux_loss_weighting(step_tokens: int, loss_scale: torch.Tensor | None = None
                        ) -> Iterator[None]:
     """Inside, each forward's auxiliary loss is weighted by (its tokens / `step_tokens`), the
     tokens of the whole step over every data-parallel rank and micro-batch, so the step's
-    objective holds the token-weighted mean of the auxiliary loss whatever the layout; and
-    by `loss_scale` (the fp16 loss scale) like the main loss. Outside, the weight is 1."""
+    objective holds the token-weighted mean of the forwards' auxiliary losses (with scope
+    `sequence` and rows of one length: the mean over the step's sequences); and by
+    `loss_scale` (the fp16 loss scale) like the main loss. Outside, the weight is 1."""
     old = dict(_AUX_WEIGHTING)
     _AUX_WEIGHTING.update(tokens=step_tokens, scale=loss_scale)
     try:

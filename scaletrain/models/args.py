@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Arch = Literal["llama", "gpt2"]
 Family = Literal["llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2",
@@ -18,7 +18,7 @@ MlpAct = Literal["silu", "gelu_tanh"]
 RouterScore = Literal["softmax", "sigmoid"]
 ExpertCompute = Literal["grouped", "loop"]
 MoeAuxLossScope = Literal["sequence", "micro_batch"]
-MOE_AUX_LOSS_SCOPES: tuple[str, ...] = ("sequence", "micro_batch")
+MOE_AUX_LOSS_SCOPES: tuple[str, ...] = get_args(MoeAuxLossScope)
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,7 @@ class Trainer:
         self.train_stream, self.val_data, self.corpus = build_train_val(
             self.cfg.data, self.mbs, self.cfg.training.seed, pin_memory=pin,
             dp_rank=self.dp_rank, dp_size=self.dp_size, num_samples=num_samples,
+            grad_accum=self.ga,
         )
 
     @functools.cached_property

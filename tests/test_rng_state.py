@@ -113,15 +113,19 @@ def test_dropout_recomputed_under_activation_checkpointing(tmp_path: Path, cache
     assert ac == pytest.approx(plain, abs=1e-6)  # recomputation replays forward's masks
 
 
+@pytest.mark.parametrize("change", ["layout", "world"])
 def test_resume_in_another_layout_warns_and_reseeds(tmp_path: Path, cache: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+                                                    caplog: pytest.LogCaptureFixture,
+                                                    change: str) -> None:
     out = tmp_path / "run"
     _checkpointed_run(out, cache)
-    real = rng.layout_tensor
-    # Pretend the checkpoint was written in another layout of the same mesh rank.
-    monkeypatch.setattr(rng, "layout_tensor",
-                        lambda world, shape, stream: real(world + 1, shape, stream))
+    if change == "layout":  # this rank's entry is there, saved in another layout
+        real = rng.layout_tensor
+        monkeypatch.setattr(rng, "layout_tensor",
+                            lambda world, shape, stream: real(world + 1, shape, stream))
+    else:  # a rank the saving run did not have (a larger world): no entry at all
+        monkeypatch.setattr(rng, "rank_key", lambda rank: "rank7")
     argv = ("--training.steps", "4", *DROPOUT, "--checkpoint.resume", "true")
     draws = []
     for _ in range(2):

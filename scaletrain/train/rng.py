@@ -89,21 +89,33 @@ def _float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    """This process's RNG state as tensors: torch CPU, numpy + Python ("host") and, with
-    CUDA, the current device's generator."""
+def _cuda_device(device: torch.device | None) -> torch.device | None:
+    """The CUDA device whose generator belongs to this rank: `device` when it is one, else the
+    current device once CUDA is in use; None without CUDA."""
+    if device is not None and device.type == "cuda":
+        return device
+    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """This process's RNG state as tensors: torch CPU, numpy + Python ("host") and, on CUDA,
+    the generator of this rank's `device` (the current device when None)."""
     state = {"torch": torch.get_rng_state(), "host": _host_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    cuda = _cuda_device(device)
+    if cuda is not None:
+        state["cuda"] = torch.cuda.get_rng_state(cuda)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned (the CUDA part only where there is a device)."""
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore what `rng_state(device)` returned (the CUDA part only where there is one)."""
     torch.set_rng_state(state["torch"])
     _set_host_state(state["host"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    cuda = _cuda_device(device)
+    if "cuda" in state and cuda is not None:
+        torch.cuda.set_rng_state(state["cuda"], cuda)
 
 
 def rank_key(rank: int) -> str:
@@ -116,6 +128,7 @@ def layout_tensor(world: int, mesh_shape: tuple[int, ...], stream: int) -> torch
 
 
 def saved_template(rank: int, layout: torch.Tensor, stored_keys: set[str],
+                   device: torch.device | None = None,
                    prefix: str = "extra.rng") -> dict[str, dict[str, torch.Tensor]]:
     """The "rng" entry to load from a checkpoint whose DCP keys are `stored_keys`: this
     rank's saved state when it is there with a layout of the same length, else nothing."""
@@ -123,18 +136,18 @@ def saved_template(rank: int, layout: torch.Tensor, stored_keys: set[str],
     if f"{mine}.torch" not in stored_keys or f"{mine}.host" not in stored_keys \
             or f"{mine}.layout" not in stored_keys:
         return {}
-    entry = {**rng_state(), "layout": layout.clone()}
+    entry = {**rng_state(device), "layout": layout.clone()}
     entry = {k: v for k, v in entry.items() if f"{mine}.{k}" in stored_keys}
     return {rank_key(rank): entry}
 
 
 def restore(loaded: dict[str, Any], rank: int, layout: torch.Tensor, everyone_exact: bool,
-            seed: int, stream: int, step: int) -> bool:
+            seed: int, stream: int, step: int, device: torch.device | None = None) -> bool:
     """Put this rank's saved state back when every rank has its own (`everyone_exact`, agreed
     over the ranks by the caller); otherwise warn and reseed from (seed, stream, step).
     Returns whether the exact state was restored."""
     if everyone_exact:
-        set_rng_state(loaded[rank_key(rank)])
+        set_rng_state(loaded[rank_key(rank)], device)
         return True
     log.warning("checkpoint at step %d holds no RNG state of this rank in this layout (world "
                 "size %d, mesh %s): it was saved with another layout or before per-rank RNG "

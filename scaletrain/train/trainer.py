@@ -242,7 +242,7 @@ class Trainer:
         extra: dict[str, Any] = {
             "lr_schedule": self.schedule.state_dict(),
             "data": self.train_stream.state_dict(),
-            "rng": {rng.rank_key(self.par.rank): {**rng.rng_state(),
+            "rng": {rng.rank_key(self.par.rank): {**rng.rng_state(self.device),
                                                   "layout": self.rng_layout}},
         }
         if self.scaler is not None:
@@ -265,13 +265,13 @@ class Trainer:
             stored = set(read_metadata(path).state_dict_metadata)
         except CheckpointError:
             stored = set()
-        template["rng"] = rng.saved_template(rank, self.rng_layout, stored)
+        template["rng"] = rng.saved_template(rank, self.rng_layout, stored, self.device)
         extra = self.checkpointer.load(path, self.model, self.optimizer, template)
         self.schedule.load_state_dict(extra["lr_schedule"])
         self.train_stream.load_state_dict(extra["data"])
         exact = all(self.par.gather_objects(rng.is_exact(extra["rng"], rank, self.rng_layout)))
         rng.restore(extra["rng"], rank, self.rng_layout, exact, self.cfg.training.seed,
-                    self.rng_stream, int(extra["step"]))
+                    self.rng_stream, int(extra["step"]), self.device)
         if self.scaler is not None and "scaler" in extra:
             self.scaler.load_state_dict(extra["scaler"])
         self.step = int(extra["step"])

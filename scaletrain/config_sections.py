@@ -59,6 +59,9 @@ class ModelConfig:
     """Mixture of Experts: drop tokens beyond factor x the even share of an expert."""
     expert_compute: Literal["grouped", "loop"] | None = None
     """Mixture of Experts: one grouped GEMM for all experts, or one matmul per expert."""
+    dropout: float | None = None
+    """Residual dropout probability in training (embeddings, attention and MLP outputs before
+    the residual add, as GPT-2); default: the preset's, 0 for every built-in one."""
 
     def to_model_args(self) -> ModelArgs:
         """The preset with the non-None overrides applied."""

@@ -204,20 +204,21 @@ def test_verification_off_skips_hashes_but_not_safety(good_run: Path, tmp_path: 
 def test_pickled_object_in_training_state_is_refused(good_run: Path, cache: Path,
                                                      tmp_path: Path,
                                                      capfd: pytest.CaptureFixture[str]) -> None:
-    """Non-tensor entries (RNG, schedule, loader state) are read weights-only too."""
+    """Non-tensor entries (schedule, loader state) are read weights-only too (RNG states are
+    tensors, one entry per rank)."""
     from scaletrain.train.trainer import Trainer
 
     out = tmp_path / "run"
     trainer = Trainer(tiny_config(out, cache, "--training.steps", "2"))
     marker = tmp_path / "payload-ran"
     extra = trainer._extra_state()
-    extra["rng"]["python"] = Payload(marker)
+    extra["lr_schedule"]["step"] = Payload(marker)
     trainer.checkpointer.save(2, trainer.model, trainer.optimizer, extra)  # valid manifest
     before = _files(out)
     rc = main(["train", *tiny_argv(out, cache, "--training.steps", "4",
                                    "--checkpoint.resume", "true")])
     err = capfd.readouterr().err
-    assert rc == 2 and "extra.rng.python" in err and "refused" in err, err
+    assert rc == 2 and "extra.lr_schedule.step" in err and "refused" in err, err
     assert not marker.exists() and _files(out) == before
 
 

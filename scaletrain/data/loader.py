@@ -202,7 +202,7 @@ def iter_eval_batches(dataset: Dataset[Any], batch_size: int,
 
 def build_train_val(
     cfg: Any, batch_size: int, seed: int, pin_memory: bool, dp_rank: int = 0, dp_size: int = 1,
-    num_samples: int | None = None,
+    num_samples: int | None = None, grad_accum: int = 1,
 ) -> tuple[BatchStream, Windows, Any]:
     """The trainer's one call: (training stream, validation samples, `DataInfo`).
 
@@ -210,6 +210,8 @@ def build_train_val(
     `batch_size` rows of every global batch of `batch_size x dp_size` samples, so the global
     order does not depend on dp_size. `num_samples` (the samples the run will consume) sets how
     many epochs the index holds; the order of the first samples never depends on it.
+    `grad_accum` (micro-batches per optimizer step) only sizes what the log line reports: a
+    global batch of `batch_size x grad_accum x dp_size` rows per optimizer step.
     """
     from scaletrain.data.sources import build_sources
 
@@ -220,7 +222,10 @@ def build_train_val(
         persistent_workers=cfg.persistent_workers, dp_rank=dp_rank, dp_size=dp_size,
         fingerprint=info.fingerprint,
     )
-    log.info("data: %d training samples of %d tokens (%d global batches of %d), "
-             "%d validation samples", len(train), cfg.seq_len, stream.batches_left,
-             stream.global_batch, len(val))
+    step_rows = stream.global_batch * grad_accum  # micro-batch x grad_accum x dp
+    log.info("data: %d training samples of %d tokens (%d optimizer steps of a global batch of "
+             "%d = %d micro-batch x %d accumulation x %d data-parallel; %d micro-batches per "
+             "rank), %d validation samples", len(train), cfg.seq_len,
+             stream.batches_left // grad_accum, step_rows, batch_size, grad_accum, dp_size,
+             stream.batches_left, len(val))
     return stream, Windows(val), info

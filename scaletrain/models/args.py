@@ -126,6 +126,10 @@ class ModelArgs:
     dropping."""
     expert_compute: ExpertCompute = "grouped"
     """Routed experts as one grouped GEMM (`torch._grouped_mm`) or one matmul per expert."""
+    dropout: float = 0.0
+    """Residual dropout in training (GPT-2's `resid_pdrop`/`embd_pdrop`): on the embeddings and
+    on each block's attention and MLP outputs before the residual add; 0 = none (no module, no
+    random draw)."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -170,6 +174,8 @@ class ModelArgs:
             out.append(f"family {self.family!r} does not match arch {self.arch!r}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             out.append(f"ffn_dim must be positive (got {self.ffn_dim})")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"dropout must be in [0, 1) (got {self.dropout})")
         return out + self._moe_problems()
 
     def _moe_problems(self) -> list[str]:

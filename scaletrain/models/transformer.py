@@ -110,16 +110,25 @@ class TransformerBlock(nn.Module):
         # Gemma 2 normalizes the attention and MLP outputs too, before the residual add.
         self.post_attention_norm = make_norm(args) if args.post_norms else None
         self.post_ffn_norm = make_norm(args) if args.post_norms else None
+        # Residual dropout (GPT-2): modules only when p > 0, so a model without dropout keeps its
+        # module tree and draws no random numbers; activation checkpointing sees them
+        # (`parallel/activation_checkpoint.py`) and restores the RNG state for recomputation.
+        self.attention_dropout = nn.Dropout(args.dropout) if args.dropout > 0 else None
+        self.ffn_dropout = nn.Dropout(args.dropout) if args.dropout > 0 else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         a = self.attention(self.attention_norm(x), rope, start_pos, mask=mask)
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
+        if self.attention_dropout is not None:
+            a = self.attention_dropout(a)
         h = x + a
         m = self.feed_forward(self.ffn_norm(h))
         if self.post_ffn_norm is not None:
             m = self.post_ffn_norm(m)
+        if self.ffn_dropout is not None:
+            m = self.ffn_dropout(m)
         return h + m
 
 
@@ -137,6 +146,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
+        self.embedding_dropout = nn.Dropout(args.dropout) if args.dropout > 0 else None
         self.norm = make_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -227,6 +237,8 @@ class Transformer(nn.Module):
                 self.reset_buffers()
             cos, sin = self._rope_tables(positions, h.dtype)
             rope = (cos, sin) if positions.ndim == 1 else (cos[:, None], sin[:, None])
+        if embed and self.embedding_dropout is not None:
+            h = self.embedding_dropout(h)
         for layer_id in layer_ids:  # mask by keyword: TP's input plans cover positional inputs
             h = self.layers[layer_id](h, rope, start_pos, mask=mask)
         return h

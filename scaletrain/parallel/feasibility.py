@@ -124,6 +124,11 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
         if d.tp > 1 and d.pp > 1:
             out.append("parallel.ep with parallel.tp > 1 is implemented without pipeline "
                        "parallelism (parallel.pp 1); drop one of ep, tp or pp")
+    if d.tp > 1 and args.dropout > 0:
+        out.append(f"model.dropout {args.dropout} is not supported with tensor parallelism "
+                   "(parallel.tp > 1): the tensor-parallel ranks would need identical masks on "
+                   "replicated activations and DTensor's RNG tracker on sequence-sharded ones; "
+                   "set --model.dropout 0 or --parallel.tp 1")
     if d.cp > 1 and args.arch != "llama":
         out.append(f"context parallelism is not implemented for arch '{args.arch}' (only "
                    "'llama'); use data, tensor or pipeline parallelism")

@@ -18,7 +18,7 @@ MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab
                    "max_seq_len", "tie_embeddings", "rope_theta", "n_experts",
                    "n_experts_per_token", "moe_ffn_dim", "n_shared_experts", "moe_aux_loss_coef",
                    "moe_aux_loss_scope", "moe_bias_update_rate", "moe_capacity_factor",
-                   "expert_compute")
+                   "expert_compute", "dropout")
 
 
 def _value(v: object) -> str:

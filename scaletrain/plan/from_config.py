@@ -12,6 +12,7 @@ from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
 from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate, plan_json
 from scaletrain.plan.hardware import Device, match_device
+from scaletrain.plan.memory import GradConvention
 
 
 def dims_from_config(cfg: Config, world_size: int) -> ParallelDims:
@@ -41,13 +42,26 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
         sequence_parallel=par.sequence_parallel and dims.tp > 1,
         vpp=max(1, par.pp_virtual_stages), schedule=par.pp_schedule,
         pp_microbatches=par.pp_microbatches, precision=dtype,
-        param_dtype=cfg.precision.param_dtype, optimizer=cfg.optimizer.name,
+        param_dtype=cfg.precision.param_dtype, grad_convention=_grad_convention(cfg),
+        optimizer=cfg.optimizer.name,
         offload=cfg.optimizer.offload, cpu_offload=par.cpu_offload and distributed,
         fsdp_param_dtype=par.fsdp_param_dtype, recompute=ac.mode, every=ac.every,
         scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
         fused_loss=cfg.training.fused_loss, loss_chunk=cfg.training.loss_chunk_tokens,
         fp8=cfg.precision.fp8,
     )
+
+
+def _grad_convention(cfg: Config) -> GradConvention:
+    """How the trainer keeps the gradients of 16-bit parameters (`precision.param_dtype bf16`,
+    `train/optim.py` MasterWeightOptimizer): each micro-batch's 16-bit gradient is added into an
+    fp32 buffer and freed at once, so the device holds the fp32 sums, 4 B per parameter
+    (Megatron's main_grad); with `optimizer.offload` those sums live in host memory with the
+    master weights, and the device holds only 16-bit gradients in flight (at most 2 B). With
+    fp32 parameters the convention does not count; the planner's default is kept."""
+    if cfg.precision.param_dtype == "fp32":
+        return "playbook"
+    return "bf16" if cfg.optimizer.offload else "megatron"
 
 
 def device_for(device: torch.device) -> Device | None:

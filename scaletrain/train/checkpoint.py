@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import re
 import shutil
 import warnings
@@ -22,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -94,25 +92,6 @@ def _agree(check: Callable[[], None]) -> None:
         kind, msg = failed[0]
         raise (NonFiniteStateError if kind == NonFiniteStateError.__name__ else CheckpointError)(
             msg)
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class Checkpointer:

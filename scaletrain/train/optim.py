@@ -76,6 +76,13 @@ class MasterWeightOptimizer:
     Used for bf16 parameters (the update is applied in fp32, then rounded into the model) and for
     CPU offload (master weights and optimizer state live in host memory; only gradients travel
     down and updated weights travel back). Exposes the small Optimizer surface the trainer uses.
+
+    Gradients of 16-bit parameters accumulate in fp32, as Megatron's "main_grad" buffers do: a
+    post-accumulate-grad hook adds each micro-batch's 16-bit `p.grad` into the fp32 gradient of
+    the parameter's master (`m.grad`, on the master device) and frees `p.grad`, so the sum over
+    the accumulation steps is never rounded to 16 bits. Clipping, the gradient norm and the
+    non-finite check read `grad_params()` (the masters for those parameters), the update reads
+    the same tensors. fp32 parameters (offload alone) keep accumulating in `p.grad`.
     """
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, master_device: torch.device) -> None:
@@ -93,19 +100,46 @@ class MasterWeightOptimizer:
             for g in param_groups(model, cfg.weight_decay)
         ]
         self.inner = make_optimizer(groups, cfg, master_device)
+        # Every parameter gets the hook; it acts on 16-bit ones only (the trainer casts the
+        # parameters to bf16 after this optimizer copied their fp32 values into the masters).
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate_hook(m))
+                       for p, m in zip(self.params, self.masters)]
+
+    @staticmethod
+    def _accumulate_hook(master: torch.Tensor) -> Any:
+        """The hook of one parameter: a 16-bit parameter's fresh gradient goes into
+        `master.grad` in fp32 and `p.grad` is freed; an fp32 one stays in `p.grad`."""
+        @torch.no_grad()
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is None or p.dtype == torch.float32:
+                return
+            if master.grad is None:
+                master.grad = g.to(master.device, torch.float32, copy=True)
+            else:
+                master.grad.add_(g.to(master.device))  # upcast inside add_: an fp32 sum
+            p.grad = None
+        return hook
+
+    def grad_params(self) -> list[torch.Tensor]:
+        """The tensors whose `.grad` the step clips and updates with: the fp32 master of each
+        16-bit parameter (its accumulated gradient), the parameter itself otherwise."""
+        return [p if p.dtype == torch.float32 else m for p, m in zip(self.params, self.masters)]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
+        for p, m in zip(self.params, self.masters):
             p.grad = None
+            m.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.to(m.device, torch.float32)
+            if p.dtype == torch.float32:  # 16-bit ones already hold their fp32 sum in m.grad
+                m.grad = None if p.grad is None else p.grad.to(m.device, torch.float32)
         self.inner.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m.to(p.device, non_blocking=True))

@@ -97,7 +97,7 @@ class TrainStep:
         with phase("optimizer"):
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            params = [p for p in self.model.parameters() if p.grad is not None]
+            params = [p for p in self._grad_params() if p.grad is not None]
             grad_norm = clip_grad_norm(params, self.max_grad_norm, par.pp_group, self.device)
             bad = ~torch.isfinite(loss)
             if self.scaler is None:  # the scaler skips inf/NaN gradients itself
@@ -108,6 +108,13 @@ class TrainStep:
             if self.has_moe:  # auxiliary-loss-free balancing (no-op unless configured)
                 update_expert_bias(self.model, lambda t: par.all_reduce(t, "dp_cp"))
         return StepOutput(loss.detach(), grad_norm, bad)
+
+    def _grad_params(self) -> list[torch.Tensor]:
+        """What holds the step's gradients: the model's parameters, or, for an optimizer that
+        accumulates 16-bit parameters' gradients in fp32 buffers (`MasterWeightOptimizer`),
+        the tensors it names (clipping and the norm then read the fp32 sums)."""
+        grad_params = getattr(self.optimizer, "grad_params", None)
+        return list(self.model.parameters()) if grad_params is None else grad_params()
 
     def _moe_weighting(self, batches: list[Batch]) -> contextlib.AbstractContextManager:
         """MoE auxiliary losses weighted by each forward's share of the step's tokens (all

@@ -27,8 +27,8 @@ from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
 from scaletrain.profiling.capture import StepProfiler, phase
 from scaletrain.runtime import resolve_device
-from scaletrain.train import precision
-from scaletrain.train.checkpoint import Checkpointer, CheckpointError, rng_state, set_rng_state
+from scaletrain.train import precision, rng
+from scaletrain.train.checkpoint import Checkpointer, CheckpointError
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
@@ -113,7 +113,11 @@ class Trainer:
         self._build_data()
         self.mem_baseline = MemoryBaseline(self.device)  # peaks are reported above it
         self.model_args = self._model_args()
-        self.model = self._build_model()
+        self.model = self._build_model()  # initialized from training.seed, as in one process
+        # Then each rank's own training stream (dropout): see `train/rng.py`.
+        self.rng_stream = rng.rng_stream(self.dp_rank, self.par.cp_rank, self.par.dims.cp,
+                                         self.par.pp_rank, self.dp_size)
+        rng.seed_training_rng(cfg.training.seed, self.rng_stream)
         self.optimizer = self._build_optimizer()
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enabled and not self.par.enabled:
@@ -187,6 +191,7 @@ class Trainer:
         self.train_stream, self.val_data, self.corpus = build_train_val(
             self.cfg.data, self.mbs, self.cfg.training.seed, pin_memory=pin,
             dp_rank=self.dp_rank, dp_size=self.dp_size, num_samples=num_samples,
+            grad_accum=self.ga,
         )
 
     @functools.cached_property
@@ -224,11 +229,21 @@ class Trainer:
         return model
 
     # --- state ------------------------------------------------------------------------------
+    @property
+    def rng_layout(self) -> torch.Tensor:
+        """World size, mesh shape and this rank's RNG stream: a saved RNG state is restored
+        only into the same (`train/rng.py`)."""
+        return rng.layout_tensor(self.par.dims.world_size,
+                                 tuple(self.par.dims.mesh_shape.values()), self.rng_stream)
+
     def _extra_state(self) -> dict[str, Any]:
+        """Everything besides model and optimizer a checkpoint holds; this rank's RNG state
+        under its own key (DCP keeps one copy of entries that share a key)."""
         extra: dict[str, Any] = {
             "lr_schedule": self.schedule.state_dict(),
             "data": self.train_stream.state_dict(),
-            "rng": rng_state(),
+            "rng": {rng.rank_key(self.par.rank): {**rng.rng_state(self.device),
+                                                  "layout": self.rng_layout}},
         }
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
@@ -241,11 +256,22 @@ class Trainer:
                 f"checkpoint.resume is true but no complete checkpoint exists under "
                 f"{self.checkpointer.folder}; run without --checkpoint.resume to start fresh"
             )
-        extra = self.checkpointer.load(self.checkpointer.path(steps[-1]), self.model,
-                                       self.optimizer, self._extra_state())
+        from scaletrain.checkpoint.safe_dcp import read_metadata
+
+        path = self.checkpointer.path(steps[-1])
+        template = self._extra_state()
+        rank = self.par.rank
+        try:  # a damaged checkpoint is reported by `load` below
+            stored = set(read_metadata(path).state_dict_metadata)
+        except CheckpointError:
+            stored = set()
+        template["rng"] = rng.saved_template(rank, self.rng_layout, stored, self.device)
+        extra = self.checkpointer.load(path, self.model, self.optimizer, template)
         self.schedule.load_state_dict(extra["lr_schedule"])
         self.train_stream.load_state_dict(extra["data"])
-        set_rng_state(extra["rng"])
+        exact = all(self.par.gather_objects(rng.is_exact(extra["rng"], rank, self.rng_layout)))
+        rng.restore(extra["rng"], rank, self.rng_layout, exact, self.cfg.training.seed,
+                    self.rng_stream, int(extra["step"]), self.device)
         if self.scaler is not None and "scaler" in extra:
             self.scaler.load_state_dict(extra["scaler"])
         self.step = int(extra["step"])

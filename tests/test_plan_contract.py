@@ -209,3 +209,45 @@ def test_advice_for_a_fine_tuning_plan_stays_fine_tuning() -> None:
         assert a.plan.memory_bytes["optimizer"] < GIB
     steps = combine(plan, budget, steps=6)
     assert steps and steps[-1].plan.peak_bytes <= budget
+
+
+def test_zero3_under_zero_bubble_plans_the_blocks_gathered_like_the_trainer_runs_them() -> None:
+    """The trainer keeps ZeRO-3 blocks gathered from forward to backward under zero-bubble
+    schedules (their split backward needs them): the plan counts ZeRO-2's gathered weights and
+    one all-gather per block and micro-batch there, and nothing extra under 1F1B."""
+    from scaletrain.parallel.feasibility import reshards_after_forward
+
+    args = get_preset("llama3-8b")
+    base = Layout(dims=ParallelDims(pp=4, dp_shard=8), mbs=1, seq_len=4096, gbs=64, zero=3)
+    plans = {(zero, s): estimate(args, base.replace(zero=zero, schedule=s,
+                                                    vpp=1 if s == "1F1B" else 2))
+             for zero in (2, 3) for s in ("1F1B", "ZBVZeroBubble", "InterleavedZeroBubble")}
+    for s in ("ZBVZeroBubble", "InterleavedZeroBubble"):
+        assert not reshards_after_forward("zero3", 4, s)
+        zb3, zb2 = plans[(3, s)], plans[(2, s)]
+        assert zb3.memory_bytes["gathered_weights"] == zb2.memory_bytes["gathered_weights"] > 0
+        assert zb3.comm_bytes_per_step["all_gather"] == zb2.comm_bytes_per_step["all_gather"]
+    assert reshards_after_forward("zero3", 4, "1F1B")
+    assert plans[(3, "1F1B")].memory_bytes["gathered_weights"] == 0
+    assert plans[(3, "1F1B")].comm_bytes_per_step["all_gather"] == \
+        2 * plans[(2, "1F1B")].comm_bytes_per_step["all_gather"]
+
+
+def test_plan_text_of_zero3_under_zbv_says_the_blocks_stay_gathered(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The command docs/benchmarks.md quotes, with its figures."""
+    argv = shlex.split("plan --model llama3-8b --pp 4 --dp 8 --dp-replicate 1 --zero 3 "
+                       "--schedule ZBVZeroBubble --vpp 2 --gbs 64 --mbs 1 --seq-len 4096 "
+                       "--gpu H100")
+    rc, zbv, _ = _run(capsys, *argv)
+    rc1, one, _ = _run(capsys, *[a if a != "ZBVZeroBubble" else "1F1B" for a in argv])
+    assert rc == rc1 == 0
+    assert "ZeRO-3 under ZBVZeroBubble: the blocks stay gathered" in zbv
+    assert "stay gathered" not in one
+
+    def row(text: str, key: str) -> float:
+        return next(float(line.split()[2]) for line in text.splitlines()
+                    if line.startswith(key + " "))
+
+    assert row(zbv, "gathered_weights") == 8.46 and row(one, "gathered_weights") == 0
+    assert (row(one, "total"), row(zbv, "total")) == (31.13, 39.59)

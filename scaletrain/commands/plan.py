@@ -133,6 +133,9 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         if k == "total":
             lines.append("-" * 66)
         lines.append(f"{k:<28}{v:>18,}{v / GIB:>10.2f}{v / GB:>10.2f}")
+    if lay.zero == 3 and lay.blocks_stay_gathered:
+        lines.append(f"(ZeRO-3 under {lay.schedule}: the blocks stay gathered from forward to "
+                     "backward, as in ZeRO-2, for the split backward: gathered_weights)")
     if plan.cpu_offload_bytes:
         lines.append(f"{'(offloaded to CPU)':<28}{plan.cpu_offload_bytes:>18,}"
                      f"{plan.cpu_offload_bytes / GIB:>10.2f}")

@@ -19,6 +19,9 @@ ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
                   "ZBVZeroBubble")
 SINGLE_STAGE = ("GPipe", "1F1B")
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
+"""Schedules that split each micro-batch's backward into an input-gradient pass and a later
+weight-gradient pass."""
 
 
 def resolve_mode(data_parallel: str, dims: ParallelDims) -> str:
@@ -27,6 +30,18 @@ def resolve_mode(data_parallel: str, dims: ParallelDims) -> str:
     if data_parallel != "auto":
         return data_parallel
     return "zero3" if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 else "ddp"
+
+
+def reshards_after_forward(mode: str, pp: int, pp_schedule: str) -> bool:
+    """Whether FSDP frees each block's gathered parameters after its forward (ZeRO-3).
+
+    Not under a zero-bubble schedule: its input-gradient pass finds the weights whose gradients
+    the later weight pass computes among the stage's parameters *at that moment*, and after a
+    reshard those are FSDP's sharded parameters, not the gathered ones the forward used, so the
+    weight pass would compute nothing for them (wrong gradients, silently). There the blocks of
+    the rank's stages stay gathered from forward to backward, as under ZeRO-2 (torchtitan keeps
+    them gathered under every pipeline schedule); the planner counts that memory."""
+    return mode == "zero3" and not (pp > 1 and pp_schedule in SPLIT_BACKWARD)
 
 
 def mode_for_zero(zero: int, dims: ParallelDims) -> str:

@@ -32,7 +32,12 @@ from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.ddp import apply_ddp
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.ep import apply_ep
-from scaletrain.parallel.feasibility import RunLayout, layout_problems, resolve_mode
+from scaletrain.parallel.feasibility import (
+    RunLayout,
+    layout_problems,
+    reshards_after_forward,
+    resolve_mode,
+)
 from scaletrain.parallel.fp8 import apply_fp8, fsdp_all_gather, precompute_scales
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.mesh import ParallelMesh, env_world, init_process_group
@@ -210,8 +215,12 @@ class Parallelism:
                 warnings.filterwarnings("ignore", message=".*flattened dim.*")
                 fsdp_mesh = (mesh.root["dp_replicate", "dp_shard_cp"] if d.dp_replicate > 1
                              else mesh["dp_shard_cp"])
+            reshard = reshards_after_forward(self.mode, d.pp, cfg.pp_schedule)
+            if self.mode == "zero3" and not reshard:
+                log.info("ZeRO-3 under %s: the blocks of this rank's stages stay gathered from "
+                         "forward to backward (the split backward needs them)", cfg.pp_schedule)
             for root in self.stage_modules or [model]:
-                apply_fsdp(root, fsdp_mesh, reshard_after_forward=self.mode == "zero3",
+                apply_fsdp(root, fsdp_mesh, reshard_after_forward=reshard,
                            param_dtype=cfg.fsdp_param_dtype,
                            reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload,
                            expert_parallel=d.ep > 1, expert_mesh=self._expert_fsdp_mesh())

@@ -71,7 +71,8 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
             experts = expert_params(args, layers) / dims.tp
             fsdp_bytes = _ring(k) * (stage_params - experts) \
                 + _ring(k // dims.ep) * experts / dims.ep
-            v = {"all_gather": (2 if lay.zero == 3 else 1) * m * fsdp_bytes * gather,
+            # ZeRO-3 gathers each block again in backward unless it stays gathered
+            v = {"all_gather": (1 if lay.blocks_stay_gathered else 2) * m * fsdp_bytes * gather,
                  "reduce_scatter": m * fsdp_bytes * grad_wire}
             if dims.dp_replicate > 1:  # HSDP: the shards are all-reduced across replicas
                 v["all_reduce"] = m * 2 * _ring(dims.dp_replicate) * stage_params / k \

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from scaletrain.models.args import ModelArgs, count_active_params, count_params
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
-from scaletrain.parallel.feasibility import RunLayout, mode_for_zero
+from scaletrain.parallel.feasibility import RunLayout, mode_for_zero, reshards_after_forward
 from scaletrain.parallel.feasibility import layout_problems as run_problems
 from scaletrain.plan.activations import (
     DTYPE_BYTES,
@@ -101,6 +101,14 @@ class Layout:
     def fsdp(self) -> bool:
         """FSDP2 shards this layout (ZeRO-2/3 over more than one rank)."""
         return self.zero >= 2 and self.shard_group > 1
+
+    @property
+    def blocks_stay_gathered(self) -> bool:
+        """FSDP keeps every block of the rank's stages gathered from its forward to its
+        backward: ZeRO-2, and ZeRO-3 under a zero-bubble schedule (whose split backward needs
+        the gathered weights; `parallel.feasibility.reshards_after_forward`)."""
+        return self.fsdp and not reshards_after_forward(self.data_parallel, self.dims.pp,
+                                                        self.schedule)
 
     @property
     def data_parallel(self) -> str:
@@ -322,14 +330,13 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         # gathering in bf16 hands it 16-bit weights already.
         cast = lay.stored_dtype == "fp32" and c < 4 and gathered == 4
         mem["cast_weights"] = sp.total * c if cast else 0
-        # ZeRO-2 under FSDP (reshard_after_forward=False): every block stays gathered from its
-        # forward to its backward.
+        # ZeRO-2 under FSDP (reshard_after_forward=False), and ZeRO-3 under a zero-bubble
+        # schedule: every block stays gathered from its forward to its backward.
         # Expert parallelism: FSDP gathers a rank's own experts only (1/ep of each layer's;
         # composed with TP, 1/(ep x tp): the experts are split over both, `parallel/ep_tp.py`).
         not_local = (1 - 1 / dims.ep) * expert_params(args, 1) / dims.tp
         unsharded = sp.total - sp.layers * not_local
-        mem["gathered_weights"] = int(unsharded * gathered) if lay.fsdp and lay.zero == 2 \
-            else 0
+        mem["gathered_weights"] = int(unsharded * gathered) if lay.blocks_stay_gathered else 0
         if lay.fsdp:
             # The unsharded block being computed and the prefetched next one, plus the
             # unsharded gradients of one block before its reduce-scatter.

@@ -177,10 +177,10 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
         rs = fabric.time("reduce_scatter", grad_wire * params / layers, n, k)
         fwd = compute / (3 * m * layers)  # one block's forward of one micro-batch
         bwd = 2 * fwd
-        if lay.zero == 3:
+        if not lay.blocks_stay_gathered:  # ZeRO-3: gathered again in backward
             per_mb = (layers * max(0.0, ag - fwd) + ag
                       + layers * max(0.0, ag + rs - bwd) + rs)
-        else:  # ZeRO-2: gathered once in forward, kept until backward
+        else:  # ZeRO-2 (or ZeRO-3 under zero bubble): gathered once, kept until backward
             per_mb = layers * max(0.0, ag - fwd) + ag + layers * max(0.0, rs - bwd) + rs
         exposed = m * per_mb
         if d.dp_replicate > 1:  # HSDP: shards all-reduced across replicas, after backward

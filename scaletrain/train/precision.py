@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from scaletrain.runtime import cpu_has_fast_bf16, resolve_dtype
 
@@ -41,6 +42,26 @@ def _sharded_scaler(device: torch.device) -> torch.amp.GradScaler:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     class Scaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                            found_inf: torch.Tensor, allow_fp16: bool = True
+                            ) -> dict[torch.device, torch.Tensor]:
+            """torch's, on each gradient's local tensor: one foreach call cannot mix DTensor
+            and plain gradients, and tensor parallelism without sequence parallelism keeps
+            plain (replicated) norm weights beside its DTensors."""
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                        groups.setdefault((g.device, g.dtype), []).append(g)
+            found: dict[torch.device, torch.Tensor] = {}
+            with torch.no_grad():
+                for (device, _), grads in groups.items():
+                    flag = found.setdefault(device, found_inf.to(device))
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag,
+                                                                     inv_scale.to(device))
+            return found or {found_inf.device: found_inf}
+
         def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
             super().unscale_(optimizer)
             state = self._per_optimizer_states[id(optimizer)]

@@ -36,7 +36,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _peak_above_start(prof: torch.profiler.profile) -> float:
+def peak_above_start(prof: torch.profiler.profile) -> float:
     """MiB: the highest allocator total during the profile minus the total at its start."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -> 
         seconds = time.perf_counter() - t0
         value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         rows.append({"rank": rank, "variant": variant, "loss": value,
-                     "peak_above_start_mib": round(_peak_above_start(prof), 1),
+                     "peak_above_start_mib": round(peak_above_start(prof), 1),
                      "seconds_profiled": round(seconds, 3)})
         model.zero_grad(set_to_none=True)
     tokens = a.batch * a.seq

@@ -35,6 +35,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.fused_loss_tp_cpu import peak_above_start  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "zb_fsdp_memory_cpu.json"
 MODEL = ["--model.dim", "256", "--model.n_layers", "8", "--model.n_heads", "4",
          "--model.n_kv_heads", "2", "--model.ffn_dim", "768", "--model.vocab_size", "512",
@@ -80,16 +82,6 @@ class _PeakGathered:
         self.bytes = max(self.bytes, _gathered_bytes(self.model))
 
 
-def _allocator_peak(prof: torch.profiler.profile) -> float:
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    mem = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
-                 if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {}))
-    return (max(m[1] for m in mem) - (mem[0][1] - mem[0][2])) / MIB if mem else float("nan")
-
-
 def _rank(rank: int, port: int, tmp: str, out: dict[str, Any]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -111,7 +103,8 @@ def _rank(rank: int, port: int, tmp: str, out: dict[str, Any]) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                     profile_memory=True) as prof:
             trainer.train_step(trainer.next_batches())
-        rows[name] = {"gathered_mib": peak.bytes / MIB, "allocator_peak_mib": _allocator_peak(prof)}
+        rows[name] = {"gathered_mib": peak.bytes / MIB,
+                      "allocator_peak_mib": peak_above_start(prof)}
         torch.distributed.barrier()
     out[rank] = rows
 

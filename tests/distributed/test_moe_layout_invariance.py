@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.distributed.compare import grad_error, rel_max
 from tests.distributed.worker import run_trainer, spawn
 
 STEPS = 3
@@ -43,10 +44,6 @@ LAYOUTS_4 = [
 ]
 
 
-def _rel(got: list[float], ref: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True))
-
-
 def _argv(tmp: Path, name: str, mbs: int, ga: int, scope: str, *flags: str) -> list[str]:
     return [str(tmp / name), str(tmp / "cache"), *MOE, "--model.moe_aux_loss_scope", scope,
             "--training.micro_batch_size", str(mbs), "--training.grad_accum_steps", str(ga),
@@ -56,15 +53,9 @@ def _argv(tmp: Path, name: str, mbs: int, ga: int, scope: str, *flags: str) -> l
 def _errors(result: list[dict[str, Any]], name: str, ref: dict[str, Any]
             ) -> tuple[float, float, float]:
     """(max loss, max grad-norm, max first-step gradient) relative errors over the ranks."""
-    dloss = max(_rel(rank[name]["losses"], ref["losses"]) for rank in result)
-    dnorm = max(_rel(rank[name]["norms"], ref["norms"]) for rank in result)
-    dgrad, seen = 0.0, set()
-    for rank in result:
-        for key, g in rank[name]["grads"].items():
-            r = ref["grads"][key]
-            dgrad = max(dgrad, float((g - r).abs().max() / max(float(r.abs().max()), 1e-4)))
-            seen.add(key)
-    assert seen == set(ref["grads"]), f"{name}: gradients missing for {set(ref['grads']) - seen}"
+    dloss = max(rel_max(rank[name]["losses"], ref["losses"]) for rank in result)
+    dnorm = max(rel_max(rank[name]["norms"], ref["norms"]) for rank in result)
+    dgrad = grad_error((rank[name]["grads"] for rank in result), ref["grads"], name)
     return dloss, dnorm, dgrad
 
 

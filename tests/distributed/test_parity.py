@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.distributed.compare import grad_error
 from tests.distributed.worker import run_trainer, spawn
 
 STEPS = 3
@@ -60,15 +61,7 @@ def _compare(result: list[dict[str, Any]], name: str,
     dloss = max(rel)
     dnorm = max(max(_rel(rank[name]["norms"], ref["norms"])) for rank in result)
     dval = max(abs(rank[name]["val"] - ref["val"]) / ref["val"] for rank in result)
-    dgrad, seen = 0.0, set()
-    for rank in result:
-        for key, g in rank[name]["grads"].items():
-            r = ref["grads"][key]
-            # The floor: a key projection's bias has a zero gradient (softmax ignores a shift
-            # shared by all keys), so both runs hold only rounding noise (~1e-11) there.
-            dgrad = max(dgrad, float((g - r).abs().max() / max(float(r.abs().max()), 1e-4)))
-            seen.add(key)
-    assert seen == set(ref["grads"]), f"{name}: gradients missing for {set(ref['grads']) - seen}"
+    dgrad = grad_error((rank[name]["grads"] for rank in result), ref["grads"], name)
     return rel[0], dloss, dnorm, dgrad, dval
 
 

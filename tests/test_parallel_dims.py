@@ -82,3 +82,23 @@ def test_pipeline_schedules_name_too_few_micro_batches() -> None:
     assert "1F1B needs at least parallel.pp (2) micro-batches per step, got 1" in problems(
         "1F1B", 1)
     assert problems("1F1B", 2) == "" and problems("GPipe", 1) == ""
+
+
+def test_micro_batch_aux_scope_is_refused_where_it_drifts_from_one_process() -> None:
+    """Scope micro_batch with data or context parallelism and accumulation drifted from one
+    process after the first step (docs/moe.md); the feasibility check refuses it there, with
+    the fix, and accepts it without accumulation, in one process, and the default scope."""
+    from scaletrain.parallel.feasibility import RunLayout, layout_problems
+
+    mb = get_preset("debug-moe").replace(moe_aux_loss_coef=0.01, moe_aux_loss_scope="micro_batch")
+
+    def problems(args, dims, ga):  # type: ignore[no-untyped-def]
+        return " ".join(layout_problems(args, RunLayout(dims=dims, mode="zero3", seq_len=64,
+                                                        grad_accum=ga)))
+
+    dp2, cp2 = ParallelDims.resolve(2, dp_shard=2), ParallelDims.resolve(2, dp_shard=1, cp=2)
+    for dims in (dp2, cp2):
+        assert "use the default scope sequence" in problems(mb, dims, 2)
+        assert problems(mb, dims, 1) == ""
+        assert problems(mb.replace(moe_aux_loss_scope="sequence"), dims, 2) == ""
+    assert problems(mb, ParallelDims.resolve(2, dp_shard=1, tp=2), 4) == ""

@@ -4,7 +4,7 @@ parity matrix (`parity_matrix.py`).
 `make test` runs a pairwise covering subset of the accepted combinations (every pair of option
 values that can occur together occurs in some run) plus the named cases below;
 `SCALETRAIN_PARITY_SAMPLE=N` adds N accepted combinations drawn at random (seed 0);
-`SCALETRAIN_PARITY_FULL=1` runs every accepted combination (about 16 hours on 2 cores: a
+`SCALETRAIN_PARITY_FULL=1` runs every accepted combination (about 12 hours on 2 cores: a
 nightly job on a bigger machine).
 Each run trains 3 steps with clipping on and is compared with one process on the same
 sequences (micro-batch x dp, the same accumulation, model and precision):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).parent / "results" / "fused_loss_tp_cpu.json"
 
 
-def _port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -110,7 +110,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=RESULTS)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank, args=(a.tp, _port(), a, d), nprocs=a.tp)
+        mp.spawn(_rank, args=(a.tp, free_port(), a, d), nprocs=a.tp)
         rows = [r for k in range(a.tp) for r in json.loads(Path(d, f"rank{k}.json").read_text())]
     for r in rows:
         print(json.dumps(r))

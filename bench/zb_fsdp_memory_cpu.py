@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fused_loss_tp_cpu import peak_above_start  # noqa: E402
+from bench.fused_loss_tp_cpu import free_port, peak_above_start  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "zb_fsdp_memory_cpu.json"
 MODEL = ["--model.dim", "256", "--model.n_layers", "8", "--model.n_heads", "4",
@@ -128,9 +127,7 @@ def _planned() -> dict[str, float]:
 
 
 def main(results: Path = RESULTS) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_rank, args=(port, tmp, out), nprocs=4)

@@ -142,20 +142,18 @@ def saved_template(rank: int, layout: torch.Tensor, stored_keys: set[str],
 
 
 def restore(loaded: dict[str, Any], rank: int, layout: torch.Tensor, everyone_exact: bool,
-            seed: int, stream: int, step: int, device: torch.device | None = None) -> bool:
+            seed: int, stream: int, step: int, device: torch.device | None = None) -> None:
     """Put this rank's saved state back when every rank has its own (`everyone_exact`, agreed
-    over the ranks by the caller); otherwise warn and reseed from (seed, stream, step).
-    Returns whether the exact state was restored."""
+    over the ranks by the caller); otherwise warn and reseed from (seed, stream, step)."""
     if everyone_exact:
         set_rng_state(loaded[rank_key(rank)], device)
-        return True
+        return
     log.warning("checkpoint at step %d holds no RNG state of this rank in this layout (world "
                 "size %d, mesh %s): it was saved with another layout or before per-rank RNG "
                 "states. Each rank's RNG is reseeded from (training.seed, its data-parallel "
                 "stream, step): the run is reproducible but its dropout masks differ from the "
                 "uninterrupted run's", step, int(layout[0]), tuple(layout[1:-1].tolist()))
     seed_training_rng(seed, stream, step)
-    return False
 
 
 def is_exact(loaded: dict[str, Any], rank: int, layout: torch.Tensor) -> bool:

@@ -207,6 +207,7 @@ def validate(cfg: Config) -> list[str]:
         "optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps,
         "lr_schedule.warmup_steps": s.warmup_steps, "training.eval_interval": t.eval_interval,
         "checkpoint.interval": cfg.checkpoint.interval, "data.num_workers": cfg.data.num_workers,
+        "checkpoint.interval_minutes": cfg.checkpoint.interval_minutes,
         "training.sample_tokens": t.sample_tokens, "training.eval_sequences": t.eval_sequences,
     }
     for name, value in non_negative.items():
@@ -214,6 +215,11 @@ def validate(cfg: Config) -> list[str]:
             errors.append(f"{name} must not be negative (got {value})")
     if o.lr == 0:
         errors.append("optimizer.lr must be greater than 0")
+    for name, value in (("parallel.timeout_s", cfg.parallel.timeout_s),
+                        ("parallel.step_timeout_s", cfg.parallel.step_timeout_s)):
+        if not value > 0:
+            errors.append(f"{name} must be positive (got {value})")
+    errors.extend(signal_problems(cfg.checkpoint.signals))
     if t.grad_accum_steps is not None and t.grad_accum_steps <= 0:
         errors.append(f"training.grad_accum_steps must be positive (got {t.grad_accum_steps})")
     if t.global_batch_size is not None and t.global_batch_size <= 0:
@@ -252,6 +258,19 @@ def validate(cfg: Config) -> list[str]:
         except ConfigError as e:
             errors.append(str(e))
     return errors
+
+
+def signal_problems(names: tuple[str, ...]) -> list[str]:
+    """What is wrong with `checkpoint.signals` (names such as SIGTERM that a handler can catch)."""
+    import signal
+
+    out = []
+    for name in names:
+        sig = getattr(signal, str(name), None)
+        if not isinstance(sig, signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            out.append(f"checkpoint.signals: '{name}' is not a signal a process can catch "
+                       "(use names such as SIGTERM, SIGUSR1)")
+    return out
 
 
 def check(cfg: Config) -> Config:

@@ -235,16 +235,36 @@ class CompileConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 0
-    """Save a checkpoint every N steps (0 = only at the end)."""
+    """Save a checkpoint every N steps (0: by `interval_minutes` only)."""
+    interval_minutes: float = 30.0
+    """Also save when this many minutes of training have passed since the last save or the
+    start (0: off); rank 0's clock decides, every rank saves at the same step."""
     keep_last: int = 2
     """How many recent checkpoints to keep."""
-    resume: bool = False
-    """Continue from the latest checkpoint under `<output>/checkpoints`."""
+    resume: bool | Literal["auto"] = "auto"
+    """`auto`: continue from the newest complete, verified checkpoint under
+    `<output>/checkpoints` and start fresh when there is none; `true`: continue, and fail when
+    there is none; `false`: start fresh."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
     verify: bool = True
     """Check every checkpoint file against the content hashes of its manifest before loading
     (resume, fine-tuning base); turn off only for huge checkpoints on trusted storage."""
+    async_save: bool = False
+    """Write checkpoints in the background: training stalls only while the state is copied to
+    host memory (which then holds a second copy of it until the write ends)."""
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """Signals that stop the run at the next step boundary with a checkpoint (exit 75, a
+    preemption: run the same command again to continue). Empty: the default actions."""
+    allow_schedule_change: bool = False
+    """On resume, accept a learning-rate schedule (training.steps, optimizer.lr, lr_schedule.*)
+    that differs from the checkpoint's over the steps still to run."""
+    allow_batch_change: bool = False
+    """On resume, accept another global batch size: the run continues from the number of
+    samples consumed (as Megatron-LM does)."""
+
+    def __post_init__(self) -> None:
+        self.signals = tuple(self.signals)  # TOML gives a list
 
 
 @dataclass
@@ -331,7 +351,11 @@ class ParallelConfig:
     cp_load_balance: bool = True
     """Context parallel: head-tail chunk assignment so causal attention work is even."""
     timeout_s: float = 600.0
-    """Collective timeout (seconds): if a rank stops answering, the others fail after this."""
+    """Collective timeout (seconds) during start-up and checkpoint saves: if a rank stops
+    answering, the others fail after this."""
+    step_timeout_s: float = 300.0
+    """Collective timeout (seconds) once the first step has run: a rank that stops answering is
+    named after this, and every rank's Python stack is written to `<output>/stacks/`."""
 
 
 @dataclass

@@ -276,7 +276,8 @@ def test_finetune_pins_the_exact_base_checkpoint(good_run: Path, cache: Path, tm
     # Resuming the LoRA run on the changed base is refused too.
     assert main(["finetune", "--base", str(base), "--data", str(data), "--output", str(ft),
                  "--method", "lora", "--training.steps", "3", "--data.seq_len", "64",
-                 "--checkpoint.resume", "true", "--metrics.tensorboard", "false",
+                 "--training.micro_batch_size", "2", "--checkpoint.allow_schedule_change",
+                 "true", "--checkpoint.resume", "true", "--metrics.tensorboard", "false",
                  "--metrics.progress_bar", "false"]) == 2
     assert "allow_base_mismatch" in capfd.readouterr().err
 

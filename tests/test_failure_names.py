@@ -11,7 +11,9 @@ from scaletrain.parallel.failure import DistributedFailure, guard, is_peer_failu
 
 
 class SilentPeer:
-    """A heartbeat whose rank 1 stopped."""
+    """A heartbeat whose rank 1 stopped in its step 3."""
+
+    last_seen = {1: "step 3: training step"}
 
     def silent_ranks(self) -> list[int]:
         return [1]
@@ -37,7 +39,7 @@ def test_own_errors_pass_through(error: Exception) -> None:
 ], ids=["gloo", "nccl", "timeout"])
 def test_lost_peer_is_named(error: Exception) -> None:
     assert is_peer_failure(error)
-    lost = r"at step 3: rank\(s\) 1 stopped responding"
+    lost = r"at step 3: rank 1 stopped responding \(last seen at step 3: training step\)"
     with pytest.raises(DistributedFailure, match=lost), guard(SilentPeer(), 3):  # type: ignore[arg-type]
         raise error
 

@@ -138,7 +138,8 @@ def test_resumed_classification_logs_each_step_once(bases: dict[str, Path],
     run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv,
            "--checkpoint.resume", "true")
     assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
-    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv)  # anew
+    run_ft(out, bases["native"], bases["cls"], "lora", "classification", *argv,
+           "--checkpoint.resume", "false")  # anew
     assert steps("classification.jsonl") == steps("eval.jsonl") == [2, 4]
 
 
@@ -242,13 +243,14 @@ def test_bad_inputs_get_clear_messages(bases: dict[str, Path], tmp_path: Path,
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     assert "unsupported Hugging Face model_type 'mamba'" in fails(base=odd)
-    # a label set that does not match the head of the run being resumed
-    run_ft(tmp_path / "cls", bases["native"], bases["cls"], "full", "classification",
+    # a label set that does not match the head of the run being resumed (the data file was
+    # rewritten in place: another path is refused earlier, as a change of the data order)
+    data = write_jsonl(tmp_path / "labels.jsonl", sentiment_records(240))
+    run_ft(tmp_path / "cls", bases["native"], data, "full", "classification",
            "--training.steps", "1")
-    two = write_jsonl(tmp_path / "two.jsonl", [r for r in sentiment_records(30)
-                                               if r["label"] != "neutral"])
+    write_jsonl(data, [r for r in sentiment_records(240) if r["label"] != "neutral"])
     with pytest.raises(FinetuneError, match="does not match the head"):
-        run_ft(tmp_path / "cls", bases["native"], two, "full", "classification",
+        run_ft(tmp_path / "cls", bases["native"], data, "full", "classification",
                "--training.steps", "2", "--checkpoint.resume", "true")
     assert "not in the label set" in fails("--finetune.labels", "positive,negative",
                                            data=bases["cls"], task="classification")

@@ -18,6 +18,10 @@ def test_launch_writes_sbatch_script(tmp_path: Path) -> None:
     assert "--rdzv_backend c10d" in text
     assert "-m scaletrain train --parallel.tp 8 --output 'runs/my run'" in text
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0  # valid shell
+    # The preemption loop: signal before the limit, requeue, torchrun restarts.
+    assert "#SBATCH --signal=USR1@180" in text and "#SBATCH --requeue" in text
+    assert "--max_restarts 3" in text and "SIGUSR1 --shutdown_timeout 150" in text
+    assert "marker='runs/my run/preempted.json'" in text and 'scontrol requeue' in text
     # The log directory exists (Slurm does not create it) and is named absolutely.
     assert f"#SBATCH --output={tmp_path / 'slurm-logs'}/%x-%j.out" in text
     assert (tmp_path / "slurm-logs").is_dir()

@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
     from scaletrain.finetune.lora import LoRAError
     from scaletrain.parallel.mesh import shutdown_process_group
     from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
+    from scaletrain.train.preemption import EXIT_PREEMPTED, Preempted
     from scaletrain.train.trainer import TrainingDiverged
 
     try:
@@ -70,6 +71,9 @@ def main(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"scaletrain finetune: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # a checkpoint was saved: the job is to be continued
+        print(f"scaletrain finetune: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     finally:  # also under torchrun: no process group outlives the run (see shutdown_process_group)
         shutdown_process_group()
     if result.losses:

@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
     from scaletrain.parallel.failure import DistributedFailure
     from scaletrain.parallel.mesh import shutdown_process_group
     from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
+    from scaletrain.train.preemption import EXIT_PREEMPTED, Preempted
     from scaletrain.train.trainer import TrainingDiverged
 
     try:
@@ -40,6 +41,9 @@ def main(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # a checkpoint was saved: the job is to be continued
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except DistributedFailure as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1

@@ -194,13 +194,13 @@ class FinetuneTrainer(Trainer):
 
     def _check_base_on_resume(self) -> None:
         path = self.output / META_NAME
-        if self.cfg.checkpoint.resume and path.is_file():
+        if self.resume_from is not None and path.is_file():
             check_base(read_meta(self.output), self.base.directory, path,
                        allow=self.ft.allow_base_mismatch)
 
     def _check_labels_on_resume(self) -> None:
         path = self.output / META_NAME
-        if self.cfg.checkpoint.resume and path.is_file():
+        if self.resume_from is not None and path.is_file():
             saved = read_meta(self.output).get("labels")
             if saved is not None and saved != self.labels:
                 raise FinetuneError(f"the label set {self.labels} does not match the head this run "

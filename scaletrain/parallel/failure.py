@@ -1,5 +1,6 @@
-"""Naming the rank that failed: each rank writes a heartbeat into the rendezvous store, and a
-rank whose collective fails reports the ranks whose heartbeat stopped."""
+"""Naming the rank that failed: each rank writes a heartbeat (the time and where it is: the
+step and what it was doing) into the rendezvous store, and a rank whose collective fails
+reports the ranks whose heartbeat stopped and where each was last."""
 
 from __future__ import annotations
 
@@ -18,19 +19,33 @@ _PREFIX = "scaletrain/heartbeat/"
 
 
 class Heartbeat:
-    """A daemon thread writing `time.time()` under this rank's key every `interval_s`."""
+    """A daemon thread writing `time.time()` and `where` under this rank's key every
+    `interval_s`."""
 
     def __init__(self, interval_s: float = 0.5) -> None:
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.interval_s = interval_s
+        self.where = "start-up"
+        """What this rank is doing (set through `at`)."""
+        self._lock = threading.Lock()
+        self.last_seen: dict[int, str] = {}
+        """Where each silent rank was at its last beat (filled by `silent_ranks`)."""
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
         self._thread.start()
 
     def _beat(self) -> None:
-        self.store.set(f"{_PREFIX}{self.rank}", repr(time.time()))
+        with self._lock:
+            self.store.set(f"{_PREFIX}{self.rank}", f"{time.time()!r}|{self.where}")
+
+    def at(self, where: str) -> None:
+        """This rank is now at `where` ("step 7: training step"), published at once: a rank
+        that stops right after is named with the place it stopped in."""
+        self.where = where
+        with contextlib.suppress(Exception):  # a lost store is reported by the collectives
+            self._beat()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -58,9 +73,10 @@ class Heartbeat:
             for r in range(self.world):
                 if r == self.rank:
                     continue
-                beat = float(self.store.get(f"{_PREFIX}{r}").decode())
-                if now - beat > stale_s:
+                beat, _, where = self.store.get(f"{_PREFIX}{r}").decode().partition("|")
+                if now - float(beat) > stale_s:
                     out.append(r)
+                    self.last_seen[r] = where
             return out
         except Exception:
             return None
@@ -71,7 +87,9 @@ def describe_failure(heartbeat: Heartbeat | None, step: int, error: BaseExceptio
     silent = heartbeat.silent_ranks() if heartbeat is not None else None
     rank = dist.get_rank() if dist.is_initialized() else 0
     if silent:
-        who = f"rank(s) {', '.join(map(str, silent))} stopped responding"
+        assert heartbeat is not None
+        who = "; ".join(f"rank {r} stopped responding (last seen at {heartbeat.last_seen[r]})"
+                        for r in silent)
     elif silent is None:
         who = "the rendezvous store is unreachable (the rank hosting it, usually rank 0, died)"
     else:

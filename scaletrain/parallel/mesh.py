@@ -50,6 +50,20 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     log.info("process group: %s, rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
 
 
+def set_collective_timeout(timeout_s: float,
+                           skip: tuple[dist.ProcessGroup, ...] = ()) -> None:
+    """Bound every collective of every process group of this rank (but `skip`) by
+    `timeout_s` from now on: the trainer shortens the start-up timeout once the first step has
+    run and lengthens it again around checkpoint saves."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group in skip or dist.distributed_c10d._rank_not_in_group(group):
+            continue
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def shutdown_process_group() -> None:
     """Destroy every process group of this process (a no-op in one process), on every way out
     of a run: a process that exits with its groups alive can abort in interpreter shutdown

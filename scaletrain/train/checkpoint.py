@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import re
 import shutil
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +47,15 @@ from scaletrain.checkpoint.integrity import (
 )
 from scaletrain.checkpoint.safe_dcp import load_dcp
 from scaletrain.models.args import ModelArgs
+from scaletrain.train.resume import write_run_settings
 from scaletrain.train.zero1 import PartitionedOptimizer
 
 log = logging.getLogger("scaletrain.train")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# One process saves without a process group on purpose; DCP warns about it from its own
+# background thread too, where a `catch_warnings` block of ours does not reach.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
 def _distributed() -> bool:
@@ -96,28 +101,54 @@ def _agree(check: Callable[[], None]) -> None:
 
 class Checkpointer:
     def __init__(self, folder: str | Path, keep_last: int, model_args: ModelArgs,
-                 tokenizer_file: str | Path | None = None, verify: bool | None = None) -> None:
+                 tokenizer_file: str | Path | None = None, verify: bool | None = None,
+                 async_save: bool = False) -> None:
         self.folder = Path(folder)
         self.verify = verification_enabled(verify)
         """Check the manifest's content hashes before loading (checkpoint.verify)."""
         self.keep_last = keep_last
         self.model_args = model_args
         self.tokenizer_file = Path(tokenizer_file) if tokenizer_file else None
+        self.async_save = async_save
+        self._pending: _BackgroundSave | None = None
+        self._stager: Any = None
+        self.async_group: Any = None
+        if async_save and _distributed():  # the background write's own collectives
+            self.async_group = dist.new_group(backend="gloo")
+
+    def stager(self) -> Any:
+        """One staging area in host memory, reused by every background save."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     # --- discovery -------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Steps of complete checkpoints (those with meta.json), oldest first."""
-        if not self.folder.is_dir():
+        return self.steps_in(self.folder)
+
+    @staticmethod
+    def steps_in(folder: Path) -> list[int]:
+        """Steps of the complete checkpoints in `folder`, oldest first."""
+        if not folder.is_dir():
             return []
         found = []
-        for d in self.folder.iterdir():
+        for d in folder.iterdir():
             m = _STEP_DIR.match(d.name)
             if m and (d / "meta.json").is_file():
                 found.append(int(m.group(1)))
         return sorted(found)
 
     def path(self, step: int) -> Path:
-        return self.folder / f"step-{step:07d}"
+        return self.folder / self.dir_name(step)
+
+    @staticmethod
+    def dir_name(step: int) -> str:
+        return f"step-{step:07d}"
 
     # --- save / load -----------------------------------------------------------------------
     def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
@@ -129,12 +160,18 @@ class Checkpointer:
             model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
         return {"model": model_sd, "optimizer": optim_sd, "extra": extra}
 
-    def save(self, step: int, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> Path:
-        """Write checkpoint `step` (temp dir, then rename) and prune old ones.
+    def save(self, step: int, model: nn.Module, optimizer: Any, extra: dict[str, Any],
+             run: dict[str, Any] | None = None) -> Path:
+        """Write checkpoint `step` (temp dir, then rename) and prune old ones; `run`: the run's
+        settings for `run.json` (`train.resume`).
 
         State with NaN/inf values is never written (`NonFiniteStateError`). The manifest of
         content hashes is written last; with several ranks each hashes a share of the files.
+        With `async_save` this returns once the state is copied to host memory; the files are
+        written in the background, and the checkpoint is complete (renamed from its temporary
+        name) when `wait()` returns. A save first waits for the previous one.
         """
+        self.wait()
         final = self.path(step)
         tmp = final.with_name(final.name + ".tmp")
         main = _is_main()  # with several processes rank 0 does the file work, all write shards
@@ -144,29 +181,65 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
+        if self.async_save:
+            self._pending = _BackgroundSave(self, step, tmp, final, state, run)
+            return final
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(state, checkpoint_id=tmp)
         if main:
-            tokenizer_name = None
-            if self.tokenizer_file and self.tokenizer_file.is_file():
-                tokenizer_name = "tokenizer.json"
-                shutil.copyfile(self.tokenizer_file, tmp / tokenizer_name)
-            native_format.write_meta(tmp, step, self.model_args, tokenizer_name)
+            self._write_side_files(tmp, step, run)
         _barrier()
         rank, world = _world()
         entries: dict[str, Any] = {}
         for part in _gather(hash_files(tmp, checkpoint_files(tmp)[rank::world])):
             entries.update(part)
         if main:
-            write_manifest(tmp, entries)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._prune()
-            log.info("saved checkpoint %s", final)
+            self._publish(tmp, final, entries)
         _barrier()
         return final
+
+    def wait(self) -> Path | None:
+        """Finish the background save in flight (every rank calls it at the same point);
+        return its checkpoint (None when none was in flight). A failed write is a
+        `CheckpointError`; the previous checkpoints stay as they were."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        error = pending.join()
+        failed = [e for e in _gather(error) if e]
+        if failed:
+            raise CheckpointError(f"writing checkpoint {pending.final} failed: {failed[0]}")
+        return pending.final
+
+    def close(self) -> None:
+        """Release the staging memory. On the way out of a run: a background save still in
+        flight (only when the run failed, as a finished run `wait`s) is left to end with the
+        process, without collectives that the failed peer would never join; its temporary
+        directory is never taken for a checkpoint."""
+        self._pending = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _write_side_files(self, tmp: Path, step: int, run: dict[str, Any] | None) -> None:
+        """The tokenizer, meta.json and run.json (rank 0)."""
+        tokenizer_name = None
+        if self.tokenizer_file and self.tokenizer_file.is_file():
+            tokenizer_name = "tokenizer.json"
+            shutil.copyfile(self.tokenizer_file, tmp / tokenizer_name)
+        native_format.write_meta(tmp, step, self.model_args, tokenizer_name)
+        if run is not None:
+            write_run_settings(tmp, run)
+
+    def _publish(self, tmp: Path, final: Path, entries: dict[str, Any] | None) -> None:
+        """Manifest last, then the rename that makes the checkpoint complete (rank 0)."""
+        write_manifest(tmp, entries)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self._prune()
+        log.info("saved checkpoint %s", final)
 
     def _refuse_nonfinite(self, state: dict[str, Any], optimizer: Any, step: int) -> None:
         found = nonfinite_entries({k: v for k, v in state.items() if k != "extra"})
@@ -194,7 +267,7 @@ class Checkpointer:
         """
         path = Path(path)
         remedy = (f"delete {path} to resume from the previous checkpoint, or start fresh "
-                  "without --checkpoint.resume")
+                  "with --checkpoint.resume false")
         if self.verify:
             rank, world = _world()
             _agree(lambda: verify_manifest(path, remedy, rank, world))
@@ -231,3 +304,37 @@ class Checkpointer:
         else:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
+
+
+class _BackgroundSave:
+    """One checkpoint written by `dcp.async_save`: the state is staged (copied to host memory)
+    here, the files are written by DCP's thread; then rank 0 alone writes meta.json, run.json
+    and the manifest (hashing every file) and renames the directory, in a thread of its own.
+    A process killed meanwhile leaves only the temporary directory."""
+
+    def __init__(self, owner: Checkpointer, step: int, tmp: Path, final: Path,
+                 state: dict[str, Any], run: dict[str, Any] | None) -> None:
+        self.owner, self.step, self.tmp, self.final, self.run = owner, step, tmp, final, run
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            response = dcp.async_save(state, checkpoint_id=tmp, async_stager=owner.stager(),
+                                      process_group=owner.async_group,
+                                      no_dist=not _distributed())
+        self.future = getattr(response, "upload_completion", response)
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._finish, daemon=True,
+                                       name=f"checkpoint-{step}")
+        self.thread.start()
+
+    def _finish(self) -> None:
+        try:
+            self.future.result()
+            if _is_main():
+                self.owner._write_side_files(self.tmp, self.step, self.run)
+                self.owner._publish(self.tmp, self.final, None)
+        except BaseException as e:  # reported by `join` on the training thread
+            self.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+    def join(self) -> str | None:
+        self.thread.join()
+        return self.error

@@ -8,6 +8,27 @@ from typing import Any
 from scaletrain.config import LRScheduleConfig
 
 
+def lr_at(cfg: LRScheduleConfig, peak: float, total_steps: int, step: int) -> float:
+    """Learning rate of optimizer step `step` (0-based) of a `total_steps` run peaking at
+    `peak`."""
+    floor = peak * cfg.min_lr_ratio
+    warmup = min(cfg.warmup_steps, total_steps)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if cfg.decay == "constant":
+        return peak
+    decay_start = warmup
+    if cfg.decay == "wsd":
+        decay_start = max(warmup, total_steps - int(cfg.decay_fraction * total_steps))
+        if step < decay_start:
+            return peak
+    span = max(1, total_steps - decay_start)
+    progress = min(1.0, (step - decay_start + 1) / span)
+    if cfg.decay == "cosine":
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return peak - (peak - floor) * progress  # linear, and the decay phase of wsd
+
+
 class LRSchedule:
     """Sets the learning rate of an optimizer's param groups for each step.
 
@@ -23,23 +44,7 @@ class LRSchedule:
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (0-based)."""
-        cfg, peak = self.cfg, self.peak_lr
-        floor = peak * cfg.min_lr_ratio
-        warmup = min(cfg.warmup_steps, self.total_steps)
-        if step < warmup:
-            return peak * (step + 1) / warmup
-        if cfg.decay == "constant":
-            return peak
-        decay_start = warmup
-        if cfg.decay == "wsd":
-            decay_start = max(warmup, self.total_steps - int(cfg.decay_fraction * self.total_steps))
-            if step < decay_start:
-                return peak
-        span = max(1, self.total_steps - decay_start)
-        progress = min(1.0, (step - decay_start + 1) / span)
-        if cfg.decay == "cosine":
-            return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        return peak - (peak - floor) * progress  # linear, and the decay phase of wsd
+        return lr_at(self.cfg, self.peak_lr, self.total_steps, step)
 
     @property
     def lr(self) -> float:

@@ -92,8 +92,6 @@ class Trainer:
         seed_everything(cfg.training.seed, cfg.training.deterministic)
         self.output = Path(cfg.output)
         self.output.mkdir(parents=True, exist_ok=True)
-        if self.is_main:
-            (self.output / "config.toml").write_text(to_toml(cfg))
         self.dtype = precision.resolve_dtype(cfg.precision, self.device)
         if cfg.precision.param_dtype == "bf16" and self.dtype == "fp16":
             raise ConfigError("precision.param_dtype bf16 cannot be combined with fp16 autocast; "
@@ -110,6 +108,10 @@ class Trainer:
             self._check_distributed()
         # This rank's place among the data-parallel ranks (the parallelism layer sets them).
         self.dp_rank, self.dp_size = self.par.dp_rank, self.par.dp_size
+        self.global_batch = self.mbs * self.ga * self.dp_size
+        # The checkpoint to continue from, checked against this run's settings before any
+        # data or model is built (`train/resume.py`).
+        self.resume_from, self.resume_settings = self._find_resume()
         self._build_data()
         self.mem_baseline = MemoryBaseline(self.device)  # peaks are reported above it
         self.model_args = self._model_args()
@@ -142,10 +144,13 @@ class Trainer:
         self.checkpointer = self.checkpointer_cls(self.output / "checkpoints",
                                                   cfg.checkpoint.keep_last, self.model_args,
                                                   self.corpus.tokenizer_path,
-                                                  verify=cfg.checkpoint.verify)
+                                                  verify=cfg.checkpoint.verify,
+                                                  async_save=cfg.checkpoint.async_save)
         self.step = 0
-        if cfg.checkpoint.resume:
+        if self.resume_from is not None:
             self._resume()
+        if self.is_main:  # only now: a resume that fails leaves the run directory as it was
+            (self.output / "config.toml").write_text(to_toml(cfg))
         self.flops_per_token = flops_per_token(self.model_args, cfg.data.seq_len)
         # fp8: MFU stays against the bf16 peak; the fp8 peak's share is reported alongside.
         fp8 = cfg.precision.fp8 != "none"
@@ -185,9 +190,14 @@ class Trainer:
         if pin is None:
             pin = self.device.type == "cuda"
         self.pin_memory = pin
-        # The samples the whole run consumes (GBS x steps); the order of the first ones does
-        # not depend on it, so a resumed run with more steps continues the same order.
-        num_samples = self.cfg.training.steps * self.mbs * self.ga * self.dp_size
+        # The samples the whole run consumes (GBS x steps, or those a resumed run consumed plus
+        # its remaining steps' batches); the order of the first ones does not depend on it, so
+        # a resumed run with more steps or another batch continues the same order.
+        num_samples = self.cfg.training.steps * self.global_batch
+        if self.resume_settings is not None:
+            done = self.resume_settings["consumed_samples"]
+            num_samples = done + max(self.cfg.training.steps - self.resume_step, 0) \
+                * self.global_batch
         self.train_stream, self.val_data, self.corpus = build_train_val(
             self.cfg.data, self.mbs, self.cfg.training.seed, pin_memory=pin,
             dp_rank=self.dp_rank, dp_size=self.dp_size, num_samples=num_samples,
@@ -249,16 +259,61 @@ class Trainer:
             extra["scaler"] = self.scaler.state_dict()
         return extra
 
-    def _resume(self) -> None:
-        steps = self.checkpointer.steps()
+    def _find_resume(self) -> tuple[Path | None, dict[str, Any] | None]:
+        """(checkpoint to continue from, the settings it was trained with) per
+        `checkpoint.resume`; a setting that would silently change the run is refused here."""
+        from scaletrain.train.resume import check_resume, read_run_settings
+
+        mode = self.cfg.checkpoint.resume
+        folder = self.output / "checkpoints"
+        self.resume_step = 0
+        steps = Checkpointer.steps_in(folder)
+        if mode is False:
+            if steps:
+                log.warning("checkpoint.resume is false: starting fresh although %s holds "
+                            "checkpoints (later saves replace them)", folder)
+            return None, None
         if not steps:
-            raise CheckpointError(
-                f"checkpoint.resume is true but no complete checkpoint exists under "
-                f"{self.checkpointer.folder}; run without --checkpoint.resume to start fresh"
-            )
+            if mode is True:
+                raise CheckpointError(
+                    f"checkpoint.resume is true but no complete checkpoint exists under {folder};"
+                    " run without --checkpoint.resume true to start fresh")
+            return None, None
+        path = folder / Checkpointer.dir_name(steps[-1])
+        settings = read_run_settings(path)
+        if settings is None:
+            log.warning("%s has no run.json (an older scaletrain): its schedule, batch and data "
+                        "settings cannot be checked against this run's", path)
+        else:
+            check_resume(settings, self.cfg, self.global_batch, steps[-1], path)
+        self.resume_step = steps[-1]
+        return path, settings
+
+    def _resume(self) -> None:
+        """Load `resume_from`; with `checkpoint.resume auto` a damaged newest checkpoint gives
+        way to the one before it (each checked as the first was)."""
+        from scaletrain.train.resume import check_resume, read_run_settings
+
+        path = self.resume_from
+        assert path is not None
+        while True:
+            try:
+                self._load_checkpoint(path)
+                return
+            except CheckpointError as e:
+                older = [s for s in self.checkpointer.steps()
+                         if s < int(path.name.split("-")[1])]
+                if self.cfg.checkpoint.resume != "auto" or not older:
+                    raise
+                log.warning("%s; resuming from the checkpoint before it", e)
+                path = self.checkpointer.path(older[-1])
+                settings = read_run_settings(path)
+                if settings is not None:
+                    check_resume(settings, self.cfg, self.global_batch, older[-1], path)
+
+    def _load_checkpoint(self, path: Path) -> None:
         from scaletrain.checkpoint.safe_dcp import read_metadata
 
-        path = self.checkpointer.path(steps[-1])
         template = self._extra_state()
         rank = self.par.rank
         try:  # a damaged checkpoint is reported by `load` below
@@ -277,7 +332,26 @@ class Trainer:
         self.step = int(extra["step"])
 
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self._extra_state())
+        from scaletrain.train.resume import run_settings
+
+        consumed = self.train_stream.state_dict()["consumed_samples"]
+        run = run_settings(self.cfg, self.global_batch, consumed)
+        # Rank 0 renames and prunes while the others wait: the start-up timeout holds.
+        self.collective_timeout(self.cfg.parallel.timeout_s)
+        try:
+            return self.checkpointer.save(self.step, self.model, self.optimizer,
+                                          self._extra_state(), run)
+        finally:
+            if self.step > 0:
+                self.collective_timeout(self.cfg.parallel.step_timeout_s)
+
+    def collective_timeout(self, seconds: float) -> None:
+        """Bound the run's collectives by `seconds` (not those of a background checkpoint
+        write, which keep the start-up timeout)."""
+        from scaletrain.parallel.mesh import set_collective_timeout
+
+        group = self.checkpointer.async_group
+        set_collective_timeout(seconds, skip=() if group is None else (group,))
 
     # --- one step ---------------------------------------------------------------------------
     def next_batches(self) -> list[Batch]:
@@ -392,63 +466,122 @@ class Trainer:
         host; at log steps (the run's first step, every `metrics.log_interval`, before an
         evaluation or checkpoint, and at the end) the pending steps' losses and norms are read
         in one transfer, written to the metrics (each step's own values), and a non-finite step
-        acts on `on_nan`."""
+        acts on `on_nan`.
+
+        After each step every rank agrees whether to stop (a preemption signal: checkpoint,
+        then `Preempted`) and whether a timed checkpoint is due (`train/preemption.py`). Once
+        the first step has run, collectives are bounded by `parallel.step_timeout_s` and a step
+        that outlasts it leaves every rank's stack under `<output>/stacks/`."""
+        from scaletrain.train.preemption import Preempted, StepBoundary, clear_marker, write_marker
+
         cfg = self.cfg
+        if self.resume_from is not None and self.step >= cfg.training.steps:
+            log.info("the run is complete: %s is at step %d of %d, nothing to train (more steps: "
+                     "raise --training.steps; a new run: another --output)", self.resume_from,
+                     self.step, cfg.training.steps)
+            return TrainResult(steps=self.step, checkpoint=self.resume_from,
+                               tokens_seen=self._tokens_seen())
         start = time.perf_counter()
         result = TrainResult(steps=self.step)
         first = self.step + 1  # logged alone: the run shows life, warm-up stays out of the means
         heartbeat = self.par.heartbeat()
+        boundary = StepBoundary(cfg.checkpoint.signals, cfg.checkpoint.interval_minutes,
+                                self.par.enabled, self.is_main)
+        stacks = self._stack_dumps()
         metrics: Any = _NoMetrics()
         if self.is_main:  # one rank writes metrics, logs and the progress bar
+            clear_marker(self.output)
             metrics = MetricsLogger(self.output, cfg.training.steps, cfg.metrics.log_interval,
                                     cfg.metrics.tensorboard, cfg.metrics.progress_bar,
                                     start_step=self.step)
         pending = _Pending(time.perf_counter())
         prof = StepProfiler(cfg.profiling, self.output, self.device, start_step=self.step).start()
+        boundary.install()
         try:
             while self.step < cfg.training.steps:
+                self._where(heartbeat, "training step")
+                if stacks is not None and self.step >= first:
+                    stacks.arm(0.9 * cfg.parallel.step_timeout_s)
                 t0 = time.perf_counter()
                 batches = self.next_batches()
                 data_wait = time.perf_counter() - t0
                 with prof.oom_guard(cfg):
                     out = self._guarded_step(batches, heartbeat)
                 self.step += 1
+                if self.step == first and self.par.enabled:  # start-up is over
+                    self.collective_timeout(cfg.parallel.step_timeout_s)
+                stop, timed_save = boundary.decide()
+                if stacks is not None:
+                    stacks.disarm()
                 prof.step()
                 pending.steps.append((self.step, out, data_wait))
                 last = self.step == cfg.training.steps
-                evaluate = bool(cfg.training.eval_interval) and not last \
+                evaluate = bool(cfg.training.eval_interval) and not last and stop is None \
                     and self.step % cfg.training.eval_interval == 0
-                save = bool(cfg.checkpoint.interval) and not last \
-                    and self.step % cfg.checkpoint.interval == 0
+                save = not last and (bool(stop) or timed_save or (
+                    bool(cfg.checkpoint.interval) and self.step % cfg.checkpoint.interval == 0))
                 if (last or evaluate or save or self.step == first
                         or self.step % cfg.metrics.log_interval == 0):
                     self._log_pending(pending, metrics, result)
                 if evaluate:
+                    self._where(heartbeat, "evaluation")
                     metrics.log_eval(self.step, self.evaluate())
                     pending.since = time.perf_counter()  # evaluation time is not step time
                 if save:
+                    self._where(heartbeat, "saving a checkpoint")
                     result.checkpoint = self.save_checkpoint()
+                    boundary.saved()
                     pending.since = time.perf_counter()
+                if stop is not None and not last:  # the last step ends the run as usual
+                    result.checkpoint = self.checkpointer.wait() or result.checkpoint
+                    if self.is_main:
+                        write_marker(self.output, stop, self.step, result.checkpoint)
+                    raise Preempted(stop, self.step, result.checkpoint)
             prof.stop()  # evaluation and the final checkpoint stay out of the trace
+            self._where(heartbeat, "final evaluation")
             result.val_loss = self.evaluate()
             metrics.log_eval(self.step, result.val_loss)
-            # The last step is saved by `save_final`, or as any step of `interval` is.
+            # The last step is saved by `save_final`, or as any step of `interval` is (a run
+            # resumed after its last step already has it).
             on_interval = bool(cfg.checkpoint.interval) and self.step > result.steps \
                 and self.step % cfg.checkpoint.interval == 0
             if cfg.checkpoint.save_final or on_interval:
+                self._where(heartbeat, "saving the final checkpoint")
                 result.checkpoint = self.save_checkpoint()
+            result.checkpoint = self.checkpointer.wait() or result.checkpoint
         finally:
+            boundary.uninstall()
+            if stacks is not None:
+                stacks.close()
             prof.stop()
             metrics.close()
+            self.checkpointer.close()
             if heartbeat is not None:
                 heartbeat.stop()
         result.steps = self.step
-        result.tokens_seen = self.train_stream.state_dict()["consumed_samples"] \
-            * self.cfg.data.seq_len
+        result.tokens_seen = self._tokens_seen()
         result.wall_time_s = time.perf_counter() - start
         if cfg.training.sample_tokens:
             result.sample = self.sample(cfg.training.sample_tokens)
         return result
+
+    def _tokens_seen(self) -> int:
+        return self.train_stream.state_dict()["consumed_samples"] * self.cfg.data.seq_len
+
+    def _stack_dumps(self) -> Any:
+        """Stack dumps of a hung step (several processes only; `parallel/stacks.py`)."""
+        if not self.par.enabled:
+            return None
+        from scaletrain.parallel.stacks import StackDumps
+
+        return StackDumps(self.output / "stacks", self.par.rank,
+                          on_demand="SIGUSR2" not in self.cfg.checkpoint.signals)
+
+    def _where(self, heartbeat: Any, doing: str) -> None:
+        """Tell the heartbeat where this rank is (named if it stops answering)."""
+        if heartbeat is not None:
+            heartbeat.at(f"step {self.step + 1}: {doing}" if doing == "training step"
+                         else f"after step {self.step}: {doing}")
 
     def _log_pending(self, pending: _Pending, metrics: Any, result: TrainResult) -> None:
         """Read the pending steps back (one transfer; the only host synchronization of the

@@ -1,0 +1,126 @@
+"""Resuming consistently: the settings a checkpoint was trained with (`run.json`, written beside
+`meta.json` in every checkpoint) are checked against this run's before anything heavy is built.
+
+A resume may change how the work is laid out (ranks, micro-batch, parallelism) but not, without
+being told, what is computed: the data order (data settings, seed, sequence length), the global
+batch (`checkpoint.allow_batch_change`: continue from the samples consumed) or the learning
+rate of the steps still to run (`checkpoint.allow_schedule_change`). A mismatch is one line
+naming the setting, both values and the override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from scaletrain.config import Config, ConfigError
+from scaletrain.train.lr_schedule import lr_at
+
+RUN_NAME = "run.json"
+FORMAT = "scaletrain-run"
+
+# Data settings that do not change which samples come in which order.
+_LOADER_ONLY = {"cache_dir", "num_workers", "prefetch_factor", "pin_memory",
+                "persistent_workers"}
+_FINETUNE_DATA = ("data", "val_data", "task", "packing")
+
+
+class ResumeMismatch(ConfigError):
+    """This run's settings would silently change the resumed run (exit 2, one line)."""
+
+
+def run_settings(cfg: Config, global_batch: int, consumed_samples: int) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (JSON-ready)."""
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _LOADER_ONLY}
+    data.update({f"finetune.{k}": getattr(cfg.finetune, k) for k in _FINETUNE_DATA})
+    return {"format": FORMAT, "version": 1, "consumed_samples": int(consumed_samples),
+            "global_batch_size": int(global_batch), "seed": cfg.training.seed,
+            "training_steps": cfg.training.steps, "lr": cfg.optimizer.lr,
+            "lr_schedule": dataclasses.asdict(cfg.lr_schedule),
+            "data": json.loads(json.dumps(data))}
+
+
+def write_run_settings(directory: Path, settings: dict[str, Any]) -> None:
+    (directory / RUN_NAME).write_text(json.dumps(settings, indent=1) + "\n")
+
+
+def read_run_settings(checkpoint: Path) -> dict[str, Any] | None:
+    """The checkpoint's `run.json` (None for checkpoints written before it existed)."""
+    path = checkpoint / RUN_NAME
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        ok = isinstance(saved, dict) and saved.get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{path} is damaged: restore the checkpoint from a good copy or delete "
+                          "it to resume from the one before")
+    return saved
+
+
+def check_resume(saved: dict[str, Any], cfg: Config, global_batch: int, step: int,
+                 checkpoint: Path) -> None:
+    """Raise `ResumeMismatch` when resuming `checkpoint` (at `step`) with `cfg` would change
+    the data order, the global batch or the learning rate of a remaining step unasked."""
+    where = f"{checkpoint.name} was trained with"
+    now = run_settings(cfg, global_batch, 0)
+    for key, value in saved["data"].items():
+        if key in now["data"] and now["data"][key] != value:
+            name = key if key.startswith("finetune.") else f"data.{key}"
+            raise ResumeMismatch(
+                f"{where} {name} {_show(value)}, this run sets {_show(now['data'][key])}: the "
+                f"data order would change; resume with --{name} {_show(value)}, or start a new "
+                "run in another --output")
+    if saved["seed"] != cfg.training.seed:
+        raise ResumeMismatch(
+            f"{where} training.seed {saved['seed']}, this run sets {cfg.training.seed}: the "
+            f"data order would change; resume with --training.seed {saved['seed']}")
+    if saved["global_batch_size"] != global_batch and not cfg.checkpoint.allow_batch_change:
+        raise ResumeMismatch(
+            f"{where} a global batch of {saved['global_batch_size']} samples, this run uses "
+            f"{global_batch}: resume with the same training.global_batch_size, or pass "
+            "--checkpoint.allow_batch_change true to continue from the "
+            f"{saved['consumed_samples']:,} samples consumed with the new batch")
+    if not cfg.checkpoint.allow_schedule_change:
+        _check_schedule(saved, cfg, step, where)
+
+
+def _check_schedule(saved: dict[str, Any], cfg: Config, step: int, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cfg.lr_schedule)}
+    old_cfg = dataclasses.replace(cfg.lr_schedule, **{k: v for k, v in saved["lr_schedule"].items()
+                                                      if k in known})
+    old_total, new_total = saved["training_steps"], cfg.training.steps
+    for s in range(step, min(old_total, new_total)):
+        old = lr_at(old_cfg, saved["lr"], old_total, s)
+        new = lr_at(cfg.lr_schedule, cfg.optimizer.lr, new_total, s)
+        if not math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0):
+            changed = _schedule_diff(saved, cfg)
+            raise ResumeMismatch(
+                f"{where} {changed}: the learning rate of step {s + 1} would be {new:.3g} "
+                f"instead of {old:.3g}; resume with the checkpoint's settings, or pass "
+                "--checkpoint.allow_schedule_change true to use the new schedule")
+
+
+def _schedule_diff(saved: dict[str, Any], cfg: Config) -> str:
+    parts = []
+    if saved["training_steps"] != cfg.training.steps:
+        parts.append(f"training.steps {saved['training_steps']} (this run: {cfg.training.steps})")
+    if saved["lr"] != cfg.optimizer.lr:
+        parts.append(f"optimizer.lr {saved['lr']} (this run: {cfg.optimizer.lr})")
+    now = dataclasses.asdict(cfg.lr_schedule)
+    parts += [f"lr_schedule.{k} {_show(v)} (this run: {_show(now[k])})"
+              for k, v in saved["lr_schedule"].items() if k in now and now[k] != v]
+    return ", ".join(parts) or "another learning-rate schedule"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)

@@ -153,3 +153,22 @@ def test_dry_run_advises_a_smaller_micro_batch(capsys: pytest.CaptureFixture[str
     rc = main(["train", "--dry-run", "--json", "--output", str(tmp_path / "run"),
                "--training.micro_batch_size", HUGE_MBS])
     assert rc == 3 and json.loads(capsys.readouterr().out)["memory_bytes"]["peak"] > 1000 * GIB
+
+
+def test_finetune_stops_before_setup_too(tmp_path: Path,
+                                         capfd: pytest.CaptureFixture[str]) -> None:
+    from tests.finetune_helpers import qa_records, write_jsonl
+    from tests.synth_helpers import tiny_checkpoint
+
+    base = tiny_checkpoint(tmp_path / "base")
+    data = write_jsonl(tmp_path / "sft.jsonl", qa_records(8))
+    out = tmp_path / "ft"
+    capfd.readouterr()
+    rc = main(["finetune", "--base", str(base), "--data", str(data), "--output", str(out),
+               "--training.micro_batch_size", HUGE_MBS, "--data.seq_len", "128",
+               "--metrics.tensorboard", "false", "--metrics.progress_bar", "false"])
+    line = _one_line(capfd.readouterr().err)
+    assert rc == 3, line
+    assert line.startswith("scaletrain finetune: this run needs an estimated ")
+    assert "--training.micro_batch_size" in line.split("cheapest change that fits: ")[1]
+    assert not out.exists()

@@ -52,9 +52,12 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def available_bytes(device: torch.device) -> tuple[int, str]:
-    """(bytes, what they are): the GPU's memory, or the host RAM available now (MemAvailable)
+    """(bytes, what they are): the GPU's memory (this rank's GPU: `LOCAL_RANK` when the device
+    names no index, as the trainer sets it), or the host RAM available now (MemAvailable)
     shared by the ranks on this host."""
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         props = torch.cuda.get_device_properties(device)
         return int(props.total_memory), f"{props.name} memory"
     try:

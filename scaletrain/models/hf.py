@@ -34,7 +34,7 @@ from scaletrain.models.hf_families import (
     rope_family_config,
     unsupported_model_type,
 )
-from scaletrain.models.hf_headers import (
+from scaletrain.models.hf_files import (
     CONFIG_NAME,
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -42,6 +42,7 @@ from scaletrain.models.hf_headers import (
     config_layer_count,
     header_shapes,
     hf_manifest,
+    read_hf_weights,
     weight_files,
 )
 from scaletrain.models.hf_moe import (
@@ -332,32 +333,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
+def _parse_hf_config(cfg: dict[str, Any], directory: Path) -> ModelArgs:
     try:
-        return load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path} is damaged or not a safetensors file: {e}") from None
-
-
-def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a HF checkpoint: `model.safetensors` or the shards its index lists."""
-    directory = Path(directory)
-    files = weight_files(directory)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in files:
-        tensors.update(_read_safetensors(shard))
-    if not (directory / WEIGHTS_NAME).is_file():  # shards: each listed tensor was found
-        weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
-        listed_missing = sorted(k for k in weight_map if k not in tensors)
-        if listed_missing:
-            raise ValueError(f"{directory / INDEX_NAME} lists tensor(s) absent from their "
-                             f"shard: {', '.join(listed_missing[:5])}")
-    return tensors
+        return model_args_from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{directory / CONFIG_NAME}: {what}") from None
 
 
 def hf_model_args(directory: str | os.PathLike) -> ModelArgs:
@@ -366,7 +347,11 @@ def hf_model_args(directory: str | os.PathLike) -> ModelArgs:
     whose sizes the weights do not have is refused in milliseconds, one line."""
     directory = Path(directory)
     cfg = read_hf_config(directory)
-    files = weight_files(directory)
+    try:
+        files = weight_files(directory)
+    except FileNotFoundError:
+        _parse_hf_config(cfg, directory)  # a config we cannot read is named first
+        raise
     shapes = header_shapes(files)
     manifest = hf_manifest(directory, cfg, files)
     names = [k for k in shapes if not _IGNORED_HF_KEYS.search(k)]
@@ -376,11 +361,7 @@ def hf_model_args(directory: str | os.PathLike) -> ModelArgs:
         n_layers = None  # model_args_from_hf_config says what is wrong with it
     if n_layers is not None and cfg.get("model_type") in SUPPORTED_MODEL_TYPES:
         check_layer_count(names, n_layers, manifest)
-    try:
-        args = model_args_from_hf_config(cfg)
-    except (KeyError, TypeError, ValueError) as e:
-        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        raise ValueError(f"{directory / CONFIG_NAME}: {what}") from None
+    args = _parse_hf_config(cfg, directory)
     if args.is_moe:
         check_expert_count(names, args.n_experts, manifest)
     meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}

@@ -1,14 +1,17 @@
-"""The weight files of a Hugging Face checkpoint and the tensor shapes their safetensors headers
-declare, read without loading a tensor; and how a `config.json` names the sizes
-`models.stored_shapes` checks (`num_hidden_layers`, `hidden_size`, ...)."""
+"""The weight files of a Hugging Face checkpoint: which they are, the tensor shapes their
+safetensors headers declare (read without loading a tensor), their tensors; and how a
+`config.json` names the sizes `models.stored_shapes` checks (`num_hidden_layers`, ...)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from scaletrain.models.stored_shapes import Manifest
 
@@ -66,6 +69,34 @@ def header_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path} is damaged or not a safetensors file: {e}") from None
+
+
+def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint: `model.safetensors` or the shards its index lists."""
+    directory = Path(directory)
+    files = weight_files(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in files:
+        tensors.update(_read_safetensors(shard))
+    if not (directory / WEIGHTS_NAME).is_file():  # shards: each listed tensor was found
+        weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
+        listed_missing = sorted(k for k in weight_map if k not in tensors)
+        if listed_missing:
+            raise ValueError(f"{directory / INDEX_NAME} lists tensor(s) absent from their "
+                             f"shard: {', '.join(listed_missing[:5])}")
+    return tensors
+
+
 def hf_manifest(directory: Path, cfg: dict[str, Any], files: list[Path]) -> Manifest:
     """The `Manifest` of a checkpoint's config.json, its fields under their config names."""
     model_type = cfg.get("model_type")
@@ -90,5 +121,5 @@ def check_expert_count(names: Iterable[str], n_experts: int, manifest: Manifest)
                               f"{max(found)})")
 
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "INDEX_NAME", "weight_files", "header_shapes",
-           "hf_manifest", "config_layer_count", "check_expert_count"]
+__all__ = ["read_hf_weights", "CONFIG_NAME", "WEIGHTS_NAME", "INDEX_NAME", "weight_files",
+           "header_shapes", "hf_manifest", "config_layer_count", "check_expert_count"]

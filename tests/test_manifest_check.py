@@ -241,3 +241,51 @@ def teardown_module() -> None:
         worst = max(SECONDS, key=SECONDS.__getitem__)
         print(f"\n{len(SECONDS)} refusals; slowest {worst}: {SECONDS[worst]:.2f} s "
               "(in-process, verb start-up included)")
+
+
+def _transformers_checkpoint(family: str, path: Path) -> Path:
+    """A tiny checkpoint written by transformers itself (the independent reference)."""
+    transformers = pytest.importorskip("transformers")
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128,
+                                      n_positions=96)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj, split by the check on meta
+        from tests.family_helpers import COMMON
+
+        cfg = transformers.Phi3Config(**{**COMMON, "num_key_value_heads": 4})
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    else:
+        from tests.moe_hf_helpers import hf_moe_model
+
+        hf_moe_model(family).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("family", "key", "value", "says"), [
+    ("gpt2", "n_layer", 10**7, "holds 2 layers (0-1)"),
+    ("gpt2", "n_positions", 10**9, "stores 96 position embeddings"),
+    ("gpt2", "n_embd", 96, "stores the embedding with width 64"),
+    ("phi3", "intermediate_size", 4096, "model.safetensors does not hold the model it "
+                                        "describes: layer 0: fused tensor of 192 rows, the config "
+                                        "says 8192 (4096 + 4096)"),
+    ("mixtral", "num_local_experts", 10**9, "holds tensors of 4 experts"),
+    ("qwen3_moe", "moe_intermediate_size", 4096, "stores layers.0.feed_forward.experts.w1 as "
+                                                 "[4, 40, 64]"),
+])
+def test_family_sizes_are_named_by_their_config_key(family: str, key: str, value: int,
+                                                    says: str, tmp_path: Path) -> None:
+    from scaletrain.models.hf import hf_model_args
+    from scaletrain.models.stored_shapes import ManifestMismatch
+
+    path = _transformers_checkpoint(family, tmp_path / family)
+    hf_model_args(path)  # as transformers wrote it: accepted
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, key: value}))
+    with hang_guard(), pytest.raises(ManifestMismatch) as caught:
+        hf_model_args(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path / 'config.json'}: "), message
+    assert says in message, message
+    if family != "phi3":  # the fused tensors say which rows they hold instead
+        assert message.startswith(f"{path / 'config.json'}: {key} is {value} but "), message

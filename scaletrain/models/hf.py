@@ -53,7 +53,11 @@ from scaletrain.models.hf_moe import (
     moe_to_hf,
     refuse_other_moe,
 )
-from scaletrain.models.stored_shapes import check_layer_count, check_stored_shapes
+from scaletrain.models.stored_shapes import (
+    ManifestMismatch,
+    check_layer_count,
+    check_stored_shapes,
+)
 from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
@@ -367,8 +371,9 @@ def hf_model_args(directory: str | os.PathLike) -> ModelArgs:
     meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
     try:
         ours = from_hf_state_dict(meta, args)
-    except KeyError as e:
-        raise ValueError(f"{directory}: {e.args[0]}") from None
+    except KeyError as e:  # a tensor of another model, or a fused one of other sizes
+        raise ManifestMismatch(f"{manifest.path}: {manifest.weights} does not hold the model "
+                               f"it describes: {e.args[0]}") from None
     check_stored_shapes({k: tuple(v.shape) for k, v in ours.items()}, args, manifest,
                         allow_extra=False)
     return args

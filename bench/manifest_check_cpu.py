@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.checkpoint_hash_cpu import _median  # noqa: E402
 from scaletrain.checkpoint.integrity import MANIFEST_NAME, write_manifest  # noqa: E402
 from scaletrain.checkpoint.native_format import (  # noqa: E402
     checked_model_args,
@@ -51,15 +52,6 @@ from scaletrain.models.transformer import Transformer, build_model  # noqa: E402
 
 DAMAGES = {"n_layers": ("num_hidden_layers", 10**7), "vocab_size": ("vocab_size", 10**12),
            "dim": ("hidden_size", None)}
-
-
-def _median(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _refusal(fn: Callable[[], Any], repeats: int) -> tuple[float, str]:

@@ -159,17 +159,20 @@ def check_stored_shapes(stored: Mapping[str, Shape], args: ModelArgs, manifest: 
                 f"{manifest.weights} stores {list(shape)}: the manifest does not describe these "
                 f"weights; restore {manifest.path.name} from a good copy of the checkpoint")
     if extra and not allow_extra:
-        shown = ", ".join(sorted(extra)[:4]) + (" ..." if len(extra) > 4 else "")
         raise ManifestMismatch(f"{manifest.path}: {manifest.weights} holds {len(extra)} "
-                               f"tensor(s) the model it describes does not have ({shown})")
+                               "tensor(s) the model it describes does not have "
+                               f"({_first(sorted(extra))})")
     needed = list(top) + [f"layers.{i}.{rest}" for i in range(args.n_layers) for rest in layer]
     missing = [name for name in needed if name not in stored]
     if missing:
-        shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
         raise ManifestMismatch(
             f"{manifest.path}: {manifest.weights} lacks {len(missing)} tensor(s) of the model "
-            f"it describes (missing tensor(s): {shown}): the manifest does not describe these "
-            "weights, or the checkpoint is incomplete")
+            f"it describes (missing tensor(s): {_first(missing)}): the manifest does not "
+            "describe these weights, or the checkpoint is incomplete")
+
+
+def _first(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "")
 
 
 __all__ = ["Manifest", "ManifestMismatch", "check_layer_count", "check_stored_shapes",

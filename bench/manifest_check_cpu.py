@@ -10,9 +10,10 @@ Rows (each the median of `--repeats` runs, in-process, files in the page cache):
   load native / load hf   : the whole load (`load_model`), for scale
   refuse <fmt> <field>    : the same call on a manifest with n_layers 10^7, vocab_size 10^12 or
                             a mismatched hidden size: the time to the one-line refusal
-  meta blocks / layer     : building blocks on the meta device, per layer (1,000 and 10,000
-                            layers), the work a believed n_layers does before any tensor is read;
-                            x 10^7 is what the old path would have spent (extrapolated, not run)
+  meta blocks / layer     : building blocks on the meta device, seconds and resident memory per
+                            layer (1,000 and 10,000 layers): the work a believed n_layers does
+                            before any tensor is read; x 10^7 is what the old path would have
+                            spent (extrapolated, not run)
   refuse micro-batch      : `check_before_setup` (plan + advice) for the debug config with a
                             micro-batch of 4096
 Results print as lines and go to bench/results/manifest_check_cpu.json.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -85,11 +87,20 @@ def _damaged(good: Path, fmt: str, field: str, dim: int, work: Path) -> Path:
     return out
 
 
-def _meta_blocks_per_layer(args: Any, layers: int) -> float:
-    t0 = time.perf_counter()
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _meta_blocks_per_layer(args: Any, layers: int) -> tuple[float, float]:
+    """(seconds, resident bytes) per layer of a model built on the meta device."""
+    rss, t0 = _rss_bytes(), time.perf_counter()
     with torch.device("meta"):
-        Transformer(args.replace(n_layers=layers))
-    return (time.perf_counter() - t0) / layers
+        model = Transformer(args.replace(n_layers=layers))
+    seconds = (time.perf_counter() - t0) / layers
+    grown = (_rss_bytes() - rss) / layers
+    del model
+    return seconds, grown
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -118,9 +129,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows[f"refuse {fmt} {field} s"] = seconds
                 rows[f"refuse {fmt} {field} message"] = message
     for layers in (1000, 10000):
-        rows[f"meta blocks per layer s ({layers} layers)"] = _meta_blocks_per_layer(args, layers)
-    per_layer = rows["meta blocks per layer s (10000 layers)"]
-    rows["meta blocks for 10^7 layers h (extrapolated)"] = per_layer * 1e7 / 3600
+        seconds, grown = _meta_blocks_per_layer(args, layers)
+        rows[f"meta blocks per layer s ({layers} layers)"] = seconds
+        rows[f"meta blocks per layer KiB resident ({layers} layers)"] = grown / 1024
+    rows["meta blocks for 10^7 layers h (extrapolated)"] = seconds * 1e7 / 3600
+    rows["meta blocks for 10^7 layers GiB (extrapolated)"] = grown * 1e7 / 2**30
 
     from scaletrain.commands._memory_fit import RunOutOfMemory, check_before_setup, training_plan
     from scaletrain.config import load_config

@@ -165,6 +165,10 @@ class TrainingConfig:
     slice), under pipeline parallelism on the last stage. Not for fine-tuning."""
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the fused loss."""
+    skip_memory_check: bool = False
+    """Start even when the plan's peak memory per rank is far above what the device has (more
+    than 1.5x the GPU's memory, or 2x the host's available RAM on CPU); by default such a run
+    stops before set-up with exit code 3 and the cheapest change that fits."""
 
 
 @dataclass

@@ -208,7 +208,8 @@ def test_native_errors_name_the_problem(tmp_path):
         load_model_checkpoint(tmp_path / "ck")
     from scaletrain.checkpoint.integrity import verification
 
-    with verification(False), pytest.raises(ValueError, match=r"lacks .*layers\.1\."):
+    with verification(False), pytest.raises(
+            ValueError, match=r"meta.json: model_args.n_layers is 2 but .metadata holds 1 layer"):
         load_model_checkpoint(tmp_path / "ck")
     with pytest.raises(FileExistsError):
         save_model_checkpoint(build_model(args), args, tmp_path / "ck")

@@ -39,6 +39,7 @@ from scaletrain.checkpoint.integrity import (
 from scaletrain.checkpoint.safe_dcp import DAMAGED, load_dcp, read_metadata
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.files import honour_umask, make_output_dir
+from scaletrain.models.stored_shapes import Manifest, ManifestMismatch, check_stored_shapes
 from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,30 @@ def open_checkpoint(directory: str | os.PathLike, verify: bool | None = None,
     meta = read_meta(directory)
     read_metadata(directory)
     return meta
+
+
+_CHECKED_FIELDS = ("n_layers", "vocab_size", "dim", "max_seq_len", "n_experts", "ffn_dim",
+                   "moe_ffn_dim")
+
+
+def checked_model_args(directory: str | os.PathLike, meta: dict[str, Any]) -> ModelArgs:
+    """`meta`'s model_args (`read_meta`), checked against the tensor shapes `.metadata` stores
+    before anything is built (`models.stored_shapes`): a manifest whose sizes the weights do not
+    have is refused in milliseconds, one CheckpointError line."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    directory = Path(directory)
+    args = ModelArgs.from_dict(meta["model_args"])
+    stored = {key.removeprefix("model."): tuple(value.size)
+              for key, value in read_metadata(directory).state_dict_metadata.items()
+              if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
+    manifest = Manifest(directory / META_NAME, ".metadata",
+                        {name: f"model_args.{name}" for name in _CHECKED_FIELDS})
+    try:
+        check_stored_shapes(stored, args, manifest)
+    except ManifestMismatch as e:
+        raise CheckpointError(str(e)) from None
+    return args
 
 
 def check_finite(state: Any, directory: str | os.PathLike, what: str = "weights") -> None:
@@ -192,7 +217,7 @@ def load_model_checkpoint(
     """
     directory = Path(directory)
     meta = open_checkpoint(directory)
-    args = ModelArgs.from_dict(meta["model_args"])
+    args = checked_model_args(directory, meta)
     model = empty_model(args, device=device, dtype=dtype)
     state = {"model": model.state_dict()}
     load_dcp(state, directory, no_dist=True)
@@ -207,5 +232,6 @@ def load_model_checkpoint(
     return model, args, tokenizer
 
 
-__all__ = ["META_NAME", "write_meta", "read_meta", "open_checkpoint", "load_state",
-           "check_finite", "save_model_checkpoint", "load_model_checkpoint", "CheckpointError"]
+__all__ = ["META_NAME", "write_meta", "read_meta", "open_checkpoint", "checked_model_args",
+           "load_state", "check_finite", "save_model_checkpoint", "load_model_checkpoint",
+           "CheckpointError"]

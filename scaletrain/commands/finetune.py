@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
         from scaletrain.commands.finetune_dry_run import dry_run as plan_run
 
         return plan_run(cfg, fit_seq_len, as_json)
+    from scaletrain.commands._memory_fit import EXIT_OUT_OF_MEMORY, RunOutOfMemory
     from scaletrain.finetune.base import FinetuneError
     from scaletrain.finetune.freeze import FreezeError
     from scaletrain.finetune.lora import LoRAError
@@ -74,6 +75,9 @@ def main(argv: list[str]) -> int:
     except Preempted as e:  # a checkpoint was saved: the job is to be continued
         print(f"scaletrain finetune: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except RunOutOfMemory as e:  # before set-up (the plan), or a step that ran out
+        print(f"scaletrain finetune: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     finally:  # also under torchrun: no process group outlives the run (see shutdown_process_group)
         shutdown_process_group()
     if result.losses:
@@ -90,9 +94,16 @@ def main(argv: list[str]) -> int:
 
 def _finetune(cfg: Any, fit_seq_len: bool) -> tuple[Any, dict[str, float] | None]:
     """Build and run the trainer: (its result, its last validation scores); the trainer itself
-    is out of reach after this call, so its process groups can be freed."""
+    is out of reach after this call, so its process groups can be freed. A plan far above
+    the memory there is stops before set-up; running out of memory is one message."""
+    from scaletrain.commands._memory_fit import check_before_setup, out_of_memory_as_message
+    from scaletrain.commands.finetune_dry_run import plan_finetune
     from scaletrain.finetune.trainer import FinetuneTrainer
+    from scaletrain.runtime import resolve_device
 
-    trainer = FinetuneTrainer(cfg, fit_seq_len=fit_seq_len)
-    result = trainer.train()
+    plan, device = lambda: plan_finetune(cfg, fit_seq_len)[0], resolve_device(cfg.training.device)
+    check_before_setup(plan, device, cfg.training.skip_memory_check)
+    with out_of_memory_as_message(plan, device):
+        trainer = FinetuneTrainer(cfg, fit_seq_len=fit_seq_len)
+        result = trainer.train()
     return result, getattr(trainer, "last_scores", None)

@@ -23,6 +23,7 @@ def main(argv: list[str]) -> int:
         from scaletrain.commands.train_dry_run import dry_run as plan_run
 
         return plan_run(cfg, as_json)
+    from scaletrain.commands._memory_fit import EXIT_OUT_OF_MEMORY, RunOutOfMemory
     from scaletrain.parallel.dims import ParallelDimsError
     from scaletrain.parallel.failure import DistributedFailure
     from scaletrain.parallel.mesh import shutdown_process_group
@@ -44,6 +45,9 @@ def main(argv: list[str]) -> int:
     except Preempted as e:  # a checkpoint was saved: the job is to be continued
         print(f"scaletrain train: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except RunOutOfMemory as e:  # before set-up (the plan), or a step that ran out
+        print(f"scaletrain train: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     except DistributedFailure as e:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1
@@ -63,7 +67,18 @@ def main(argv: list[str]) -> int:
 
 def _train(cfg: Any) -> Any:
     """Build and run the trainer; only its result outlives this call, so the process groups
-    its mesh and model hold can be freed before the process exits."""
+    its mesh and model hold can be freed before the process exits. A plan far above the
+    memory there is stops before set-up; running out of memory is one message
+    (`commands._memory_fit`)."""
+    from scaletrain.commands._memory_fit import (
+        check_before_setup,
+        out_of_memory_as_message,
+        training_plan,
+    )
+    from scaletrain.runtime import resolve_device
     from scaletrain.train.trainer import Trainer
 
-    return Trainer(cfg).train()
+    plan, device = training_plan(cfg), resolve_device(cfg.training.device)
+    check_before_setup(plan, device, cfg.training.skip_memory_check)
+    with out_of_memory_as_message(plan, device):
+        return Trainer(cfg).train()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.inference.loader import LoadedModel, load_model, read_chat_template
+from scaletrain.inference.loader import LoadedModel, load_model, model_args_of, read_chat_template
 from scaletrain.models.transformer import Transformer
 
 log = logging.getLogger("scaletrain.finetune")
@@ -19,6 +19,15 @@ tokenizer."""
 
 class FinetuneError(ValueError):
     """Input that fine-tuning cannot use; the message names the thing and the fix."""
+
+
+def check_base_manifest(path: str | Path) -> None:
+    """Refuse a base whose manifest (meta.json / config.json) the stored tensor shapes do not
+    bear out, in milliseconds and before the run writes anything into its output."""
+    try:
+        model_args_of(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise FinetuneError(f"base model {path}: {e}") from None
 
 
 def load_base(path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
@@ -41,4 +50,4 @@ def load_base(path: str | Path, device: torch.device | str = "cpu") -> LoadedMod
     return base
 
 
-__all__ = ["BaseModel", "FinetuneError", "load_base", "read_chat_template"]
+__all__ = ["BaseModel", "FinetuneError", "check_base_manifest", "load_base", "read_chat_template"]

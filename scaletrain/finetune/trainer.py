@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from scaletrain.checkpoint.integrity import verification
 from scaletrain.config import Config, ConfigError
 from scaletrain.finetune import data as ftdata
-from scaletrain.finetune.base import FinetuneError, load_base
+from scaletrain.finetune.base import FinetuneError, check_base_manifest, load_base
 from scaletrain.finetune.base_pin import base_record, check_base
 from scaletrain.finetune.freeze import memory_report, param_report
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
@@ -149,6 +149,7 @@ class FinetuneTrainer(Trainer):
         if ft.method in ("lora", "qlora"):
             self.checkpointer_cls = AdapterCheckpointer
         self.labels: list[str] | None = None
+        check_base_manifest(ft.base)  # before the run directory is written
         super().__init__(cfg)
         if self.is_main:
             self._write_meta()

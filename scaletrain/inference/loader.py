@@ -271,16 +271,17 @@ def _load_finetuned(output: Path, device: torch.device | str, dtype: torch.dtype
 
 def model_args_of(path: str | os.PathLike) -> ModelArgs:
     """The dimensions of any model directory `load_model` reads, without reading weights (a
-    fine-tune gives its base's): what `finetune --dry-run` plans with."""
-    from scaletrain.checkpoint.native_format import read_meta
-    from scaletrain.models.hf import model_args_from_hf_config, read_hf_config
+    fine-tune gives its base's), checked against the stored tensor shapes: what
+    `finetune --dry-run` plans with."""
+    from scaletrain.checkpoint.native_format import checked_model_args, read_meta
+    from scaletrain.models.hf import hf_model_args
 
     if (Path(path) / FINETUNE_META).is_file():
         return model_args_of(finetuned_format().base_of(read_finetune_meta(path)))
     kind, directory = find_checkpoint(path)
     if kind == "hf":
-        return model_args_from_hf_config(read_hf_config(directory))
-    return ModelArgs.from_dict(read_meta(directory)["model_args"])
+        return hf_model_args(directory)
+    return checked_model_args(directory, read_meta(directory))
 
 
 def load_for_inference(

@@ -34,6 +34,17 @@ from scaletrain.models.hf_families import (
     rope_family_config,
     unsupported_model_type,
 )
+from scaletrain.models.hf_files import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    check_expert_count,
+    config_layer_count,
+    header_shapes,
+    hf_manifest,
+    read_hf_weights,
+    weight_files,
+)
 from scaletrain.models.hf_moe import (
     MOE_MODEL_TYPES,
     moe_args,
@@ -42,13 +53,15 @@ from scaletrain.models.hf_moe import (
     moe_to_hf,
     refuse_other_moe,
 )
+from scaletrain.models.stored_shapes import (
+    ManifestMismatch,
+    check_layer_count,
+    check_stored_shapes,
+)
 from scaletrain.models.transformer import Transformer, empty_model
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 TOKENIZER_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -69,7 +82,7 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     if model_type in MOE_MODEL_TYPES:
         return moe_args(cfg, rope_family_args)
     refuse_other_moe(model_type)
-    if model_type in SUPPORTED_MODEL_TYPES:
+    if cfg.get("model_type") in SUPPORTED_MODEL_TYPES:
         return rope_family_args(cfg)
     raise unsupported_model_type(model_type)
 
@@ -324,43 +337,46 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
+def _parse_hf_config(cfg: dict[str, Any], directory: Path) -> ModelArgs:
     try:
-        return load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path} is damaged or not a safetensors file: {e}") from None
+        return model_args_from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{directory / CONFIG_NAME}: {what}") from None
 
 
-def read_hf_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a HF checkpoint: `model.safetensors` or the shards its index lists."""
+def hf_model_args(directory: str | os.PathLike) -> ModelArgs:
+    """The `ModelArgs` of a HF checkpoint's config.json, checked against the shapes its
+    safetensors headers declare before anything is built (`models.stored_shapes`): a config
+    whose sizes the weights do not have is refused in milliseconds, one line."""
     directory = Path(directory)
-    single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
-    if single.is_file():
-        return _read_safetensors(single)
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"no weights in {directory}: expected {WEIGHTS_NAME} or {INDEX_NAME} "
-            "(PyTorch .bin checkpoints are not read; re-save them with safetensors)"
-        )
+    cfg = read_hf_config(directory)
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index} is damaged (needs a 'weight_map' object): {e}") from None
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        part = _read_safetensors(directory / shard)
-        tensors.update(part)
-    listed_missing = sorted(k for k in weight_map if k not in tensors)
-    if listed_missing:
-        raise ValueError(
-            f"{index} lists tensor(s) absent from their shard: {', '.join(listed_missing[:5])}"
-        )
-    return tensors
+        files = weight_files(directory)
+    except FileNotFoundError:
+        _parse_hf_config(cfg, directory)  # a config we cannot read is named first
+        raise
+    shapes = header_shapes(files)
+    manifest = hf_manifest(directory, cfg, files)
+    names = [k for k in shapes if not _IGNORED_HF_KEYS.search(k)]
+    try:  # first, before parsing the config (which may loop over its layers)
+        n_layers = int(config_layer_count(cfg))
+    except (TypeError, ValueError, OverflowError):
+        n_layers = None  # model_args_from_hf_config says what is wrong with it
+    if n_layers is not None and cfg.get("model_type") in SUPPORTED_MODEL_TYPES:
+        check_layer_count(names, n_layers, manifest)
+    args = _parse_hf_config(cfg, directory)
+    if args.is_moe:
+        check_expert_count(names, args.n_experts, manifest)
+    meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    try:
+        ours = from_hf_state_dict(meta, args)
+    except KeyError as e:  # a tensor of another model, or a fused one of other sizes
+        raise ManifestMismatch(f"{manifest.path}: {manifest.weights} does not hold the model "
+                               f"it describes: {e.args[0]}") from None
+    check_stored_shapes({k: tuple(v.shape) for k, v in ours.items()}, args, manifest,
+                        allow_extra=False)
+    return args
 
 
 def load_hf_checkpoint(
@@ -374,12 +390,7 @@ def load_hf_checkpoint(
     `dtype=None` keeps the dtype the weights are stored in.
     """
     directory = Path(directory)
-    cfg = read_hf_config(directory)
-    try:
-        args = model_args_from_hf_config(cfg)
-    except (KeyError, TypeError, ValueError) as e:
-        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        raise ValueError(f"{directory / CONFIG_NAME}: {what}") from None
+    args = hf_model_args(directory)
     hf_sd = read_hf_weights(directory)
     try:
         sd = from_hf_state_dict(hf_sd, args)
@@ -475,5 +486,6 @@ def save_hf_checkpoint(
 __all__ = [
     "model_args_from_hf_config", "hf_config_from_model_args", "to_hf_state_dict",
     "from_hf_state_dict", "load_state_dict_checked", "read_hf_config",
-    "read_hf_weights", "load_hf_checkpoint", "save_hf_checkpoint", "SUPPORTED_MODEL_TYPES",
+    "read_hf_weights", "hf_model_args", "load_hf_checkpoint", "save_hf_checkpoint",
+    "SUPPORTED_MODEL_TYPES",
 ]

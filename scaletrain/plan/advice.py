@@ -1,7 +1,8 @@
 """What to turn on when a layout does not fit: the cheapest single changes that make it fit.
 
 Each change is one knob the trainer has (recomputation, ZeRO stage, FSDP parameter dtype, CPU
-offload, micro-batch, tensor or pipeline parallelism taken from data parallelism), re-planned
+offload, a smaller micro-batch with more accumulation steps for the same global batch, tensor
+or pipeline parallelism taken from data parallelism), re-planned
 with the same estimate (for a fine-tuning plan, as the same fine-tuning method); the cost is
 the extra hardware FLOPs (recomputation) or the extra bytes communicated per step. Changes the
 trainer would refuse are not offered.
@@ -63,11 +64,7 @@ def _changes(lay: Layout, finetune: bool) -> Iterator[tuple[str, Layout]]:
         yield "--parallel.cpu_offload true", lay.replace(cpu_offload=True)
     if not multi and not lay.offload and lay.precision != "fp16":
         yield "--optimizer.offload true", lay.replace(offload=True)
-    if lay.mbs > 1:
-        mbs = lay.mbs // 2
-        gbs = lay.gbs if lay.gbs is not None else lay.mbs * d.dp
-        yield (f"--training.micro_batch_size {mbs} (accumulation doubles)",
-               lay.replace(mbs=mbs, gbs=gbs))
+    yield from _smaller_micro_batches(lay)
     for name in ("tp", "pp"):
         for k in (2, 4, 8):
             if d.dp_shard % k == 0 and d.dp_shard // k >= 1 and getattr(d, name) == 1:
@@ -78,6 +75,35 @@ def _changes(lay: Layout, finetune: bool) -> Iterator[tuple[str, Layout]]:
                        lay.replace(dims=dims, gbs=gbs, sequence_parallel=name == "tp"
                                    or lay.sequence_parallel))
                 break
+
+
+MICRO_BATCH_FLAG = "--training.micro_batch_size"
+
+
+def _smaller_micro_batches(lay: Layout) -> Iterator[tuple[str, Layout]]:
+    """The micro-batch halved, again and again down to 1, accumulation raised to keep the
+    global batch (GBS = MBS x GA x DP); `advise` keeps the largest one that fits."""
+    gbs = lay.gbs if lay.gbs is not None else lay.mbs * lay.dims.dp
+    mbs = lay.mbs
+    while mbs > 1:
+        mbs //= 2
+        if gbs % (mbs * lay.dims.dp):  # an odd micro-batch: the global batch cannot stay
+            return
+        ga = gbs // (mbs * lay.dims.dp)
+        yield (f"{MICRO_BATCH_FLAG} {mbs} --training.grad_accum_steps {ga}",
+               lay.replace(mbs=mbs, gbs=gbs))
+
+
+def _one_micro_batch(found: list[Advice], budget_bytes: float) -> list[Advice]:
+    """Of the smaller micro-batches, only the largest that fits (the least slowdown), or when
+    none fits the smallest (it saves the most)."""
+    smaller = [a for a in found if a.change.startswith(MICRO_BATCH_FLAG)]
+    if not smaller:
+        return found
+    fitting = [a for a in smaller if a.plan.peak_bytes <= budget_bytes]
+    keep = (max(fitting, key=lambda a: a.plan.layout.mbs) if fitting
+            else min(smaller, key=lambda a: a.plan.peak_bytes))
+    return [a for a in found if a is keep or not a.change.startswith(MICRO_BATCH_FLAG)]
 
 
 def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
@@ -97,6 +123,7 @@ def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
         flops = new.hardware_flops_per_token / plan.hardware_flops_per_token - 1
         comm = sum(new.comm_bytes_per_step.values()) - sum(plan.comm_bytes_per_step.values())
         out.append(Advice(change, new, flops, max(0, comm)))
+    out = _one_micro_batch(out, budget_bytes)
     fitting = [a for a in out if a.plan.peak_bytes <= budget_bytes]
     if fitting:
         return sorted(fitting, key=lambda a: (a.flops_cost, a.comm_cost_bytes,

@@ -281,8 +281,20 @@ class SynthRunner:
         if cfg.tasks > 1 and (generator is not None or critic != "auto"):
             raise ValueError("a generator or critic object works only with tasks = 1")
 
+    def _check_models(self) -> None:
+        """Refuse a local model whose manifest its stored tensor shapes do not bear out
+        (`inference.loader.model_args_of`), before the output directory is written."""
+        from scaletrain.inference.loader import model_args_of
+
+        cfg = self.cfg
+        if self.generator is None and cfg.generator.checkpoint:
+            model_args_of(cfg.generator.checkpoint)
+        if self.critic == "auto" and cfg.judge.kind == "llm" and cfg.judge.checkpoint:
+            model_args_of(cfg.judge.checkpoint)
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
+        self._check_models()
         out = Path(cfg.output)
         out.mkdir(parents=True, exist_ok=True)
         tasks = make_tasks(cfg)

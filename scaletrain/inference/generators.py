@@ -111,15 +111,17 @@ class LocalGenerator:
     def pad_id(self) -> int:
         return self.eos_id if self.eos_id is not None else 0
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]],
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids of a conversation, ready for the assistant's reply: the model's chat
-        template, else the documented default, exactly as fine-tuning formats it."""
+        template (given `template_kwargs` as extra variables), else the documented default,
+        exactly as fine-tuning formats it."""
         from scaletrain.inference.chat import ChatFormatter
 
         if self._formatter is None:
             self._formatter = ChatFormatter(self.tokenizer, self.eos_id, self.chat_template,
                                             self.special_tokens)
-        return self._formatter.conversation_prompt_ids(messages)
+        return self._formatter.conversation_prompt_ids(messages, template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text).ids

@@ -123,7 +123,7 @@ class ChatFormatter:
                                           ) from None
                 pieces = pieces_from_spans(text, spans)
             else:
-                pieces = pieces_by_diff(lambda m, gen: self.render(m, gen), messages)
+                pieces = pieces_by_diff(lambda m, gen: self.render(m, gen), messages, self._ids)
         except (ChatFormatError, SpanError) as e:
             raise ChatFormatError(f"{where}: {e}") from None
         ids: list[int] = []

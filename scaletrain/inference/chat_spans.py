@@ -50,8 +50,23 @@ def _with_mark(messages: list[dict[str, Any]], j: int) -> list[dict[str, Any]]:
     return out
 
 
-def pieces_by_diff(render: Render, messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
-    """(text, is the assistant's) pieces whose concatenation is the training text."""
+def _token_cut(text: str, k: int, encode: Callable[[str], list[int]] | None) -> int:
+    """The largest cut <= k at which encoding text[:cut] and text[cut:] apart gives the
+    tokens of the whole (a character-level common prefix can end inside a special token:
+    `<|end|>\n<|` of `<|end|>\n<|endoftext|>` and `<|end|>\n<|user|>`)."""
+    if encode is None:
+        return k
+    whole = encode(text)
+    while k > 0 and encode(text[:k]) + encode(text[k:]) != whole:
+        k -= 1
+    return k
+
+
+def pieces_by_diff(render: Render, messages: list[dict[str, Any]],
+                   encode: Callable[[str], list[int]] | None = None) -> list[tuple[str, bool]]:
+    """(text, is the assistant's) pieces whose concatenation is the training text; `encode`
+    (the tokenizer) keeps the cut between a turn and the prompt after it on a token
+    boundary."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     out: list[tuple[str, bool]] = []
     prev: tuple[int, str, int] | None = None  # (message index, its turn text, closer length)
@@ -70,7 +85,8 @@ def pieces_by_diff(render: Render, messages: list[dict[str, Any]]) -> list[tuple
             j, prev_turn, prev_closer = prev
             shared = _common_suffix(prompt, render(_with_mark(messages, j)[:i], True))
             after = prompt[len(prompt) - shared:]
-            kept = _common_prefix(prev_turn[len(prev_turn) - prev_closer:], after)
+            kept = _token_cut(after, _common_prefix(prev_turn[len(prev_turn) - prev_closer:],
+                                                    after), encode)
             out[-1] = (prev_turn[: len(prev_turn) - prev_closer + kept], True)
             out.append((after[kept:], False))
         out.append((turn, True))
@@ -81,7 +97,8 @@ def pieces_by_diff(render: Render, messages: list[dict[str, Any]]) -> list[tuple
         shared = _common_suffix(whole, render(_with_mark(messages, last), False))
         j, prev_turn, prev_closer = prev  # type: ignore[misc]
         after = whole[len(whole) - shared:]
-        kept = _common_prefix(prev_turn[len(prev_turn) - prev_closer:], after)
+        kept = _token_cut(after, _common_prefix(prev_turn[len(prev_turn) - prev_closer:], after),
+                          encode)
         out[-1] = (prev_turn[: len(prev_turn) - prev_closer + kept], True)
         out.append((after[kept:], False))
     return [(t, a) for t, a in out if t]

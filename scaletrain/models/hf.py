@@ -389,7 +389,7 @@ def load_hf_checkpoint(
         dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
     model = empty_model(args, device=device, dtype=dtype)
     load_state_dict_checked(model, sd, str(directory))
-    logger.info("loaded %s checkpoint %s (%s)", args.arch, directory, dtype)
+    logger.info("loaded %s checkpoint %s (%s)", args.family, directory, dtype)
     return model, args
 
 
@@ -468,7 +468,7 @@ def save_hf_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("saved %s checkpoint to %s (%d file(s))", args.arch, directory, len(shards))
+    logger.info("saved %s checkpoint to %s (%d file(s))", args.family, directory, len(shards))
     return directory
 
 

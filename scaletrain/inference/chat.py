@@ -143,6 +143,18 @@ class ChatFormatter:
                                          **(template_kwargs or {})))
         return self._fallback(messages)[0] + self._ids("assistant: ")
 
+    def prompt_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The text `conversation_prompt_ids` encodes (with the default format, its
+        `role: content` lines; assistant turns end with the end-of-text token)."""
+        if self.has_template:
+            return self.render(messages, add_generation_prompt, **(template_kwargs or {}))
+        eos = "" if self.eos_id is None else self.tokenizer.decode([self.eos_id],
+                                                                    skip_special_tokens=False)
+        text = "".join(f"assistant: {m['content']}{eos}\n" if m["role"] == "assistant"
+                       else f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
     def prompt_ids(self, prompt: str) -> list[int]:
         """Ids of a new prompt as one user message, ready for the model to generate the
         response (predict), formatted exactly as a prompt/response record is in training."""

@@ -174,6 +174,28 @@ def test_many_slow_sockets_cannot_lock_others_out(port):
     assert metrics["connections"]["evicted"] >= 40 - 16
 
 
+def test_a_burst_of_slow_sockets_evicts_the_oldest_beyond_the_per_client_bound(port):
+    """40 sockets opened at once, each with half a request head: the 24 beyond the 16 slow
+    connections a client may hold are answered 408 at once (none is lost to a race), the 16
+    newest stay open until their own deadline."""
+    socks = []
+    for _ in range(40):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Slow: a")
+        socks.append(s)
+    time.sleep(HEAD_S * 0.4)
+    answered = []
+    for s in socks:
+        s.setblocking(False)
+        try:
+            answered.append(s.recv(4096).startswith(b"HTTP/1.1 408"))
+        except BlockingIOError:
+            answered.append(False)
+    assert answered == [True] * 24 + [False] * 16
+    for s in socks:
+        s.close()
+
+
 def test_idle_sockets_are_closed_after_the_idle_timeout(port):
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
     t0 = time.monotonic()

@@ -32,6 +32,7 @@ from scaletrain.serving.wire import (
     CONTINUE,
     STREAM_HEAD,
     ClientGone,
+    Evicted,
     HttpRequest,
     Incoming,
     WireLimits,
@@ -149,9 +150,12 @@ class _App:
         self.tasks.add(task)
         peer = writer.get_extra_info("peername")
         conn = Incoming(reader)
-        evicted = []
-        tracked = Tracked(str(peer[0]) if peer else "?", lambda: (evicted.append(1),
-                                                                  task.cancel()))
+
+        def evict() -> None:
+            conn.evicted = True
+            task.cancel()
+
+        tracked = Tracked(str(peer[0]) if peer else "?", evict)
         try:
             if not self.table.admit(tracked):
                 writer.write(json_response(503, ApiError(
@@ -159,8 +163,8 @@ class _App:
                          "later", code="server_busy").body(), close=True))
                 return
             await self._serve_connection(conn, tracked, writer)
-        except asyncio.CancelledError:
-            if evicted and conn.started is not None:  # pushed out mid-request: tell it why
+        except (asyncio.CancelledError, Evicted):
+            if conn.evicted and (conn.started is not None or conn.buf):  # mid-request: say why
                 writer.write(json_response(408, ApiError(
                     408, "the request was not sent in time and the connection gave way to "
                          "others", code="timeout").body(), close=True))

@@ -30,6 +30,10 @@ class ClientGone(Exception):
     """The peer closed its side before a whole request arrived (nothing to answer)."""
 
 
+class Evicted(Exception):
+    """The connection was closed to make room for others while it was slow."""
+
+
 @dataclass
 class WireLimits:
     max_body_bytes: int = 4 << 20
@@ -61,10 +65,15 @@ class Incoming:
     buf: bytearray = field(default_factory=bytearray)
     started: float | None = None  # monotonic time of the current request's first byte
     eof: bool = False
+    evicted: bool = False
+    """Set when the connection must give way; checked after every read (a task cancellation
+    alone can be lost when it races a read that completes, in Python < 3.12's wait_for)."""
 
     async def fill(self, deadline: float, what: str) -> None:
         """Read more bytes before `deadline`, else 408 (or ClientGone at end of stream)."""
         left = deadline - time.monotonic()
+        if self.evicted:
+            raise Evicted
         if left <= 0:
             raise ApiError(408, f"the request {what} did not arrive in time", code="timeout")
         try:
@@ -74,10 +83,12 @@ class Incoming:
                            code="timeout") from None
         except (ConnectionError, OSError):
             chunk = b""
+        self.buf += chunk
+        if self.evicted:
+            raise Evicted
         if not chunk:
             self.eof = True
             raise ClientGone
-        self.buf += chunk
 
 
 async def read_request(conn: Incoming, lim: WireLimits) -> HttpRequest | None:

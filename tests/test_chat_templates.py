@@ -174,3 +174,15 @@ def test_serve_passes_chat_template_kwargs(tmp_path):
         server.shutdown()
         server.server_close()
         server.engine.close()
+
+
+def test_a_template_tripping_over_client_variables_is_a_format_error():
+    """A client's `chat_template_kwargs` of the wrong type makes the template fail: a
+    ChatFormatError (serve's 400), not an arbitrary exception (a 500)."""
+    from tokenizers import Tokenizer as Tok
+
+    fmt = ChatFormatter(Tok(models.WordLevel({"a": 0}, unk_token="a")), 0,
+                        "{{ bos_token + messages[0]['content'] }}")
+    assert fmt.render([{"role": "user", "content": "x"}], True, bos_token="<s>") == "<s>x"
+    with pytest.raises(ChatFormatError, match="TypeError"):
+        fmt.conversation_prompt_ids([{"role": "user", "content": "x"}], {"bos_token": {"a": 1}})

@@ -62,6 +62,10 @@ class ChatFormatter:
                           template_kwargs)
         except TemplateError as e:
             raise ChatFormatError(f"the chat template refused the conversation: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                RecursionError) as e:  # the template tripped over the messages or variables
+            raise ChatFormatError(f"the chat template failed on the conversation: "
+                                  f"{type(e).__name__}: {e}") from None
 
     # --- records -> (ids, mask) -----------------------------------------------------------
     def encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[bool]]:

@@ -259,7 +259,7 @@ def from_hf_state_dict(
         sd[f"layers.{i}.{rev_layer[hf_module]}.{param}"] = tensor
     if unknown:
         shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
-        raise KeyError(f"{len(unknown)} tensor(s) do not belong to a {args.arch} model: {shown}")
+        raise KeyError(f"{len(unknown)} tensor(s) do not belong to a {args.family} model: {shown}")
     if args.tie_embeddings and "tok_embeddings.weight" in sd:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     return sd

@@ -29,8 +29,9 @@ TEMPLATE = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System 
 
 
 def _start(gen, **kw):
-    limits = ServerLimits(header_timeout_s=HEAD_S, read_timeout_s=READ_S, idle_timeout_s=IDLE_S,
-                          max_slow_per_client=kw.pop("max_slow", 16), max_connections=200,
+    limits = ServerLimits(header_timeout_s=kw.pop("header_timeout_s", HEAD_S),
+                          read_timeout_s=kw.pop("read_timeout_s", READ_S),
+                          idle_timeout_s=IDLE_S, max_slow_per_client=16, max_connections=200,
                           max_body_bytes=100_000)
     server = make_server(gen, "127.0.0.1", 0, "tiny", batch_size=4, limits=limits, **kw)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -154,22 +155,36 @@ def test_a_trickled_body_gets_408_at_its_deadline(port):
     assert t.took < READ_S + SLACK_S
 
 
-def test_many_slow_sockets_cannot_lock_others_out(port):
+def test_many_slow_sockets_cannot_lock_others_out(gen):
     """40 sockets (more than the 16 slow ones a client may hold) trickle a request line; all
-    of them are answered 408 within the read bound (the oldest at once, to make room) and
-    other requests are answered meanwhile."""
+    of them are answered 408 within the head bound (the oldest at once, to make room) and
+    other requests are answered meanwhile. (Its own server, with a 3 s head bound: room for a
+    loaded machine to serve the requests while the slow sockets are open.)"""
+    server = _start(gen, header_timeout_s=3.0, read_timeout_s=4.0)
+    try:
+        _many_slow_sockets(server.server_address[1], 3.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.engine.close()
+
+
+def _many_slow_sockets(port: int, head_s: float) -> None:
+    _ok(port, 1)  # the model's first forward pass is not what is measured here
     trick = []
     for _ in range(40):
         trick.append(_Trickler(port, b"P", b"OST /v1/completions HTTP/1.1\r\n", every_s=0.1))
         trick[-1].start()
         time.sleep(0.01)  # its first byte is in before the next one connects
-    latencies = _ok(port, 5)
+    _ok(port, 3)
+    served_at = time.monotonic()
     for t in trick:
         t.join(20)
     assert all(t.answer.startswith("HTTP/1.1 408") for t in trick), \
         [t.answer[:20] for t in trick]
-    assert max(t.took for t in trick) < READ_S + SLACK_S
-    assert max(latencies) < READ_S  # none of them waited for the slow sockets to go
+    assert max(t.took for t in trick) < head_s + SLACK_S
+    still_open = sum(t.t0 + t.took > served_at for t in trick)
+    assert still_open >= 10  # the others were served while slow sockets were open
     status, metrics, _ = _exchange(port, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
     assert metrics["connections"]["evicted"] >= 40 - 16
 
@@ -183,14 +198,15 @@ def test_a_burst_of_slow_sockets_evicts_the_oldest_beyond_the_per_client_bound(p
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Slow: a")
         socks.append(s)
-    time.sleep(HEAD_S * 0.4)
-    answered = []
+    t0 = time.monotonic()
+    answered = [False] * len(socks)
     for s in socks:
         s.setblocking(False)
-        try:
-            answered.append(s.recv(4096).startswith(b"HTTP/1.1 408"))
-        except BlockingIOError:
-            answered.append(False)
+    while sum(answered) < 24 and time.monotonic() - t0 < HEAD_S * 0.8:
+        for i, s in enumerate(socks):
+            with contextlib.suppress(BlockingIOError):
+                answered[i] = answered[i] or s.recv(4096).startswith(b"HTTP/1.1 408")
+        time.sleep(0.02)
     assert answered == [True] * 24 + [False] * 16
     for s in socks:
         s.close()

@@ -93,3 +93,15 @@ def test_every_assistant_turn_is_scored_as_generated(tmp_path, family):
         assert content in text
     assert ids[: mask.index(True)] == fmt.conversation_prompt_ids(messages[:turns[0]])
     assert (TEMPLATES / f"{family}.jinja").is_file()
+
+
+def test_a_template_whose_turn_drops_its_generation_prompt_is_refused_clearly(tmp_path):
+    """DeepSeek-V3's template prefills `<think>\\n` in the generation prompt but renders past
+    turns without it: no turn boundary to find, so the record is refused with the fix."""
+    from scaletrain.inference.chat import ChatFormatError
+
+    d = tokenizer_dir(tmp_path, "deepseekv3")
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    fmt = ChatFormatter(tok.backend_tokenizer, tok.eos_token_id, *read_chat_template(d))
+    with pytest.raises(ChatFormatError, match=r"rec: .*add \{% generation %\}"):
+        fmt.encode({"messages": [dict(m) for m in RECORDS[0]]}, "rec")

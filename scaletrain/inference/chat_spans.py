@@ -74,8 +74,11 @@ def pieces_by_diff(render: Render, messages: list[dict[str, Any]],
         prompt = render(messages[:i], True)
         full = render(messages[: i + 1], False)
         if not full.startswith(prompt):
-            raise SpanError("the chat template's render of an assistant turn does not start "
-                            "with its generation prompt, so the turn cannot be told apart")
+            raise SpanError(f"the chat template renders assistant turn {i} without the "
+                            "generation prompt it asks the model with (e.g. a prefilled "
+                            "'<think>'), so the turn cannot be told apart; add {% generation %}"
+                            " ... {% endgeneration %} around the assistant's text in the "
+                            "template (as TRL's training templates do)")
         turn = full[len(prompt):]
         marked = render(_with_mark(messages, i)[: i + 1], False)
         closer = _common_suffix(turn, marked)

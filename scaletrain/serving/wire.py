@@ -160,8 +160,9 @@ def parse_head(head: bytes) -> HttpRequest:
         key, value = name.lower(), value.strip(" \t")
         if key == "content-length" and key in headers and headers[key] != value:
             raise ApiError(400, "conflicting Content-Length headers")
-        headers[key] = f"{headers[key]}, {value}" if key in headers and key != \
-            "content-length" else value
+        if key in headers and key != "content-length":  # repeated: one comma-joined value
+            value = f"{headers[key]}, {value}"
+        headers[key] = value
     conn_opts = {t.strip().lower() for t in headers.get("connection", "").split(",")}
     keep = "close" not in conn_opts if version == "HTTP/1.1" else "keep-alive" in conn_opts
     return HttpRequest(method, target, version, headers, keep_alive=keep)

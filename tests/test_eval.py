@@ -197,3 +197,49 @@ def test_equals_lm_eval_hf_backend_on_a_gemma2_checkpoint_whose_tokenizer_adds_b
     for task, metrics in _metrics(mine).items():
         for name, value in metrics.items():
             assert _metrics(theirs)[task][name] == pytest.approx(value, rel=1e-4), (task, name)
+
+
+def _samples(directory: Path) -> dict[str, list[dict]]:
+    out = {}
+    for f in sorted(directory.rglob("samples_*.jsonl")):
+        task = f.name[len("samples_"):].rsplit("_", 1)[0]
+        out[task] = sorted((json.loads(x) for x in f.read_text().splitlines()),
+                           key=lambda s: s["doc_id"])
+    return out
+
+
+def test_log_samples_and_chat_flags_equal_lm_eval_cli(setup, tmp_path):
+    """`scaletrain eval` with lm_eval's everyday flags writes the per-sample logs lm_eval's own
+    CLI (`lm-eval run --model scaletrain ...`, same model) writes, record for record; the chat
+    template and the system instruction reach the prompts."""
+    from lm_eval._cli import HarnessCLI
+
+    ckpt, _, tasks = setup
+    chat = tmp_path / "chat-ckpt"
+    shutil.copytree(ckpt, chat)
+    (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}")}))
+    flags = ["--tasks", "tiny_gen,tiny_mc", "--include_path", str(tasks), "--limit", "3",
+             "--log_samples", "--apply_chat_template", "--system_instruction", "be brief",
+             "--gen_kwargs", "temperature=0,max_gen_toks=4", "--batch_size", "2",
+             "--device", "cpu"]
+    ours = tmp_path / "ours"
+    assert eval_cmd.main(["--checkpoint", str(chat), "--output", str(ours / "r.json"),
+                          "--bootstrap-iters", "0",
+                          *[f.replace("_", "-") if f.startswith("--") else f
+                            for f in flags]]) == 0
+    theirs = tmp_path / "theirs"
+    cli = HarnessCLI()
+    cli.execute(cli._parser.parse_args(["run", "--model", "scaletrain", "--model_args",
+                                        f"checkpoint={chat}", "--output_path",
+                                        str(theirs / "r.json"), *flags]))
+    mine, want = _samples(ours), _samples(theirs)
+    assert set(mine) == set(want) == {"tiny_gen", "tiny_mc"}
+    for task in want:
+        assert len(mine[task]) == len(want[task]) == 3
+        for a, b in zip(mine[task], want[task]):
+            assert {k: v for k, v in a.items()} == {k: v for k, v in b.items()}
+    prompt = mine["tiny_gen"][0]["arguments"]["gen_args_0"]["arg_0"]
+    assert prompt.startswith("<system> be brief <user> ") and prompt.endswith("<assistant> ")
+    assert mine["tiny_gen"][0]["arguments"]["gen_args_0"]["arg_1"]["max_gen_toks"] == 4

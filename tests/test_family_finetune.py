@@ -48,3 +48,14 @@ def test_phi3_fine_tuned_and_exported_loads_in_transformers(tmp_path: Path, meth
             with_adapter = peft.PeftModel.from_pretrained(hf_model("phi3"), out / "adapter")
             torch.testing.assert_close(with_adapter.eval()(x).logits, ours, atol=1e-5,
                                        rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_logs_name_the_family_not_the_block(tmp_path: Path, family: str, caplog) -> None:
+    """Families built on the Llama block are logged by their own name."""
+    from scaletrain.models.hf import load_hf_checkpoint
+
+    hf_model(family).save_pretrained(tmp_path / "m")
+    with caplog.at_level("INFO", logger="scaletrain"):
+        load_hf_checkpoint(tmp_path / "m")
+    assert f"loaded {family} checkpoint" in caplog.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -364,3 +365,15 @@ def test_fp8_full_and_freeze_fine_tuning(bases: dict[str, Path], tmp_path: Path)
     assert type(loaded.model.layers["0"].attention.wq) is torch.nn.Linear
     assert torch.equal(loaded.model.layers["0"].attention.wq.weight,
                        wq.weight.detach().cpu())
+
+
+def test_a_dataset_smaller_than_one_batch_trains_with_a_logged_smaller_batch(
+        bases: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    small = write_jsonl(tmp_path / "small.jsonl", qa_records(96)[:4])  # 3 train + 1 held out
+    with caplog.at_level("INFO", logger="scaletrain.finetune"):
+        trainer = run_ft(tmp_path / "small", bases["native"], small, "lora", "sft",
+                         "--training.steps", "2")
+    rows = int(re.search(r"data: (\d+) training", caplog.text).group(1))  # packed rows
+    assert 1 <= trainer.mbs == rows < 8 and trainer.cfg.training.micro_batch_size == rows
+    assert f"micro_batch_size lowered from 8 to {rows}" in caplog.text
+    assert trainer.step == 2

@@ -38,8 +38,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-iters", type=int, default=1000,
                    help="bootstrap resamples for standard errors (0: none; lm_eval's own "
                         "default of 100000 takes minutes on a CPU)")
-    p.add_argument("--output", metavar="FILE", default=None, help="write the results JSON")
+    p.add_argument("--output", "--output_path", metavar="FILE", default=None,
+                   help="write the results JSON (a .json path; with --log_samples the "
+                        "per-sample logs go next to it, as lm_eval writes them)")
+    p.add_argument("--log_samples", "--log-samples", action="store_true",
+                   help="write every sample's prompt, responses and metrics "
+                        "(samples_<task>_<date>.jsonl next to --output, with lm_eval's "
+                        "results_<date>.json)")
+    p.add_argument("--apply_chat_template", "--apply-chat-template", nargs="?", const=True,
+                   default=False, metavar="TEMPLATE",
+                   help="prompt through the model's chat template (as lm_eval's flag)")
+    p.add_argument("--fewshot_as_multiturn", "--fewshot-as-multiturn", nargs="?", const=True,
+                   default=None, type=lambda x: x.lower() in ("true", "1", "yes"),
+                   help="few-shot examples as conversation turns (on by default with "
+                        "--apply_chat_template, as in lm_eval)")
+    p.add_argument("--system_instruction", "--system-instruction", default=None, metavar="TEXT",
+                   help="a system message before every prompt")
+    p.add_argument("--gen_kwargs", "--gen-kwargs", nargs="+", default=None, metavar="K=V",
+                   help="generation settings for generate_until tasks, e.g. "
+                        "temperature=0,max_gen_toks=64 (temperature, top_p, top_k, "
+                        "max_gen_toks, until, do_sample)")
     return p
+
+
+def _chat_flags(args: argparse.Namespace) -> tuple[bool | str, bool]:
+    """(apply_chat_template, fewshot_as_multiturn) resolved as lm_eval's CLI resolves them."""
+    apply = getattr(args, "apply_chat_template", False) or False
+    multiturn = getattr(args, "fewshot_as_multiturn", None)
+    if multiturn and not apply:
+        raise ValueError("--fewshot_as_multiturn needs --apply_chat_template")
+    return apply, bool(apply) if multiturn is None else bool(multiturn)
 
 
 def task_manager(tasks: list[str], include_path: str | None) -> Any:
@@ -59,9 +87,11 @@ def task_manager(tasks: list[str], include_path: str | None) -> Any:
     return manager
 
 
-def run(args: argparse.Namespace, log_samples: bool = False) -> dict[str, Any]:
+def run(args: argparse.Namespace, log_samples: bool = False,
+        tracker: Any = None) -> dict[str, Any]:
     """lm_eval's results dict (plus "scaletrain": timing) for the parsed arguments."""
     from lm_eval import simple_evaluate
+    from lm_eval.utils import simple_parse_args_string
 
     from scaletrain.evaluation.harness import ScaletrainLM
 
@@ -72,6 +102,10 @@ def run(args: argparse.Namespace, log_samples: bool = False) -> dict[str, Any]:
         raise ValueError("--tasks is empty; name at least one lm_eval task")
     if args.include_path and not Path(args.include_path).is_dir():
         raise ValueError(f"--include-path {args.include_path} is not a directory")
+    apply_chat, multiturn = _chat_flags(args)
+    gen_kwargs = getattr(args, "gen_kwargs", None)
+    if gen_kwargs:
+        gen_kwargs = simple_parse_args_string(",".join(gen_kwargs))
     t0 = time.perf_counter()
     lm = ScaletrainLM(checkpoint=args.checkpoint, batch_size=args.batch_size,
                       device=args.device, max_gen_toks=args.max_gen_toks,
@@ -81,7 +115,10 @@ def run(args: argparse.Namespace, log_samples: bool = False) -> dict[str, Any]:
     manager = task_manager(tasks, args.include_path)
     results = simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-        task_manager=manager, log_samples=log_samples, bootstrap_iters=args.bootstrap_iters,
+        task_manager=manager, log_samples=log_samples or getattr(args, "log_samples", False),
+        bootstrap_iters=args.bootstrap_iters, evaluation_tracker=tracker,
+        system_instruction=getattr(args, "system_instruction", None),
+        apply_chat_template=apply_chat, fewshot_as_multiturn=multiturn, gen_kwargs=gen_kwargs,
         random_seed=args.seed,
         numpy_random_seed=args.seed, torch_random_seed=args.seed,
         fewshot_random_seed=args.seed)
@@ -100,14 +137,28 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.log_samples and not args.output:
+        print("scaletrain eval: error: --log_samples needs --output FILE.json (the samples are "
+              "written next to it)", file=sys.stderr)
+        return 2
+    tracker = None
+    if args.log_samples:
+        from lm_eval.loggers import EvaluationTracker
+
+        tracker = EvaluationTracker(output_path=str(Path(args.output).with_suffix(".json")))
     try:
-        results = run(args)
+        results = run(args, tracker=tracker)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"scaletrain eval: error: {e}", file=sys.stderr)
         return 2
     from lm_eval.utils import make_table
 
     print(make_table(results))
+    if tracker is not None:  # lm_eval's own writer: the same files as `lm_eval --log_samples`
+        samples = results.pop("samples")
+        tracker.save_results_aggregated(results=results, samples=samples)
+        for task in results["configs"]:
+            tracker.save_results_samples(task_name=task, samples=samples[task])
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)

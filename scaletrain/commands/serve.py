@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from scaletrain.commands._checkpoint_flags import add_trust_flags, trust_settings
@@ -39,14 +40,36 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model-name", default=None, help="the name /v1/models reports")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
     p.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds a client may take to send its request")
+                   help="seconds a client may take to send a whole request (head and body, "
+                        "from its first byte; 408 after)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client may take to send a request's head (408 after)")
+    p.add_argument("--idle-timeout", type=float, default=15.0,
+                   help="seconds an open connection may wait for its next request")
     p.add_argument("--max-n", type=int, default=16, help="largest n per request")
-    p.add_argument("--max-connections", type=int, default=64,
-                   help="open connections at once (503 beyond)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections in all; beyond, the oldest idle or still-sending "
+                        "one is closed (503 only when all are being answered)")
+    p.add_argument("--max-slow-per-client", type=int, default=64,
+                   help="idle or still-sending connections of one client address; beyond, "
+                        "its oldest is closed")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every route but /health "
+                        "(401 without); also read from SCALETRAIN_API_KEY")
     p.add_argument("--max-rows", type=int, default=256,
                    help="most completions (prompts x n) per request")
     add_trust_flags(p)
     args = p.parse_args(argv)
+    api_key = args.api_key or os.environ.get("SCALETRAIN_API_KEY") or None
+    for name in ("read_timeout", "header_timeout", "idle_timeout"):
+        if getattr(args, name) <= 0:
+            print(f"scaletrain serve: error: --{name.replace('_', '-')} must be > 0",
+                  file=sys.stderr)
+            return 2
+    if args.max_connections < 1 or args.max_slow_per_client < 1:
+        print("scaletrain serve: error: --max-connections and --max-slow-per-client must be "
+              ">= 1", file=sys.stderr)
+        return 2
     try:
         with trust_settings(args):
             gen = LocalGenerator.from_checkpoint(args.checkpoint, device=args.device,
@@ -55,15 +78,23 @@ def main(argv: list[str]) -> int:
         print(f"scaletrain serve: error: {e}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("serving on %s: reachable from other machines, with no authentication",
-                       args.host)
+        logger.warning("serving on %s: reachable from other machines%s", args.host,
+                       "" if api_key else ", with no authentication (see --api-key)")
     name = args.model_name or str(args.checkpoint).rstrip("/").split("/")[-1]
     limits = ServerLimits(max_n=args.max_n, max_rows=args.max_rows,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)),
                           read_timeout_s=args.read_timeout,
-                          max_connections=args.max_connections)
-    server = make_server(gen, args.host, args.port, name, args.batch_size, limits,
-                         continuous=args.batching == "continuous")
+                          header_timeout_s=args.header_timeout,
+                          idle_timeout_s=args.idle_timeout,
+                          max_connections=args.max_connections,
+                          max_slow_per_client=args.max_slow_per_client)
+    try:
+        server = make_server(gen, args.host, args.port, name, args.batch_size, limits,
+                             continuous=args.batching == "continuous", api_key=api_key)
+    except OSError as e:
+        print(f"scaletrain serve: error: cannot listen on {args.host}:{args.port}: {e}",
+              file=sys.stderr)
+        return 2
     host, port = server.server_address[:2]
     print(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
     try:

@@ -83,6 +83,16 @@ class ScaletrainLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return self.gen.name
 
+    # --- chat (--apply_chat_template) ----------------------------------------------------
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.gen.chat_template or ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """The conversation as text through the model's chat template (the one SFT, predict
+        and serve use), else the documented default format."""
+        return self.gen.chat_text(chat_history, add_generation_prompt)
+
     # --- scoring -------------------------------------------------------------------------
     def _score(self, sequences: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         """(sum of log-probabilities of tokens ctxlen.., all of them the argmax) per sequence."""
@@ -134,6 +144,8 @@ class ScaletrainLM(TemplateLM):
             until = handle_stop_sequences(kw.pop("until", None), eos_text)
             budget = int(kw.pop("max_gen_toks", kw.pop("max_tokens", self.max_gen_toks)))
             temperature = float(kw.pop("temperature", 0.0))
+            top_p = kw.pop("top_p", None)
+            top_k = kw.pop("top_k", None)
             if kw:
                 raise ValueError(f"generation settings {sorted(kw)} are not supported by "
                                  "scaletrain eval")
@@ -144,7 +156,9 @@ class ScaletrainLM(TemplateLM):
             for b in range(0, len(rows), self.batch_size):
                 with self.gen.lock:
                     done = decode_rows(self.gen.model, rows[b : b + self.batch_size],
-                                       temperature, eos_id=self.gen.stop_ids,
+                                       temperature, None if top_k is None else int(top_k),
+                                       None if top_p is None else float(top_p),
+                                       eos_id=self.gen.stop_ids,
                                        pad_id=self.gen.pad_id)
                 for i, d in zip(idx[b : b + self.batch_size], done):
                     out[i] = cut_at_stop(self.gen.decode(d.ids), until)[0]

@@ -45,7 +45,7 @@ def load_base(path: str | Path, device: torch.device | str = "cpu") -> LoadedMod
             "model's tokenizer.json next to its weights"
         )
     base.model.train()
-    log.info("base model %s: %s, %d layers, dim %d", base.directory, base.args.arch,
+    log.info("base model %s: %s, %d layers, dim %d", base.directory, base.args.family,
              base.args.n_layers, base.args.dim)
     return base
 

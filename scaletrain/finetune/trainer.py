@@ -179,10 +179,16 @@ class FinetuneTrainer(Trainer):
         from scaletrain.data.loader import BatchStream
 
         self.pin_memory = self.device.type == "cuda"
-        if len(train_ds) < self.mbs * self.dp_size:
-            raise ConfigError(f"{len(train_ds)} training items are fewer than one batch of "
-                              f"{self.mbs * self.dp_size}; add data or lower "
-                              "--training.micro_batch_size")
+        if len(train_ds) < self.mbs * self.dp_size:  # a small dataset: smaller batches
+            fit = len(train_ds) // self.dp_size
+            if fit < 1:
+                raise ConfigError(f"{len(train_ds)} training items are fewer than the "
+                                  f"{self.dp_size} data-parallel ranks; add data or use fewer "
+                                  "processes")
+            log.warning("micro_batch_size lowered from %d to %d: the training set has only %d "
+                        "items (%d data-parallel rank(s))", self.mbs, fit, len(train_ds),
+                        self.dp_size)
+            self.mbs = cfg.training.micro_batch_size = fit
         n_samples = cfg.training.steps * self.mbs * self.ga * self.dp_size
         order = ftdata.Epochs(train_ds, cfg.training.seed, ftdata.epochs_for(train_ds, n_samples))
         self.train_stream = BatchStream(order, self.mbs, pin_memory=self.pin_memory,

@@ -33,21 +33,12 @@ class ChatFormatter:
         self.eos_id = eos_id
         self.special = dict(special_tokens or {})
         self._template = None
+        self._source = template or ""
         if template:
-            try:
-                from jinja2.exceptions import TemplateError
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError as e:  # pragma: no cover
-                raise ChatFormatError("the tokenizer's chat template needs jinja2: "
-                                    "pip install jinja2") from e
+            from scaletrain.inference.chat_template import TemplateError, compile_template
 
-            def raise_exception(message: str) -> None:
-                raise TemplateError(message)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
             try:
-                self._template = env.from_string(template)
+                self._template = compile_template(template)
             except TemplateError as e:
                 raise ChatFormatError(
                     f"the tokenizer's chat_template does not parse: {e}") from None
@@ -59,10 +50,22 @@ class ChatFormatter:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               **template_kwargs: Any) -> str:
+        """The template's text, as transformers' `apply_chat_template` renders it; a
+        conversation the template refuses (`raise_exception`, ...) is a ChatFormatError."""
+        from scaletrain.inference.chat_template import TemplateError, render
+
         assert self._template is not None
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special)
+        try:
+            return render(self._template, messages, add_generation_prompt, self.special,
+                          template_kwargs)
+        except TemplateError as e:
+            raise ChatFormatError(f"the chat template refused the conversation: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                RecursionError) as e:  # the template tripped over the messages or variables
+            raise ChatFormatError(f"the chat template failed on the conversation: "
+                                  f"{type(e).__name__}: {e}") from None
 
     # --- records -> (ids, mask) -----------------------------------------------------------
     def encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[bool]]:
@@ -104,40 +107,57 @@ class ChatFormatter:
 
     def _templated(self, messages: list[dict[str, str]],
                    where: str) -> tuple[list[int], list[bool]]:
-        """Render prefixes of the conversation: the text an assistant turn adds after the
-        generation prompt is scored; the text between turns is not."""
-        from jinja2.exceptions import TemplateError
+        """The assistant's text of the rendered conversation is scored (`chat_spans`: the
+        template's `{% generation %}` blocks, else render-and-diff per turn); each piece is
+        encoded on its own, so the prompt tokens are those `conversation_prompt_ids` gives."""
+        from scaletrain.inference.chat_spans import SpanError, pieces_by_diff, pieces_from_spans
+        from scaletrain.inference.chat_template import (
+            TemplateError,
+            has_generation_blocks,
+            render_with_spans,
+        )
 
+        try:
+            if has_generation_blocks(self._source):
+                assert self._template is not None
+                try:
+                    text, spans = render_with_spans(self._template, messages, self.special)
+                except TemplateError as e:
+                    raise ChatFormatError(f"the chat template refused the conversation: {e}"
+                                          ) from None
+                pieces = pieces_from_spans(text, spans)
+            else:
+                pieces = pieces_by_diff(lambda m, gen: self.render(m, gen), messages, self._ids)
+        except (ChatFormatError, SpanError) as e:
+            raise ChatFormatError(f"{where}: {e}") from None
         ids: list[int] = []
         mask: list[bool] = []
-        done = ""
-        try:
-            for k, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                prompt = self.render(messages[:k], add_generation_prompt=True)
-                full = self.render(messages[: k + 1], add_generation_prompt=False)
-                if not prompt.startswith(done) or not full.startswith(prompt):
-                    raise ChatFormatError(
-                        f"{where}: the chat template does not render the conversation as a "
-                        "growing prefix, so response tokens cannot be told from prompt tokens; "
-                        "use prompt/response records with a simpler template"
-                    )
-                head, body = self._ids(prompt[len(done):]), self._ids(full[len(prompt):])
-                ids += head + body
-                mask += [False] * len(head) + [True] * len(body)
-                done = full
-            tail = self._ids(self.render(messages, add_generation_prompt=False)[len(done):])
-        except TemplateError as e:
-            raise ChatFormatError(f"{where}: the chat template failed: {e}") from None
-        return ids + tail, mask + [False] * len(tail)
+        for text, scored in pieces:
+            piece = self._ids(text)
+            ids += piece
+            mask += [scored] * len(piece)
+        return ids, mask
 
-    def conversation_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def conversation_prompt_ids(self, messages: list[dict[str, str]],
+                                template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Ids of a conversation followed by the assistant's turn opening (serve's chat), the
         same tokens fine-tuning puts before an assistant reply."""
         if self.has_template:
-            return self._ids(self.render(messages, add_generation_prompt=True))
+            return self._ids(self.render(messages, add_generation_prompt=True,
+                                         **(template_kwargs or {})))
         return self._fallback(messages)[0] + self._ids("assistant: ")
+
+    def prompt_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The text `conversation_prompt_ids` encodes (with the default format, its
+        `role: content` lines; assistant turns end with the end-of-text token)."""
+        if self.has_template:
+            return self.render(messages, add_generation_prompt, **(template_kwargs or {}))
+        eos = "" if self.eos_id is None else self.tokenizer.decode([self.eos_id],
+                                                                    skip_special_tokens=False)
+        text = "".join(f"assistant: {m['content']}{eos}\n" if m["role"] == "assistant"
+                       else f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """Ids of a new prompt as one user message, ready for the model to generate the

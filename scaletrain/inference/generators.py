@@ -111,15 +111,28 @@ class LocalGenerator:
     def pad_id(self) -> int:
         return self.eos_id if self.eos_id is not None else 0
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]],
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids of a conversation, ready for the assistant's reply: the model's chat
-        template, else the documented default, exactly as fine-tuning formats it."""
+        template (given `template_kwargs` as extra variables), else the documented default,
+        exactly as fine-tuning formats it."""
+        return self.formatter.conversation_prompt_ids(messages, template_kwargs)
+
+    @property
+    def formatter(self) -> Any:
+        """The model's `ChatFormatter` (built on first use)."""
         from scaletrain.inference.chat import ChatFormatter
 
         if self._formatter is None:
             self._formatter = ChatFormatter(self.tokenizer, self.eos_id, self.chat_template,
                                             self.special_tokens)
-        return self._formatter.conversation_prompt_ids(messages)
+        return self._formatter
+
+    def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                  template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation as text, as `chat_ids` formats it (for clients that tokenize the
+        prompt themselves, such as lm_eval's --apply_chat_template)."""
+        return self.formatter.prompt_text(messages, add_generation_prompt, template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text).ids

@@ -272,7 +272,7 @@ def from_hf_state_dict(
         sd[f"layers.{i}.{rev_layer[hf_module]}.{param}"] = tensor
     if unknown:
         shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
-        raise KeyError(f"{len(unknown)} tensor(s) do not belong to a {args.arch} model: {shown}")
+        raise KeyError(f"{len(unknown)} tensor(s) do not belong to a {args.family} model: {shown}")
     if args.tie_embeddings and "tok_embeddings.weight" in sd:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     return sd
@@ -400,7 +400,7 @@ def load_hf_checkpoint(
         dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
     model = empty_model(args, device=device, dtype=dtype)
     load_state_dict_checked(model, sd, str(directory))
-    logger.info("loaded %s checkpoint %s (%s)", args.arch, directory, dtype)
+    logger.info("loaded %s checkpoint %s (%s)", args.family, directory, dtype)
     return model, args
 
 
@@ -479,7 +479,7 @@ def save_hf_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("saved %s checkpoint to %s (%d file(s))", args.arch, directory, len(shards))
+    logger.info("saved %s checkpoint to %s (%d file(s))", args.family, directory, len(shards))
     return directory
 
 

@@ -4,6 +4,7 @@ it, never silently ignored."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,8 @@ _COMMON = {"max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop",
            "presence_penalty", "frequency_penalty", "logit_bias"}
 COMPLETION_FIELDS = _INERT | _COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _INERT | _COMMON | {"messages", "max_completion_tokens", "logprobs",
-                                  "top_logprobs", "response_format"}
+                                  "top_logprobs", "response_format", "chat_template_kwargs"}
+_RESERVED_TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools", "documents"}
 MAX_LOGPROBS = 20
 
 
@@ -70,6 +72,8 @@ class Request:
     logprobs: int | None = None
     include_usage: bool = False
     messages: list[dict[str, Any]] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """`chat_template_kwargs`: extra variables for the chat template (enable_thinking, ...)."""
 
     @property
     def sampling_key(self) -> tuple[float, int | None, float | None]:
@@ -141,6 +145,43 @@ def messages_of(value: Any) -> list[dict[str, str]]:
             raise bad(str(e), "messages") from None
         out.append({"role": m["role"], "content": text})
     return out
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON; every way it can fail is a 400."""
+    try:
+        return json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("the body is nested too deeply") from None
+
+
+def client_error(e: Exception) -> ApiError | None:
+    """The 4xx a client's mistake found past validation gets (a conversation the chat
+    template refuses, a prompt that encodes to nothing, input nested too deeply for the
+    template); None for anything else (our fault: 500)."""
+    from scaletrain.inference.chat import ChatFormatError
+
+    if isinstance(e, ChatFormatError):
+        return bad(str(e), "messages")
+    if isinstance(e, RecursionError):
+        return bad("the request is nested too deeply")
+    if isinstance(e, ValueError):
+        return bad(str(e))
+    return None
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad("'chat_template_kwargs' must be an object of template variables",
+                  "chat_template_kwargs")
+    reserved = sorted(set(value) & _RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise bad(f"'chat_template_kwargs' cannot set {reserved}", "chat_template_kwargs")
+    return dict(value)
 
 
 def parse(body: Any, chat: bool, vocab: int, model_name: str, limits: Limits) -> Request:
@@ -225,4 +266,6 @@ def parse(body: Any, chat: bool, vocab: int, model_name: str, limits: Limits) ->
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=bias, echo=echo, logprobs=lp,
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
-        messages=messages)
+        messages=messages,
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")) if chat else {})
+

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import queue
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,21 +26,25 @@ class Job:
     request: Request
     prompt_ids: list[list[int]]
     futures: list[Future]
-    events: queue.Queue | None  # streaming: (choice, token id | None when finished)
 
 
-def start(req: Request, gen: LocalGenerator, engine: BatchingEngine) -> Job:
+Events = Callable[[int, "int | None"], None]
+"""Streaming: called (choice, token id) per decoded token and (choice, None) when the choice
+ends, from the engine's thread."""
+
+
+def start(req: Request, gen: LocalGenerator, engine: BatchingEngine,
+          events: Events | None = None) -> Job:
     """Encode the prompts and queue one row per choice."""
     ctx = gen.model.args.max_seq_len
     if req.chat:
-        ids_list = [gen.chat_ids(req.messages)]
+        ids_list = [gen.chat_ids(req.messages, req.template_kwargs)]
     else:
         ids_list = [p if isinstance(p, list) else gen.encode(p) for p in req.prompts]
     for ids in ids_list:
         if len(ids) > ctx:
             raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the model's "
                                 f"context of {ctx}", "prompt", "context_length_exceeded")
-    events: queue.Queue | None = queue.Queue() if req.stream else None
     stop = gen.stop_check(req.stop)
     rows = []
     for p, ids in enumerate(ids_list):
@@ -54,12 +57,12 @@ def start(req: Request, gen: LocalGenerator, engine: BatchingEngine) -> Job:
                 logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, logprobs=req.logprobs,
                 echo_logprobs=req.echo and req.logprobs is not None,
-                on_token=None if events is None else (lambda t, k=k: events.put((k, t)))))
+                on_token=None if events is None else (lambda t, k=k: events(k, t))))
     futures = engine.submit(rows, req.sampling_key)
     if events is not None:
         for k, f in enumerate(futures):
-            f.add_done_callback(lambda _f, k=k: events.put((k, None)))
-    return Job(req, ids_list, futures, events)
+            f.add_done_callback(lambda _f, k=k: events(k, None))
+    return Job(req, ids_list, futures)
 
 
 def _token_str(gen: LocalGenerator, tok: int) -> str:
@@ -127,55 +130,70 @@ def _id(req: Request) -> str:
     return f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
 
-def stream(job: Job, gen: LocalGenerator, model_name: str,
-           timeout_s: float) -> Iterator[dict[str, Any]]:
-    """Server-sent event payloads: text as it is decoded (held back where it could still turn
-    out to be the start of a stop string), then each choice's finish reason."""
-    req = job.request
-    assert job.events is not None
-    rid, created = _id(req), int(time.time())
-    kind = "chat.completion.chunk" if req.chat else "text_completion"
-    hold = max((len(s) for s in req.stop), default=1) - 1
-    ids: dict[int, list[int]] = {k: [] for k in range(len(job.futures))}
-    sent: dict[int, int] = dict.fromkeys(ids, 0)
-    open_ = set(ids)
+class Streamer:
+    """Server-sent event payloads of a streaming request: text as it is decoded (held back
+    where it could still turn out to be the start of a stop string), then each choice's
+    finish reason. Fed the (choice, token | None) events `start` reports, in order."""
 
-    def chunk(k: int, text: str | None, finish: str | None) -> dict[str, Any]:
-        if req.chat:
+    def __init__(self, job: Job, gen: LocalGenerator, model_name: str) -> None:
+        self.job, self.gen, self.model_name = job, gen, model_name
+        req = job.request
+        self.rid, self.created = _id(req), int(time.time())
+        self.kind = "chat.completion.chunk" if req.chat else "text_completion"
+        self.hold = max((len(s) for s in req.stop), default=1) - 1
+        self.ids: dict[int, list[int]] = {k: [] for k in range(len(job.futures))}
+        self.sent: dict[int, int] = dict.fromkeys(self.ids, 0)
+        self.open = set(self.ids)
+
+    @property
+    def done(self) -> bool:
+        return not self.open
+
+    def _chunk(self, k: int, text: str | None, finish: str | None) -> dict[str, Any]:
+        if self.job.request.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
             c: dict[str, Any] = {"index": k, "delta": delta, "finish_reason": finish}
         else:
             c = {"index": k, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": kind, "created": created, "model": model_name,
-                "choices": [c]}
+        return {"id": self.rid, "object": self.kind, "created": self.created,
+                "model": self.model_name, "choices": [c]}
 
-    if req.chat:
-        for k in ids:
-            yield {"id": rid, "object": kind, "created": created, "model": model_name,
-                   "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                "finish_reason": None}]}
-    while open_:
-        k, tok = job.events.get(timeout=timeout_s)
-        if k not in open_:
-            continue
+    def opening(self) -> list[dict[str, Any]]:
+        if not self.job.request.chat:
+            return []
+        return [{"id": self.rid, "object": self.kind, "created": self.created,
+                 "model": self.model_name,
+                 "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": None}]} for k in self.ids]
+
+    def on_event(self, k: int, tok: int | None) -> list[dict[str, Any]]:
+        req, gen = self.job.request, self.gen
+        if k not in self.open:
+            return []
         if tok is not None:
-            ids[k].append(tok)
-            text, stopped = cut_at_stop(gen.decode(ids[k]), req.stop)
-            safe = len(text) if stopped else max(len(text) - hold, sent[k])
-            while safe > sent[k] and text[safe - 1] == "\ufffd":  # an incomplete character
+            self.ids[k].append(tok)
+            text, stopped = cut_at_stop(gen.decode(self.ids[k]), req.stop)
+            safe = len(text) if stopped else max(len(text) - self.hold, self.sent[k])
+            while safe > self.sent[k] and text[safe - 1] == "\ufffd":  # an incomplete char
                 safe -= 1
-            if safe > sent[k]:
-                yield chunk(k, text[sent[k]:safe], None)
-                sent[k] = safe
-            continue
-        d = job.futures[k].result()  # raises the decoding error, if any
+            if safe > self.sent[k]:
+                out = [self._chunk(k, text[self.sent[k]:safe], None)]
+                self.sent[k] = safe
+                return out
+            return []
+        d = self.job.futures[k].result()  # raises the decoding error, if any
         text = _text(gen, d.ids, req.stop)
-        if len(text) > sent[k]:
-            yield chunk(k, text[sent[k]:], None)
-            sent[k] = len(text)
-        yield chunk(k, None, d.finish_reason)
-        open_.discard(k)
-    if req.include_usage:
-        results = [f.result() for f in job.futures]
-        yield {"id": rid, "object": kind, "created": created, "model": model_name,
-               "choices": [], "usage": _usage(job, results)}
+        out = []
+        if len(text) > self.sent[k]:
+            out.append(self._chunk(k, text[self.sent[k]:], None))
+            self.sent[k] = len(text)
+        out.append(self._chunk(k, None, d.finish_reason))
+        self.open.discard(k)
+        return out
+
+    def closing(self) -> list[dict[str, Any]]:
+        if not self.job.request.include_usage:
+            return []
+        results = [f.result() for f in self.job.futures]
+        return [{"id": self.rid, "object": self.kind, "created": self.created,
+                 "model": self.model_name, "choices": [], "usage": _usage(self.job, results)}]

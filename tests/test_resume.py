@@ -77,13 +77,18 @@ def preempt_at(monkeypatch: pytest.MonkeyPatch, step: int, sig: int = signal.SIG
     monkeypatch.setattr(Trainer, "run_step", step_fn)
 
 
+def preempted_run(out: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, step: int) -> Path:
+    """A run of BASE stopped by SIGUSR1 during step `step` (exit 75, checkpoint at `step`)."""
+    with monkeypatch.context() as m:
+        preempt_at(m, step)
+        assert train(out, cache) == EXIT_PREEMPTED
+    return out
+
+
 def test_signal_stops_with_a_checkpoint_and_the_rerun_equals_the_uninterrupted_run(
         reference: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        preempt_at(m, 3)
-        assert train(out, cache) == EXIT_PREEMPTED
+    out = preempted_run(tmp_path / "run", cache, monkeypatch, 3)
     err = capsys.readouterr().err
     assert "stopped by SIGUSR1 after step 3" in err
     marker = json.loads((out / "preempted.json").read_text())
@@ -118,11 +123,7 @@ def test_resume_false_starts_fresh_and_true_without_checkpoint_is_an_error(
 @pytest.fixture
 def stopped_at_2(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A run preempted after step 2 of 4 (checkpoint step-0000002)."""
-    out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        preempt_at(m, 2)
-        assert train(out, cache) == EXIT_PREEMPTED
-    return out
+    return preempted_run(tmp_path / "run", cache, monkeypatch, 2)
 
 
 @pytest.mark.parametrize("change, said", [
@@ -170,10 +171,7 @@ def test_a_constant_schedule_may_be_extended(cache: Path, tmp_path: Path) -> Non
 def test_auto_skips_a_damaged_newest_checkpoint(
         reference: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        preempt_at(m, 3)
-        assert train(out, cache) == EXIT_PREEMPTED
+    out = preempted_run(tmp_path / "run", cache, monkeypatch, 3)
     shard = next((out / "checkpoints" / "step-0000003").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])  # truncated
     assert train(out, cache, "--checkpoint.resume", "true") == 2  # explicit: no fallback

@@ -203,17 +203,21 @@ def _float_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
 
 def nonfinite_entries(tree: Any, prefix: str = "") -> list[tuple[str, int, int]]:
     """(name, non-finite count, size) of every floating tensor in a nested state dict that
-    holds NaN or infinite values (for DTensors: in this rank's shard). One host sync per
-    device, not one per tensor."""
+    holds NaN or infinite values (for DTensors: in this rank's shard). One fused pass and one
+    host sync per device: a tensor's largest magnitude is finite exactly when all its values
+    are (NaN propagates, and it cannot overflow as a sum can); only tensors that fail it are
+    counted element by element."""
     named = list(_float_tensors(tree, prefix))
     by_device: dict[torch.device, list[int]] = {}
     for i, (_, t) in enumerate(named):
         by_device.setdefault(t.device, []).append(i)
     counts = [0] * len(named)
     for idx in by_device.values():
-        found = torch.stack([(~torch.isfinite(named[i][1])).sum() for i in idx]).tolist()
-        for i, c in zip(idx, found):
-            counts[i] = int(c)
+        peaks = torch._foreach_norm([named[i][1] for i in idx], float("inf"))
+        finite = torch.isfinite(torch.stack(peaks)).tolist()
+        for i, ok in zip(idx, finite):
+            if not ok:
+                counts[i] = int((~torch.isfinite(named[i][1])).sum())
     return [(name, c, t.numel()) for (name, t), c in zip(named, counts) if c]
 
 

@@ -127,7 +127,8 @@ def stopped_at_2(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize("change, said", [
-    (("--training.steps", "8"), "training.steps 4 (this run: 8)"),
+    (("--training.steps", "8"), "training.steps 4 (this run: 8): the learning rate of step 3 "
+                                "would be 0.00282 instead of 0.00165"),  # as docs/train.md shows
     (("--optimizer.lr", "0.01"), "optimizer.lr"),
     (("--lr_schedule.min_lr_ratio", "0.5"), "lr_schedule.min_lr_ratio 0.1 (this run: 0.5)"),
     (("--training.micro_batch_size", "2"), "global batch of 4 samples, this run uses 2"),

@@ -48,12 +48,17 @@ def torchrun(out: Path, cache: Path, *driver: str, restarts: int = 0, extra: tup
                                 start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, limit_s: float = 240) -> int:
+def finish(proc: subprocess.Popen, out: Path, limit_s: float = 240) -> int:
+    """The launch's exit code; then no process of the run outlives it (torchrun starts each
+    rank in a session of its own, so a rank it failed to stop would linger: matched by the
+    run's output path on its command line)."""
     try:
         return proc.wait(timeout=scaled(limit_s))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", "--", f"--output {out}( |$)"], check=False)
 
 
 def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, log: Path) -> None:
@@ -88,7 +93,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
     Trainer(tiny_config(tmp / "warm", cache, "--training.steps", "1"))  # the corpus, once
     out = tmp / "reference"
-    assert finish(torchrun(out, cache)) == 0, out.with_suffix(".log").read_text()[-3000:]
+    assert finish(torchrun(out, cache), out) == 0, out.with_suffix(".log").read_text()[-3000:]
     return out, cache
 
 
@@ -100,7 +105,7 @@ def test_a_rank_killed_three_times_restarts_to_the_uninterrupted_result(
     proc = torchrun(out, cache, "--kill", "1:3,1:6,1:9", restarts=3,
                     extra=("--checkpoint.async_save", "true"))
     log = out.with_suffix(".log")
-    assert finish(proc) == 0, log.read_text()[-3000:]
+    assert finish(proc, out) == 0, log.read_text()[-3000:]
     assert log.read_text().count("(exitcode: -9)") == 3  # three kills, three restarts
     assert final_state(out) == final_state(ref)
     assert losses(out) == losses(ref)
@@ -114,14 +119,14 @@ def test_sigterm_to_torchrun_checkpoints_and_the_rerun_finishes_equal(
     proc = torchrun(out, cache, "--sleep", "0.4")
     wait_for_steps(proc, out, 3, out.with_suffix(".log"))
     os.kill(proc.pid, signal.SIGTERM)  # what Slurm sends the job step before it kills it
-    assert finish(proc) != 0
+    assert finish(proc, out) != 0
     log = out.with_suffix(".log").read_text()
     marker = json.loads((out / "preempted.json").read_text())
     assert marker["signal"] == "SIGTERM" and 3 <= marker["step"] < STEPS, log[-3000:]
     assert "stopped by SIGTERM after step" in log
     assert Path(marker["checkpoint"]).name == f"step-{marker['step']:07d}"
     assert (Path(marker["checkpoint"]) / "manifest.json").is_file()
-    assert finish(torchrun(out, cache, log=tmp_path / "rerun.log")) == 0, \
+    assert finish(torchrun(out, cache, log=tmp_path / "rerun.log"), out) == 0, \
         (tmp_path / "rerun.log").read_text()[-3000:]
     assert not (out / "preempted.json").exists()
     assert final_state(out) == final_state(ref)
@@ -137,10 +142,7 @@ def test_a_stopped_rank_is_named_with_the_stacks_in_the_run_directory(
     t0 = time.monotonic()
     proc = torchrun(out, cache, "--stop", "1:4",
                     extra=("--parallel.step_timeout_s", str(timeout_s)))
-    try:
-        assert finish(proc, limit_s=120) != 0
-    finally:  # the stopped rank, if torchrun left it
-        subprocess.run(["pkill", "-KILL", "-f", str(out)], check=False)
+    assert finish(proc, out, limit_s=120) != 0  # the stopped rank is killed either way
     elapsed = time.monotonic() - t0
     log = out.with_suffix(".log").read_text()
     assert "rank 1 stopped responding (last seen at step 4: training step)" in log, log[-3000:]
@@ -194,10 +196,10 @@ def test_the_slurm_script_requeues_a_preempted_job_which_then_finishes(
     wait_for_steps(first, out, 3, tmp_path / "job.log")
     # Slurm signals every process of the job step (torchrun and its ranks), not the script.
     subprocess.run(["pkill", "-USR1", "-f", f"tests.resilience_driver.*{out}"], check=True)
-    assert finish(first) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    assert finish(first, out) == 0, (tmp_path / "job.log").read_text()[-3000:]
     assert log.read_text().split() == ["requeue", "42"]
     assert "requeueing job 42" in (tmp_path / "job.log").read_text()
-    assert finish(job()) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    assert finish(job(), out) == 0, (tmp_path / "job.log").read_text()[-3000:]
     assert log.read_text().split() == ["requeue", "42"]  # not requeued again
     assert final_state(out) == final_state(ref)
     assert losses(out) == losses(ref)

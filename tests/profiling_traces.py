@@ -129,3 +129,83 @@ def cpu_trace(segments: list[Segment], steps: int = 3, rank: int = 0,
             now += d
         t.add("user_annotation", f"ProfilerStep#{step + 1}", start, now - start)
     return t
+
+
+# --- big traces, for the scaling test and bench/diagnose_scaling.py ------------------------------
+_EVENT = ('{{"ph":"X","cat":"{cat}","name":"{name}","pid":1,"tid":{tid},"ts":{ts},'
+          '"dur":{dur},"args":{{{args}}}}}')
+
+
+def sized_trace(path: Path, steps: int, layers: int = 24) -> Path:
+    """A plain-JSON Kineto trace shaped like a data-parallel training step, written event by
+    event (so a 1 GB file never sits in memory). Per step, on the main thread (tid 1): a
+    DataLoader range with a host-to-device copy; `layers` top-level aten::linear operators
+    outside any phase range (as in traces without scaletrain's ranges), each with an
+    aten::addmm launching a GEMM; the backward in autograd ranges on tid 2, each launching
+    two kernels; an Optimizer.step range with foreach operators; an NCCL all-reduce on
+    stream 20. All GPU work is launched before it runs. The size grows linearly with
+    `steps` (about 1.5 kB per step and layer)."""
+    corr = 0
+    out: list[str] = []
+
+    def ev(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args: int) -> None:
+        out.append(_EVENT.format(cat=cat, name=name, tid=tid, ts=ts, dur=dur,
+                                 args=",".join(f'"{k}":{v}' for k, v in args.items())))
+
+    def launch(name: str, at: float, start: float, dur: float, cat: str = "kernel",
+               stream: int = 7, api: str = "cudaLaunchKernel", tid: int = 1) -> None:
+        nonlocal corr
+        corr += 1
+        ev("cuda_runtime", api, at, 4, tid=tid, correlation=corr)
+        ev(cat, name, start, dur, tid=stream, correlation=corr, stream=stream, device=0)
+
+    with path.open("w") as f:
+        f.write('{"schemaVersion":1,"distributedInfo":{"backend":"nccl","rank":0,'
+                '"world_size":8},"deviceProperties":[{"name":"NVIDIA A100-SXM4-80GB",'
+                '"totalGlobalMem":85899345920}],"traceEvents":[\n')
+        now, gpu = 1_000_000, 1_000_000
+        first = True
+        for step in range(steps + 1):
+            start = now
+            ev("user_annotation", "enumerate(DataLoader)#_MultiProcessingDataLoaderIter"
+               ".__next__", now, 300)
+            ev("cpu_op", "aten::stack", now + 10, 200)
+            launch("Memcpy HtoD (Pinned -> Device)", now + 305, max(gpu, now + 320), 40,
+                   cat="gpu_memcpy", api="cudaMemcpyAsync")
+            gpu = max(gpu, now + 320) + 45
+            now += 320
+            for _ in range(layers):
+                ev("cpu_op", "aten::linear", now, 40)
+                ev("cpu_op", "aten::addmm", now + 5, 30)
+                launch(GEMM, now + 10, max(gpu, now + 20), 60)
+                gpu = max(gpu, now + 20) + 62
+                now += 45
+            ev("cpu_op", "aten::cross_entropy_loss", now, 30)
+            now += 35
+            for _ in range(layers):
+                ev("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", now, 50,
+                   tid=2)
+                ev("cpu_op", "aten::mm", now + 5, 20, tid=2)
+                launch(GEMM, now + 8, max(gpu, now + 15), 60, tid=2)
+                ev("cpu_op", "aten::mm", now + 26, 20, tid=2)
+                launch(GEMM, now + 30, max(gpu, now + 40), 60, tid=2)
+                gpu = max(gpu, now + 40) + 124
+                now += 55
+            ev("cpu_op", "record_param_comms", now, 20)
+            launch(NCCL, now + 5, max(gpu, now + 20), 400, stream=20)
+            gpu = max(gpu, now + 20) + 405
+            now += 25
+            ev("user_annotation", "Optimizer.step#AdamW.step", now, 200)
+            ev("cpu_op", "aten::_foreach_add_", now + 10, 80)
+            launch("void at::native::multi_tensor_apply_kernel<AdamW>", now + 20,
+                   max(gpu, now + 30), 150)
+            gpu = max(gpu, now + 30) + 155
+            now = max(now + 210, gpu)
+            ev("user_annotation", f"ProfilerStep#{step + 1}", start, now - start)
+            now += 10
+            for line in out:
+                f.write(("" if first else ",\n") + line)
+                first = False
+            out.clear()
+        f.write("\n]}\n")
+    return path

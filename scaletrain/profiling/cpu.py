@@ -49,7 +49,7 @@ def window(trace: Trace) -> tuple[float, float, int]:
 def ranges(trace: Trace, pattern: re.Pattern[str]) -> Ranges:
     """The CPU ranges whose name matches, clipped to the analysed window."""
     c = trace.cpu
-    sel = np.array([bool(pattern.search(n)) for n in c.name], dtype=bool)
+    sel = c.matches(pattern)
     lo, hi, _ = window(trace)
     return intervals.clip(c.ts[sel], c.end[sel], lo, hi)
 
@@ -80,31 +80,44 @@ def phase_times(trace: Trace) -> dict[str, Any]:
 
 def outside_phases(trace: Trace, n_steps: int, top: int = 5) -> list[dict[str, Any]]:
     """The biggest top-level CPU ranges of the step threads that fall outside every phase
-    range (what the rest of the step time is spent on), in ms per step."""
+    range (what the rest of the step time is spent on), in ms per step. Linear in the number
+    of ranges: one pass per thread over its ranges sorted by start (longest first at ties)."""
     c = trace.cpu
-    steps = np.array([bool(_STEP_RE.search(x)) for x in c.name], dtype=bool)
+    steps = c.matches(_STEP_RE)
     lo, hi, _ = window(trace)
     if not steps.any() or n_steps == 0:
         return []
-    threads = set(c.tid[steps].tolist())
-    pats = list(PHASES.values()) + [COMM_RE]
-    in_phase = np.array([any(p.search(x) for p in pats) for x in c.name], dtype=bool)
+    in_phase = phase_mask(trace)
     ph_s, ph_e = intervals.merge(c.ts[in_phase], c.end[in_phase])
-    totals: dict[str, float] = {}
-    for tid in threads:
-        sel = np.flatnonzero((c.tid == tid) & ~steps & ~in_phase & (c.ts >= lo) & (c.ts < hi))
-        sel = sel[np.lexsort((-c.dur[sel], c.ts[sel]))]
-        run_end = -np.inf
-        for i in sel:  # top-level: not nested in an earlier range
-            if c.ts[i] < run_end:
-                continue
-            run_end = c.end[i]
-            k = np.searchsorted(ph_s, c.ts[i], side="right") - 1
-            if k >= 0 and ph_e[k] > c.ts[i]:
-                continue  # starts inside a phase
-            totals[c.name[i]] = totals.get(c.name[i], 0.0) + float(c.dur[i])
-    rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-    return [{"name": name, "ms_per_step": t / n_steps / 1e3} for name, t in rows]
+    names, codes = c.name_codes()
+    cand = np.flatnonzero(np.isin(c.tid, np.unique(c.tid[steps])) & ~steps & ~in_phase
+                          & (c.ts >= lo) & (c.ts < hi))
+    cand = cand[np.lexsort((-c.dur[cand], c.ts[cand], c.tid[cand]))]
+    k = np.searchsorted(ph_s, c.ts[cand], side="right") - 1
+    starts_in_phase = (k >= 0) & (ph_e[np.maximum(k, 0)] > c.ts[cand]) if len(ph_s) else \
+        np.zeros(len(cand), dtype=bool)
+    top_level = np.zeros(len(cand), dtype=bool)
+    run_end, thread = -np.inf, None
+    for j, (t, ts, end) in enumerate(zip(c.tid[cand].tolist(), c.ts[cand].tolist(),
+                                         c.end[cand].tolist())):
+        if t != thread:
+            thread, run_end = t, -np.inf
+        if ts >= run_end:  # not nested in the previous top-level range of its thread
+            top_level[j], run_end = True, end
+    keep = cand[top_level & ~starts_in_phase]
+    totals = np.bincount(codes[keep], weights=c.dur[keep], minlength=len(names))
+    seen = np.flatnonzero(np.bincount(codes[keep], minlength=len(names)))
+    order = sorted(seen.tolist(), key=lambda i: -totals[i])[:top]
+    return [{"name": names[i], "ms_per_step": float(totals[i]) / n_steps / 1e3} for i in order]
+
+
+def phase_mask(trace: Trace) -> np.ndarray:
+    """CPU ranges that are a training phase or a collective."""
+    c = trace.cpu
+    mask = c.matches(COMM_RE)
+    for pat in PHASES.values():
+        mask |= c.matches(pat)
+    return mask
 
 
 def cpu_only_breakdown(trace: Trace) -> dict[str, Any]:
@@ -121,7 +134,7 @@ def cpu_only_breakdown(trace: Trace) -> dict[str, Any]:
     c = trace.cpu
     comm = ranges(trace, COMM_RE)
     data = ranges(trace, PHASES["data"])
-    is_op = (c.stream == 1) & np.array([not _STEP_RE.search(x) for x in c.name], dtype=bool)
+    is_op = (c.stream == 1) & ~c.matches(_STEP_RE)
     if is_op.any():
         ops = intervals.clip(c.ts[is_op], c.end[is_op], lo, hi)
     else:

@@ -275,7 +275,7 @@ def _call_ranges(trace: Trace, pattern: re.Pattern[str], with_sync_events: bool 
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The runtime calls whose name matches (and the cuda_sync events when asked)."""
     rt = trace.runtime
-    calls = np.array([bool(pattern.search(n)) for n in rt.name], dtype=bool)
+    calls = rt.matches(pattern)
     extra = trace.syncs if with_sync_events else None
     return (np.concatenate([rt.ts[calls]] + ([extra.ts] if extra is not None else [])),
             np.concatenate([rt.end[calls]] + ([extra.end] if extra is not None else [])))
@@ -298,19 +298,21 @@ def _covered(merged: tuple[np.ndarray, np.ndarray], a: np.ndarray, b: np.ndarray
 
 def per_step(trace: Trace) -> list[dict[str, float]]:
     """The breakdown (ms) inside each analysed step's window: GPU activity clipped to the
-    step's CPU range (what the per-step plot shows)."""
-    g, out = trace.gpu, []
-    comp = trace.gpu_kind != COMM
-    for n, lo, hi in trace.steps:
-        cs, ce = intervals.clip(g.ts[comp & (trace.gpu_kind != MEMORY)],
-                                g.end[comp & (trace.gpu_kind != MEMORY)], lo, hi)
-        ms, me = intervals.clip(g.ts[trace.gpu_kind == MEMORY], g.end[trace.gpu_kind == MEMORY],
-                                lo, hi)
-        ks, ke = intervals.clip(g.ts[~comp], g.end[~comp], lo, hi)
-        compute = intervals.total(cs, ce)
-        comm = intervals.total(ks, ke) - intervals.intersect_length((ks, ke), (cs, ce))
-        busy = intervals.total(np.concatenate([cs, ms, ks]), np.concatenate([ce, me, ke]))
-        mem = max(busy - compute - comm, 0.0)
-        out.append({"step": n, "compute": compute / 1e3, "communication": comm / 1e3,
-                    "memory": mem / 1e3, "idle": max(hi - lo - busy, 0.0) / 1e3})
-    return out
+    step's CPU range (what the per-step plot shows). Each kind's activity is merged once and
+    measured in every window by prefix sums, so the cost does not grow with steps x kernels."""
+    if not trace.steps:
+        return []
+    g, kind = trace.gpu, trace.gpu_kind
+    compute = (kind != COMM) & (kind != MEMORY)
+    lo = np.array([s[1] for s in trace.steps])
+    hi = np.array([s[2] for s in trace.steps])
+
+    def covered(sel: np.ndarray) -> np.ndarray:
+        return _covered(intervals.merge(g.ts[sel], g.end[sel]), lo, hi)
+
+    comp = covered(compute)
+    comp_comm = covered(kind != MEMORY)
+    busy = covered(np.ones(len(g), dtype=bool))
+    return [{"step": n, "compute": float(c) / 1e3, "communication": float(cc - c) / 1e3,
+             "memory": float(max(b - cc, 0.0)) / 1e3, "idle": float(max(h - l_ - b, 0.0)) / 1e3}
+            for (n, _, _), c, cc, b, l_, h in zip(trace.steps, comp, comp_comm, busy, lo, hi)]

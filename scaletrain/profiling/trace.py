@@ -90,7 +90,32 @@ class Spans:
 
     @property
     def end(self) -> np.ndarray:
-        return self.ts + self.dur
+        """`ts + dur`, computed once per (ts, dur) pair of arrays: analyses read it inside
+        loops, where recomputing it made them quadratic in the number of spans."""
+        cached = self.__dict__.get("_end")
+        if cached is None or cached[0] is not self.ts or cached[1] is not self.dur:
+            cached = (self.ts, self.dur, self.ts + self.dur)
+            self.__dict__["_end"] = cached
+        return cached[2]
+
+    def matches(self, pattern: re.Pattern[str], how: str = "search") -> np.ndarray:
+        """Boolean mask of the spans whose name matches: the pattern runs once per distinct
+        name (a trace repeats a few hundred names millions of times)."""
+        names, codes = self.name_codes()
+        test = pattern.search if how == "search" else pattern.match
+        hit = np.fromiter((test(n) is not None for n in names), dtype=bool, count=len(names))
+        return hit[codes] if len(codes) else np.zeros(0, dtype=bool)
+
+    def name_codes(self) -> tuple[list[str], np.ndarray]:
+        """The distinct names (in order of first appearance) and each span's index into them."""
+        cached = self.__dict__.get("_codes")
+        if cached is None or cached[0] is not self.name:
+            index: dict[str, int] = {}
+            codes = np.fromiter((index.setdefault(n, len(index)) for n in self.name),
+                                dtype=np.int64, count=len(self.name))
+            cached = (self.name, list(index), codes)
+            self.__dict__["_codes"] = cached
+        return cached[1], cached[2]
 
     def __len__(self) -> int:
         return len(self.name)
@@ -304,9 +329,10 @@ def _whole_us(s: Spans) -> Spans:
 def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans, rt: Spans,
              cpu: Spans, memory: list[tuple[float, float, float, int]]) -> Trace:
     """Steps, HTA's event window, launch times and device facts from the parsed columns."""
+    is_step = np.flatnonzero(cpu.matches(_STEP_RE))
     steps = sorted(
-        (int(m.group(1)), float(t), float(t + d))
-        for n, t, d in zip(cpu.name, cpu.ts, cpu.dur) if (m := _STEP_RE.search(n))
+        (int(_STEP_RE.search(cpu.name[i]).group(1)), float(cpu.ts[i]),  # type: ignore[union-attr]
+         float(cpu.ts[i] + cpu.dur[i])) for i in is_step.tolist()
     )
     steps = list(dict.fromkeys(steps))
     n_steps = len(steps)
@@ -317,7 +343,9 @@ def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans
         gpu = gpu.take(np.isin(gpu.corr, rt.corr))
         steps = steps[:-1]
     gpu = gpu.take(np.argsort(gpu.ts, kind="stable"))
-    kinds = np.array([kernel_kind(n) for n in gpu.name], dtype=np.int8)
+    names, codes = gpu.name_codes()
+    kinds = np.array([kernel_kind(n) for n in names], dtype=np.int8)[codes] if len(gpu) else \
+        np.zeros(0, dtype=np.int8)
     launch = np.full(len(gpu), np.nan)
     direct = np.zeros(len(gpu), dtype=bool)
     if len(gpu) and len(rt):

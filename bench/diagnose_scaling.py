@@ -1,0 +1,195 @@
+"""How `scaletrain diagnose` scales with the size of a trace, side by side with HTA.
+
+    python bench/diagnose_scaling.py                          # 25, 50, 100, 250 MB and 1 GB
+    python bench/diagnose_scaling.py --sizes 25 50 --no-hta   # ours only
+    PYTHONPATH=/path/to/hta python bench/diagnose_scaling.py  # HTA from its own folder
+
+For each size a plain-JSON Kineto trace is generated (`tests.profiling_traces.sized_trace`: a
+data-parallel training step repeated; the event count grows linearly with the size), then each
+tool analyses it in a fresh process, one process at a time: ours runs the whole diagnosis
+(`scaletrain.profiling.analyze.analyze`), HTA (HolisticTraceAnalysis, when importable) loads
+the trace and runs the analyses it shares with ours (temporal, kernel-type and idle-time
+breakdowns, communication/computation overlap, queue length). Reported per size: the file's
+size, its events, wall seconds and peak resident memory (VmHWM) of each tool, HTA's time over
+ours, and our seconds per MB (flat when the analysis is linear).
+
+Memory: a case runs only when the machine has at least `--min-free-gib` (default 10 GiB for
+the 1 GB case, 3 GiB otherwise) available; a skipped case is recorded with the reason.
+The generated trace is deleted after its case. Prints a table and writes
+bench/results/diagnose_scaling.json (and the table as .txt). Timings on a shared machine vary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results" / "diagnose_scaling.json"
+SIZES_MB = (25, 50, 100, 250, 1000)
+BYTES_PER_STEP_LAYER = 1544  # measured size of one step and layer of sized_trace
+LAYERS = 24
+
+_CHILD = r"""
+import json, logging, sys, time, warnings
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+tool, path = sys.argv[1], sys.argv[2]
+if tool == "ours":
+    from scaletrain.profiling.analyze import analyze
+else:
+    from hta.trace_analysis import TraceAnalysis
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024  # kB -> MiB
+try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
+    open("/proc/self/clear_refs", "w").write("5")
+except OSError:
+    pass
+t0 = time.perf_counter()
+if tool == "ours":
+    r = analyze([path])
+    info = {"verdict": r["verdict"], "steps": r["cpu"]["steps"], "idle": r["breakdown"]["idle"]}
+else:
+    import os
+    ta = TraceAnalysis(trace_dir=os.path.dirname(path))
+    rank = ta.t.get_ranks()[0]
+    tb = ta.get_temporal_breakdown(visualize=False)
+    ta.get_gpu_kernel_breakdown(visualize=False)
+    ta.get_comm_comp_overlap(visualize=False)
+    ta.get_idle_time_breakdown(ranks=[rank], visualize=False)
+    ta.get_queue_length_summary(ranks=[rank])
+    info = {"idle": float(tb["idle_time_pctg"].iloc[0]) / 100}
+wall = time.perf_counter() - t0
+print(json.dumps({"wall_s": wall, "peak_rss_mib": status("VmHWM"), **info}))
+"""
+
+
+def available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def hta_importable() -> bool:
+    done = subprocess.run([sys.executable, "-c", "import hta.trace_analysis"],
+                          capture_output=True, cwd=ROOT)
+    return done.returncode == 0
+
+
+def run(tool: str, path: Path, timeout: float) -> dict[str, Any]:
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, tool, str(path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def case(mb: float, folder: Path, with_hta: bool, min_free: float, timeout: float
+         ) -> dict[str, Any]:
+    from tests.profiling_traces import sized_trace
+
+    need = min_free if mb >= 1000 else min(min_free, 3.0)
+    free = available_gib()
+    if free < need:
+        return {"size_mb": mb, "skipped": f"{free:.1f} GiB available, {need:.0f} GiB needed"}
+    steps = max(int(mb * 1e6 / BYTES_PER_STEP_LAYER / LAYERS), 2)
+    sub = folder / f"{mb:g}mb"
+    sub.mkdir()
+    path = sized_trace(sub / "rank0.json", steps, LAYERS)
+    out: dict[str, Any] = {"size_mb": path.stat().st_size / 1e6, "steps": steps,
+                           "events": steps_events(steps)}
+    try:
+        out["ours"] = run("ours", path, timeout)
+        if with_hta:
+            out["hta"] = run("hta", path, timeout)
+    finally:
+        path.unlink()
+        sub.rmdir()
+    ours, hta = out["ours"].get("wall_s"), (out.get("hta") or {}).get("wall_s")
+    if ours:
+        out["ours_s_per_mb"] = ours / out["size_mb"]
+    if ours and hta:
+        out["hta_over_ours"] = hta / ours
+    return out
+
+
+def steps_events(steps: int) -> int:
+    """Events sized_trace writes: per step 13 + LAYERS x 11 (+1 for the cut-off last step)."""
+    return (steps + 1) * (13 + LAYERS * 11)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'size MB':>8} {'events':>10} {'ours s':>8} {'ours MiB':>9} {'s/MB':>7} "
+            f"{'HTA s':>8} {'HTA MiB':>8} {'HTA/ours':>9}")
+    lines = [head]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['size_mb']:>8g} skipped: {r['skipped']}")
+            continue
+        o, h = r.get("ours") or {}, r.get("hta") or {}
+
+        def f(x: Any, spec: str) -> str:
+            return format(x, spec) if isinstance(x, (int, float)) else "-"
+        lines.append(f"{r['size_mb']:>8.0f} {r['events']:>10} {f(o.get('wall_s'), '8.2f')} "
+                     f"{f(o.get('peak_rss_mib'), '9.0f')} {f(r.get('ours_s_per_mb'), '7.3f')} "
+                     f"{f(h.get('wall_s'), '8.2f')} {f(h.get('peak_rss_mib'), '8.0f')} "
+                     f"{f(r.get('hta_over_ours'), '9.1f')}"
+                     + (f"  ours: {o['error']}" if "error" in o else "")
+                     + (f"  HTA: {h['error']}" if "error" in h else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=float, nargs="+", default=list(SIZES_MB),
+                    help="trace sizes in MB (default: 25 50 100 250 1000)")
+    ap.add_argument("--no-hta", action="store_true", help="time ours only")
+    ap.add_argument("--min-free-gib", type=float, default=10.0,
+                    help="memory that must be available to run the 1 GB case")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per tool and size")
+    ap.add_argument("--dir", type=Path, default=None, help="where to write the traces")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    with_hta = not args.no_hta and hta_importable()
+    if not args.no_hta and not with_hta:
+        print("HTA is not importable: timing ours only (install HolisticTraceAnalysis into a "
+              "folder and put it on PYTHONPATH)", file=sys.stderr)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for mb in args.sizes:
+            rows.append(case(mb, Path(tmp), with_hta, args.min_free_gib, args.timeout))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    text = table(rows)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "environment": {"python": platform.python_version(), "machine": platform.machine(),
+                        "cpus": _cpus(), "hta": with_hta},
+        "rows": rows}, indent=2))
+    args.out.with_suffix(".txt").write_text(text + "\n")
+    return 0
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

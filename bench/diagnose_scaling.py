@@ -10,8 +10,9 @@ tool analyses it in a fresh process, one process at a time: ours runs the whole 
 (`scaletrain.profiling.analyze.analyze`), HTA (HolisticTraceAnalysis, when importable) loads
 the trace and runs the analyses it shares with ours (temporal, kernel-type and idle-time
 breakdowns, communication/computation overlap, queue length). Reported per size: the file's
-size, its events, wall seconds and peak resident memory (VmHWM) of each tool, HTA's time over
-ours, and our seconds per MB (flat when the analysis is linear).
+size, its events, wall and CPU seconds and peak resident memory (VmHWM) of each tool, HTA's
+time over ours (CPU seconds: on a shared machine the wall time also counts waiting for a core),
+and our CPU seconds per MB (flat when the analysis is linear).
 
 Memory: a case runs only when the machine has at least `--min-free-gib` (default 10 GiB for
 the 1 GB case, 3 GiB otherwise) available; a skipped case is recorded with the reason.
@@ -56,7 +57,7 @@ try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
     open("/proc/self/clear_refs", "w").write("5")
 except OSError:
     pass
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 if tool == "ours":
     r = analyze([path])
     info = {"verdict": r["verdict"], "steps": r["cpu"]["steps"], "idle": r["breakdown"]["idle"]}
@@ -70,8 +71,8 @@ else:
     ta.get_idle_time_breakdown(ranks=[rank], visualize=False)
     ta.get_queue_length_summary(ranks=[rank])
     info = {"idle": float(tb["idle_time_pctg"].iloc[0]) / 100}
-wall = time.perf_counter() - t0
-print(json.dumps({"wall_s": wall, "peak_rss_mib": status("VmHWM"), **info}))
+wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_rss_mib": status("VmHWM"), **info}))
 """
 
 
@@ -120,7 +121,7 @@ def case(mb: float, folder: Path, with_hta: bool, min_free: float, timeout: floa
     finally:
         path.unlink()
         sub.rmdir()
-    ours, hta = out["ours"].get("wall_s"), (out.get("hta") or {}).get("wall_s")
+    ours, hta = out["ours"].get("cpu_s"), (out.get("hta") or {}).get("cpu_s")
     if ours:
         out["ours_s_per_mb"] = ours / out["size_mb"]
     if ours and hta:
@@ -134,8 +135,8 @@ def steps_events(steps: int) -> int:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'size MB':>8} {'events':>10} {'ours s':>8} {'ours MiB':>9} {'s/MB':>7} "
-            f"{'HTA s':>8} {'HTA MiB':>8} {'HTA/ours':>9}")
+    head = (f"{'size MB':>8} {'events':>10} {'ours s':>7} {'cpu s':>7} {'MiB':>6} {'cpu s/MB':>8} "
+            f"{'HTA s':>7} {'cpu s':>7} {'MiB':>6} {'HTA/ours':>8}")
     lines = [head]
     for r in rows:
         if "skipped" in r:
@@ -144,11 +145,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         o, h = r.get("ours") or {}, r.get("hta") or {}
 
         def f(x: Any, spec: str) -> str:
-            return format(x, spec) if isinstance(x, (int, float)) else "-"
-        lines.append(f"{r['size_mb']:>8.0f} {r['events']:>10} {f(o.get('wall_s'), '8.2f')} "
-                     f"{f(o.get('peak_rss_mib'), '9.0f')} {f(r.get('ours_s_per_mb'), '7.3f')} "
-                     f"{f(h.get('wall_s'), '8.2f')} {f(h.get('peak_rss_mib'), '8.0f')} "
-                     f"{f(r.get('hta_over_ours'), '9.1f')}"
+            return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec[0]))
+        lines.append(f"{r['size_mb']:>8.0f} {r['events']:>10} {f(o.get('wall_s'), '7.2f')} "
+                     f"{f(o.get('cpu_s'), '7.2f')} {f(o.get('peak_rss_mib'), '6.0f')} "
+                     f"{f(r.get('ours_s_per_mb'), '8.3f')} {f(h.get('wall_s'), '7.2f')} "
+                     f"{f(h.get('cpu_s'), '7.2f')} {f(h.get('peak_rss_mib'), '6.0f')} "
+                     f"{f(r.get('hta_over_ours'), '8.1f')}"
                      + (f"  ours: {o['error']}" if "error" in o else "")
                      + (f"  HTA: {h['error']}" if "error" in h else ""))
     return "\n".join(lines)

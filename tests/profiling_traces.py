@@ -12,6 +12,9 @@ other on the device (or, for CPU-only traces, on the main thread):
 - collective / copy / sync: an idle gap ended by work queued long before, held behind a
   collective (the next work is an all-reduce), a blocking copy call on the host
   (cudaMemcpyAsync covers the gap), or a cuda_sync event;
+- optimizer_loop / optimizer_host: the host inside Optimizer.step while the device idles,
+  launching 100 small kernels one by one (a for-loop optimizer) or only 2 (the update runs on
+  the host);
 CPU-only: op (an aten::mm operator), python (nothing recorded), data (a DataLoader range with
 small operators inside), mpi (an MPI_Allreduce range).
 """
@@ -55,6 +58,7 @@ class KinetoTrace:
 
 
 GEMM = "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_tn"
+ADAM = "void at::native::elementwise_kernel<128, 2, AdamW step>"
 NCCL = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevComm*, unsigned long, ncclWork*)"
 
 
@@ -94,6 +98,14 @@ def gpu_trace(segments: list[Segment], steps: int = 4, rank: int = 0, world: int
                 t.add("cuda_runtime", "cudaMemcpyAsync", now + 10, d)
                 t.device_op(GEMM, now + 10 + d, 20, launch=start)
                 d += 20
+            elif kind in ("optimizer_loop", "optimizer_host"):
+                # the host in Optimizer.step: a for-loop optimizer launches a small kernel per
+                # tensor, each just before it runs; a host-side one computes, then launches 2
+                t.add("user_annotation", "Optimizer.step#AdamW.step", now + 10, d)
+                n = 100 if kind == "optimizer_loop" else 2
+                for k in range(n):
+                    at = now + 10 + (k + 1) * d / n - 8
+                    t.device_op(ADAM, at + 2, 5, launch=at)
             elif kind == "sync":
                 t.add("cuda_sync", "Stream Wait Event", now + 10, d, tid=7, stream=7)
                 t.device_op(GEMM, now + 10 + d, 20, launch=start)

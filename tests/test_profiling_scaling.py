@@ -38,7 +38,7 @@ class WorkCounter:
         monkeypatch.setattr(Spans, "end", property(counted_end))
         for name in ("merge", "clip"):
             self._wrap(monkeypatch, intervals, name, lambda s, *_: len(s))
-        self._wrap(monkeypatch, gpu, "_covered", lambda m, a, b: len(m[0]) + len(a))
+        self._wrap(monkeypatch, intervals, "covered", lambda m, a, b: len(m[0]) + len(a))
 
     def _wrap(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str, size: Any) -> None:
         inner = getattr(module, name)

@@ -26,6 +26,8 @@ PHASES: dict[str, re.Pattern[str]] = {
                            r"^autograd::engine::evaluate_function"),
     "optimizer": re.compile(r"^scaletrain/optimizer|^Optimizer\.step#|^Optimizer\.zero_grad#|"
                             r"^## optimizer ##"),
+    "logging": re.compile(r"^scaletrain/log|^## log|[Ll]ogging|SummaryWriter|^wandb|"
+                          r"^scaletrain/metrics"),
 }
 COMM_RE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):|^c10d::|^record_param_comms|^scaletrain/comm|"
                      r"^MPI_|^mpi_")
@@ -168,3 +170,54 @@ def input_wait_on_gpu(trace: Trace, gaps: Ranges, span: float) -> float:
     if not len(data[0]) or span <= 0:
         return 0.0
     return intervals.intersect_length(gaps, data) / span
+
+
+# The phases a device's idle time is put down to, innermost first (a logging range inside
+# the optimizer's is logging).
+IDLE_PHASES = ("logging", "optimizer", "data", "backward", "forward")
+
+
+def idle_by_phase(trace: Trace, gaps: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Per idle cause, the share of the span the host spent in each training phase while the
+    device was idle for that cause (`gpu.classify_gaps`); the rest of a cause is `other`.
+    Where the lost time falls picks the remedy: host launch inside the optimizer wants a
+    fused optimizer, inside a logging range a longer log interval."""
+    if gaps is None or not len(gaps["a"]) or gaps["span"] <= 0:
+        return {}
+    a, b, rest, cause = gaps["a"], gaps["b"], gaps["rest"], gaps["cause"]
+    left = rest.copy()
+    out: dict[str, dict[str, float]] = {}
+    for name in IDLE_PHASES:
+        if name == "data":
+            continue  # the data part of a gap is the `input` cause already
+        r = ranges(trace, PHASES[name])
+        if not len(r[0]):
+            continue
+        part = np.minimum(intervals.covered(intervals.merge(*r), a, b), left)
+        left -= part
+        for c in np.unique(cause[part > 0]):
+            out.setdefault(str(c), {})[name] = float(part[cause == c].sum()) / gaps["span"]
+    for c in np.unique(cause[left > 0]):
+        out.setdefault(str(c), {})["other"] = float(left[cause == c].sum()) / gaps["span"]
+    return out
+
+
+
+def launches_in(trace: Trace, phase: str) -> float | None:
+    """Kernel/copy launch calls per step made while the host is in `phase` (a for-loop
+    optimizer launches several per parameter tensor; a fused one a handful in all)."""
+    r = ranges(trace, PHASES[phase])
+    lo, hi, n = window(trace)
+    if not len(r[0]) or n == 0:
+        return None
+    rt = trace.runtime
+    calls = rt.matches(_LAUNCH_CALL_RE, how="match")
+    s, e = intervals.merge(*r)
+    t = rt.ts[calls]
+    k = np.searchsorted(s, t, side="right") - 1
+    inside = (k >= 0) & (e[np.maximum(k, 0)] > t)
+    return float(inside.sum()) / n
+
+
+_LAUNCH_CALL_RE = re.compile(r"(cuda|hip|cu|mtia)(LaunchKernel|MemcpyAsync|MemsetAsync|"
+                             r"ExtModuleLaunchKernel)|mtiaLaunch")

@@ -35,6 +35,8 @@ _GEMM_RE = re.compile(r"gemm|matmul|cutlass|xmma|cublaslt|wgmma|nvjet", re.I)
 _TENSOR_CORE_RE = re.compile(
     r"tensorop|h884|h1688|s1688|h16816|s16816|i8816|hmma|wgmma|bf16|f16|fp16|half|tf32|xmma|"
     r"sm80_|sm90_|sm100_|_e4m3|_e5m2|mfma", re.I)
+_LOW_PRECISION_RE = re.compile(r"bf16|f16|half|h884|h1688|h16816|hmma|_e4m3|_e5m2|fp8", re.I)
+_FULL_PRECISION_RE = re.compile(r"sgemm|tf32|s1688|s884|fp32|f32f32_f32|_float", re.I)
 _KIND_BITS = {COMPUTE: 1, COMM: 2, MEMORY: 4, OTHER: 8}
 
 
@@ -149,12 +151,19 @@ def top_kernels(trace: Trace, n: int = 15) -> tuple[list[dict[str, Any]], dict[s
     } for name, t, c in rows[:n]]
     gemm = sum(t for name, t, _ in rows if _GEMM_RE.search(name))
     tc = sum(t for name, t, _ in rows if is_tensor_core_gemm(name))
+    low = sum(t for name, t, _ in rows if _GEMM_RE.search(name) and _LOW_PRECISION_RE.search(name))
+    full = sum(t for name, t, _ in rows if _GEMM_RE.search(name) and _FULL_PRECISION_RE.search(name)
+               and not _LOW_PRECISION_RE.search(name))
     mem_time = float(g.dur[~is_kernel].sum())
     summary = {
         "kernel_time_us": kernel_time, "gpu_time_us": gpu_time, "kernels": int(is_kernel.sum()),
         "distinct_kernels": len(rows),
         "gemm_share": gemm / kernel_time if kernel_time else 0.0,
         "tensor_core_gemm_share": tc / kernel_time if kernel_time else 0.0,
+        # GEMMs in bf16/fp16/fp8: the run already computes in reduced precision
+        "low_precision_gemm_share": low / gemm if gemm else 0.0,
+        # GEMMs whose names say fp32/tf32 (sgemm, s1688, tf32): reduced precision would help
+        "full_precision_gemm_share": full / gemm if gemm else 0.0,
         "memory_ops_share_of_gpu_time": mem_time / gpu_time if gpu_time else 0.0,
     }
     return top, summary
@@ -221,7 +230,8 @@ IDLE_CAUSES = ("input", "host_launch", "blocked_collective", "blocked_copy", "bl
 
 
 def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
-                host_comm: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+                host_comm: tuple[np.ndarray, np.ndarray] | None = None,
+                gaps: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the device waited on in each GPU-wide gap, as shares of the span.
 
     - input: the part of a gap during which the CPU was in a data-loading range;
@@ -232,11 +242,28 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
       activity is a communication kernel, `copy` when it is a memory copy/set, else `other`.
     A gap the host spent mostly inside a host-side collective (`host_comm`: MPI_*, gloo
     ranges) is `blocked_collective` whatever launched next: the host was held by the collective.
-    Gaps whose next activity has no known launch call are `blocked_other`."""
-    g = trace.gpu
+    Gaps whose next activity has no known launch call are `blocked_other`. `gaps`: what
+    `classify_gaps` gave for the same arguments, if at hand."""
+    g = gaps if gaps is not None else classify_gaps(trace, data, host_comm)
     out: dict[str, Any] = dict.fromkeys(IDLE_CAUSES, 0.0)
-    if len(g) < 2:
+    if g is None:
         return out
+    out["input"] = float(g["data_part"].sum())
+    for cause in IDLE_CAUSES[1:]:
+        out[cause] = float(g["rest"][g["cause"] == cause].sum())
+    span = g["span"]
+    return {k: v / span if span > 0 else 0.0 for k, v in out.items()}
+
+
+def classify_gaps(trace: Trace, data: tuple[np.ndarray, np.ndarray],
+                  host_comm: tuple[np.ndarray, np.ndarray] | None = None
+                  ) -> dict[str, Any] | None:
+    """The GPU-wide gaps [a, b], the part of each spent in data loading (`data_part`), the
+    rest and the cause of the rest (`cause`: one of IDLE_CAUSES[1:] per gap); see
+    `idle_causes`."""
+    g = trace.gpu
+    if len(g) < 2:
+        return None
     order = np.argsort(g.ts, kind="stable")
     ts, end = g.ts[order], g.end[order]
     launch, kind = trace.launch_ts[order], trace.gpu_kind[order]
@@ -246,14 +273,14 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
     sel = np.flatnonzero(gap > 0)
     a, b = run_end[:-1][sel], ts[1:][sel]
     nxt = sel + 1
-    data_part = _covered(intervals.merge(*data), a, b)
+    data_part = intervals.covered(intervals.merge(*data), a, b)
     rest = (b - a) - data_part
     sync_s, sync_e = _call_ranges(trace, _SYNC_CALL_RE, with_sync_events=True)
-    sync_part = _covered(intervals.merge(sync_s, sync_e), a, b)
-    copy_part = _covered(intervals.merge(*_call_ranges(trace, _COPY_CALL_RE)), a, b)
+    sync_part = intervals.covered(intervals.merge(sync_s, sync_e), a, b)
+    copy_part = intervals.covered(intervals.merge(*_call_ranges(trace, _COPY_CALL_RE)), a, b)
     in_comm = np.zeros(len(a), dtype=bool)
     if host_comm is not None and len(host_comm[0]):
-        in_comm = _covered(intervals.merge(*host_comm), a, b) >= 0.5 * (b - a)
+        in_comm = intervals.covered(intervals.merge(*host_comm), a, b) >= 0.5 * (b - a)
     host = (launch[nxt] > a) & ~in_comm
     short = ((b - a) < KERNEL_WAIT_US) & ~in_comm
     queued = ~host & ~short & ~np.isnan(launch[nxt]) & ~in_comm
@@ -261,14 +288,13 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
     is_sync = queued & ~host_copy & (sync_part >= 0.5 * (b - a))
     comm = queued & ~host_copy & ~is_sync & (kind[nxt] == COMM)
     copy = queued & ~is_sync & ~comm & (host_copy | (kind[nxt] == MEMORY))
-    out["input"] = float(data_part.sum())
-    out["host_launch"] = float(rest[host | short].sum())
-    out["blocked_sync"] = float(rest[is_sync].sum())
-    out["blocked_collective"] = float(rest[comm | in_comm].sum())
-    out["blocked_copy"] = float(rest[copy].sum())
-    out["blocked_other"] = float(rest[~host & ~short & ~is_sync & ~comm & ~copy
-                                      & ~in_comm].sum())
-    return {k: v / span if span > 0 else 0.0 for k, v in out.items()}
+    cause = np.full(len(a), "blocked_other", dtype=object)
+    cause[copy] = "blocked_copy"
+    cause[comm | in_comm] = "blocked_collective"
+    cause[is_sync] = "blocked_sync"
+    cause[host | short] = "host_launch"
+    return {"a": a, "b": b, "data_part": data_part, "rest": rest, "cause": cause,
+            "span": span}
 
 
 def _call_ranges(trace: Trace, pattern: re.Pattern[str], with_sync_events: bool = False
@@ -279,21 +305,6 @@ def _call_ranges(trace: Trace, pattern: re.Pattern[str], with_sync_events: bool 
     extra = trace.syncs if with_sync_events else None
     return (np.concatenate([rt.ts[calls]] + ([extra.ts] if extra is not None else [])),
             np.concatenate([rt.end[calls]] + ([extra.end] if extra is not None else [])))
-
-
-def _covered(merged: tuple[np.ndarray, np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per window [a, b]: the length covered by the disjoint sorted intervals `merged`."""
-    s, e = merged
-    if len(s) == 0 or len(a) == 0:
-        return np.zeros(len(a))
-    cum = np.concatenate([[0.0], np.cumsum(e - s)])
-
-    def upto(t: np.ndarray) -> np.ndarray:  # covered length in (-inf, t]
-        k = np.searchsorted(s, t, side="right")  # intervals starting at or before t
-        inside = np.clip(t - s[np.maximum(k - 1, 0)], 0, (e - s)[np.maximum(k - 1, 0)])
-        return cum[np.maximum(k - 1, 0)] + np.where(k > 0, inside, 0.0)
-
-    return np.maximum(upto(b) - upto(a), 0.0)
 
 
 def per_step(trace: Trace) -> list[dict[str, float]]:
@@ -308,7 +319,7 @@ def per_step(trace: Trace) -> list[dict[str, float]]:
     hi = np.array([s[2] for s in trace.steps])
 
     def covered(sel: np.ndarray) -> np.ndarray:
-        return _covered(intervals.merge(g.ts[sel], g.end[sel]), lo, hi)
+        return intervals.covered(intervals.merge(g.ts[sel], g.end[sel]), lo, hi)
 
     comp = covered(compute)
     comp_comm = covered(kind != MEMORY)

@@ -15,7 +15,9 @@ time over ours (CPU seconds: on a shared machine the wall time also counts waiti
 and our CPU seconds per MB (flat when the analysis is linear).
 
 Memory: a case runs only when the machine has at least `--min-free-gib` (default 10 GiB for
-the 1 GB case, 3 GiB otherwise) available; a skipped case is recorded with the reason.
+the 1 GB case, 3 GiB otherwise) available; a skipped case is recorded with the reason. Each
+tool's process is capped at `--max-gib` of address space; a tool that runs longer than
+`--timeout` is killed and recorded as not finished (its time is then a lower bound).
 The generated trace is deleted after its case. Prints a table and writes
 bench/results/diagnose_scaling.json (and the table as .txt). Timings on a shared machine vary.
 """
@@ -89,19 +91,28 @@ def hta_importable() -> bool:
     return done.returncode == 0
 
 
-def run(tool: str, path: Path, timeout: float) -> dict[str, Any]:
+def run(tool: str, path: Path, timeout: float, max_gib: float) -> dict[str, Any]:
+    """One tool on one trace in a fresh process, its address space capped at `max_gib` (a
+    tool that needs more fails with MemoryError instead of starving the machine)."""
+    def limit() -> None:
+        import resource
+
+        cap = int(max_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
     try:
         done = subprocess.run([sys.executable, "-c", _CHILD, tool, str(path)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=limit)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+        return {"error": f"did not finish in {timeout:.0f} s (killed)"}
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def case(mb: float, folder: Path, with_hta: bool, min_free: float, timeout: float
-         ) -> dict[str, Any]:
+def case(mb: float, folder: Path, with_hta: bool, min_free: float, timeout: float,
+         max_gib: float) -> dict[str, Any]:
     from tests.profiling_traces import sized_trace
 
     need = min_free if mb >= 1000 else min(min_free, 3.0)
@@ -115,9 +126,9 @@ def case(mb: float, folder: Path, with_hta: bool, min_free: float, timeout: floa
     out: dict[str, Any] = {"size_mb": path.stat().st_size / 1e6, "steps": steps,
                            "events": steps_events(steps)}
     try:
-        out["ours"] = run("ours", path, timeout)
+        out["ours"] = run("ours", path, timeout, max_gib)
         if with_hta:
-            out["hta"] = run("hta", path, timeout)
+            out["hta"] = run("hta", path, timeout, max_gib)
     finally:
         path.unlink()
         sub.rmdir()
@@ -163,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hta", action="store_true", help="time ours only")
     ap.add_argument("--min-free-gib", type=float, default=10.0,
                     help="memory that must be available to run the 1 GB case")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per tool and size")
+    ap.add_argument("--timeout", type=float, default=1800.0,
+                    help="wall seconds per tool and size; a tool still running is killed and "
+                         "recorded as not finished")
+    ap.add_argument("--max-gib", type=float, default=14.0,
+                    help="address-space cap of each tool's process (GiB)")
     ap.add_argument("--dir", type=Path, default=None, help="where to write the traces")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -174,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for mb in args.sizes:
-            rows.append(case(mb, Path(tmp), with_hta, args.min_free_gib, args.timeout))
+            rows.append(case(mb, Path(tmp), with_hta, args.min_free_gib, args.timeout,
+                             args.max_gib))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = table(rows)
     print(text)

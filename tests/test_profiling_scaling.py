@@ -127,3 +127,24 @@ def test_linear_analyses_equal_their_direct_definitions(tmp_path: Path) -> None:
                 assert a == pytest.approx(b), path.name
             checked += 1
     assert checked >= 1
+
+
+def test_scaling_bench_runs_and_counts_the_events_it_wrote(tmp_path: Path) -> None:
+    """bench/diagnose_scaling.py end to end on a tiny size (ours only; no timing asserted):
+    the event count it reports is the one the generated file holds."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_diagnose_scaling", Path(__file__).resolve().parent.parent / "bench" /
+        "diagnose_scaling.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "scaling.json"
+    assert bench.main(["--sizes", "0.3", "--no-hta", "--out", str(out), "--dir",
+                       str(tmp_path)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["ours"]["cpu_s"] > 0 and row["ours"]["steps"] == row["steps"]  # +1 cut off
+    trace = sized_trace(tmp_path / "check.json", row["steps"], bench.LAYERS)
+    assert row["events"] == len(json.loads(trace.read_text())["traceEvents"])

@@ -114,8 +114,7 @@ def idle_by_stream(trace: Trace) -> list[dict[str, Any]]:
     """HTA's idle-time breakdown per stream, busiest stream first."""
     g = trace.gpu
     out = []
-    for stream in np.unique(g.stream):
-        sel = np.flatnonzero(g.stream == stream)
+    for stream, sel in _by_stream(g.stream, np.ones(len(g), dtype=bool)):
         sel = sel[np.argsort(g.ts[sel], kind="stable")]
         ts, end, launch = g.ts[sel], g.end[sel], trace.launch_ts[sel]
         gap = ts[1:] - end[:-1]
@@ -142,11 +141,14 @@ def top_kernels(trace: Trace, n: int = 15) -> tuple[list[dict[str, Any]], dict[s
             totals[name].append(d)
     rows = sorted(((name, float(np.sum(d)), len(d)) for name, d in totals.items()),
                   key=lambda r: -r[1])
+    names, codes = g.name_codes()
+    kind_of = dict(zip(names, kinds[np.unique(codes, return_index=True)[1]].tolist())) \
+        if len(g) else {}
     top = [{
         "name": name, "total_us": t, "count": c, "mean_us": t / c,
         "share": t / kernel_time if kernel_time else 0.0,
         "share_of_gpu_time": t / gpu_time if gpu_time else 0.0,
-        "kind": "communication" if trace.gpu_kind[g.name.index(name)] == COMM else "compute",
+        "kind": "communication" if kind_of[name] == COMM else "compute",
         "tensor_core_gemm": is_tensor_core_gemm(name),
     } for name, t, c in rows[:n]]
     gemm = sum(t for name, t, _ in rows if _GEMM_RE.search(name))
@@ -199,15 +201,23 @@ def queue_length(trace: Trace) -> dict[str, Any]:
     g = trace.gpu
     known = ~np.isnan(trace.launch_ts) & trace.direct_launch
     out: dict[str, Any] = {}
-    for stream in np.unique(g.stream[known]):
-        sel = known & (g.stream == stream)
+    for stream, sel in _by_stream(g.stream, known):
         times = np.concatenate([trace.launch_ts[sel], g.ts[sel]])
-        delta = np.concatenate([np.ones(sel.sum()), -np.ones(sel.sum())])
+        delta = np.concatenate([np.ones(len(sel)), -np.ones(len(sel))])
         order = np.argsort(times, kind="stable")
         q = np.cumsum(delta[order])
         out[str(int(stream))] = {"mean": float(q.mean()), "max": int(q.max()),
-                                 "launches": int(sel.sum())}
+                                 "launches": int(len(sel))}
     return out
+
+
+def _by_stream(stream: np.ndarray, mask: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(stream, indices of its entries in `mask`, in trace order) for every stream: one sort,
+    not one pass over the trace per stream."""
+    idx = np.flatnonzero(mask)
+    idx = idx[np.argsort(stream[idx], kind="stable")]
+    keys, first = np.unique(stream[idx], return_index=True)
+    return list(zip(keys.tolist(), np.split(idx, first[1:])))
 
 
 def _stats(x: np.ndarray) -> dict[str, float] | None:

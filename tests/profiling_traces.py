@@ -16,7 +16,8 @@ other on the device (or, for CPU-only traces, on the main thread):
   launching 100 small kernels one by one (a for-loop optimizer) or only 2 (the update runs on
   the host);
 CPU-only: op (an aten::mm operator), python (nothing recorded), data (a DataLoader range with
-small operators inside), mpi (an MPI_Allreduce range).
+small operators inside), mpi (an MPI_Allreduce range), optimizer (an Optimizer.step range with
+100 small operators).
 """
 
 from __future__ import annotations
@@ -136,6 +137,10 @@ def cpu_trace(segments: list[Segment], steps: int = 3, rank: int = 0,
                 t.add("cpu_op", "aten::stack", now + 1, d / 2)
             elif kind == "mpi":
                 t.add("user_annotation", "MPI_Allreduce", now, d)
+            elif kind == "optimizer":  # a for-loop optimizer: 100 small operators
+                t.add("user_annotation", "Optimizer.step#SGD.step", now, d)
+                for k in range(100):
+                    t.add("cpu_op", "aten::add_", now + k * d / 100, d / 200)
             elif kind != "python":
                 raise ValueError(kind)
             now += d

@@ -11,7 +11,7 @@ import pytest
 from scaletrain.commands import diagnose
 from scaletrain.profiling.analyze import analyze
 from scaletrain.profiling.verdict import queue_full
-from tests.profiling_traces import NCCL, gpu_trace
+from tests.profiling_traces import NCCL, cpu_trace, gpu_trace
 
 
 def _run(tmp_path: Path, *traces, name: str = "t") -> dict:
@@ -39,6 +39,22 @@ def test_host_bound_optimizer_gets_the_fused_optimizer_first(tmp_path: Path) -> 
     r = _run(tmp_path, gpu_trace([("compute", 3000)] + [("launch", 900)] * 3), name="gen")
     assert r["verdict"] == "cpu/launch-bound"
     assert _keys(r)[0] == "compile.enabled" and "optimizer.implementation" not in _keys(r)
+
+
+def test_cpu_only_for_loop_optimizer_gets_the_fused_optimizer(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from scaletrain.profiling.remedies import remedies
+
+    r = _run(tmp_path, cpu_trace([("op", 3000), ("optimizer", 3000)]))
+    assert r["platform"] == "cpu" and r["optimizer_launches_per_step"] == pytest.approx(100)
+    first = r["remedies"][0]
+    assert first["flag"] == "--optimizer.implementation fused" and first["cause"] == "optimizer"
+    cfg = SimpleNamespace(optimizer=SimpleNamespace(implementation="auto"))  # fused on CPU
+    assert "optimizer.implementation" not in [x.get("key") for x in
+                                              remedies(r["verdict"], r, cfg)]
+    plain = _run(tmp_path, cpu_trace([("op", 3000), ("python", 3000)]), name="plain")
+    assert "optimizer.implementation" not in _keys(plain)
 
 
 def test_input_bound_trace_gets_data_loading_remedies(tmp_path: Path) -> None:

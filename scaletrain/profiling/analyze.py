@@ -76,6 +76,7 @@ def analyze_trace(trace: Trace, top: int = 15) -> dict[str, Any]:
                      "activities=[CPU, CUDA] (Kineto activity tracing, not a range profile)")
     else:
         r.update(cpu.cpu_only_breakdown(trace))
+        r["optimizer_launches_per_step"] = cpu.launches_in(trace, "optimizer")
         r["top_kernels"], r["overlap"] = [], None
         r["note"] = "CPU-only trace: no device activity; the CPU step time is broken down instead"
     r["step_ms"] = _step_ms(trace, r)

@@ -205,15 +205,19 @@ def idle_by_phase(trace: Trace, gaps: dict[str, Any] | None) -> dict[str, dict[s
 
 def launches_in(trace: Trace, phase: str) -> float | None:
     """Kernel/copy launch calls per step made while the host is in `phase` (a for-loop
-    optimizer launches several per parameter tensor; a fused one a handful in all)."""
+    optimizer launches several per parameter tensor; a fused one a handful in all). On a
+    CPU-only trace: the PyTorch operators started in it."""
     r = ranges(trace, PHASES[phase])
     lo, hi, n = window(trace)
     if not len(r[0]) or n == 0:
         return None
-    rt = trace.runtime
-    calls = rt.matches(_LAUNCH_CALL_RE, how="match")
+    if trace.platform == "cpu":
+        c = trace.cpu
+        t = c.ts[(c.stream == 1) & ~c.matches(PHASES[phase])]
+    else:
+        rt = trace.runtime
+        t = rt.ts[rt.matches(_LAUNCH_CALL_RE, how="match")]
     s, e = intervals.merge(*r)
-    t = rt.ts[calls]
     k = np.searchsorted(s, t, side="right") - 1
     inside = (k >= 0) & (e[np.maximum(k, 0)] > t)
     return float(inside.sum()) / n

@@ -128,6 +128,7 @@ def remedies(verdict: str, r: dict[str, Any], cfg: Any | None = None) -> list[di
             f"rank {device['rank']} runs more kernels than the others: give every rank the same "
             "work (equal micro-batches and sequence lengths, packed sequences) and keep "
             "rank-0-only work such as evaluation, logging or checkpointing out of the step"))]))
+    plan[:0] = _cpu_optimizer(r)
     out, seen = [], set()
     for cause, items in plan:
         for key, value, why in items:
@@ -189,6 +190,21 @@ def _by_phase(cause: str, r: dict[str, Any]) -> list[Remedy]:
     if phase == "logging":
         return [("metrics.log_interval", "50", f"{where}: log less often")]
     return []
+
+
+def _cpu_optimizer(r: dict[str, Any]) -> list[tuple[str, list[Remedy]]]:
+    """A CPU-only run whose optimizer step takes a large share of the step in many small
+    operators (a for-loop over parameter tensors): a fused/foreach optimizer first."""
+    if r.get("platform") != "cpu":
+        return []
+    opt = ((r.get("cpu") or {}).get("phases") or {}).get("optimizer") or {}
+    ops = r.get("optimizer_launches_per_step")
+    if opt.get("share", 0.0) < CAUSE_THRESHOLD * 3 or ops is None or ops < MANY_OPTIMIZER_LAUNCHES:
+        return []
+    return [("optimizer", [("optimizer.implementation", "fused",
+                            f"the optimizer step takes {100 * opt['share']:.1f} % of each step "
+                            f"in {ops:.0f} operators: a fused optimizer updates every parameter "
+                            "in a few")])]
 
 
 def _record(key: str, value: str, why: str, r: dict[str, Any], cfg: Any) -> dict[str, str] | None:

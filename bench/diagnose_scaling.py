@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -42,23 +43,16 @@ BYTES_PER_STEP_LAYER = 1544  # measured size of one step and layer of sized_trac
 LAYERS = 24
 
 _CHILD = r"""
-import json, logging, sys, time, warnings
-warnings.filterwarnings("ignore")
-logging.disable(logging.WARNING)
-tool, path = sys.argv[1], sys.argv[2]
+import json, sys, time
+sys.path.insert(0, "bench")
+from proc_stats import quiet_child, reset_peak, status_mib as status
+tool, path = quiet_child()
 if tool == "ours":
     from scaletrain.profiling.analyze import analyze
 else:
     from hta.trace_analysis import TraceAnalysis
 
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024  # kB -> MiB
-try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
-    open("/proc/self/clear_refs", "w").write("5")
-except OSError:
-    pass
+reset_peak()
 t0, c0 = time.perf_counter(), time.process_time()
 if tool == "ours":
     r = analyze([path])
@@ -186,26 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hta and not with_hta:
         print("HTA is not importable: timing ours only (install HolisticTraceAnalysis into a "
               "folder and put it on PYTHONPATH)", file=sys.stderr)
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for mb in args.sizes:
             rows.append(case(mb, Path(tmp), with_hta, args.min_free_gib, args.timeout,
                              args.max_gib))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    text = table(rows)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "environment": {"python": platform.python_version(), "machine": platform.machine(),
-                        "cpus": _cpus(), "hta": with_hta},
-        "rows": rows}, indent=2))
-    args.out.with_suffix(".txt").write_text(text + "\n")
+            save(args.out, rows, with_hta)  # after each case: a stopped run keeps its rows
+    print(table(rows))
     return 0
 
 
-def _cpus() -> int:
-    import os
+def save(out: Path, rows: list[dict[str, Any]], with_hta: bool) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "environment": {"python": platform.python_version(), "machine": platform.machine(),
+                        "cpus": _cpus(), "hta": with_hta, "load_average": os.getloadavg()},
+        "rows": rows}, indent=2))
+    out.with_suffix(".txt").write_text(table(rows) + "\n")
 
+
+def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 

@@ -94,12 +94,18 @@ def run(tool: str, path: Path, timeout: float, max_gib: float) -> dict[str, Any]
         cap = int(max_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         done = subprocess.run([sys.executable, "-c", _CHILD, tool, str(path)], cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout,
                               preexec_fn=limit)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish in {timeout:.0f} s (killed)"}
+    except subprocess.TimeoutExpired:  # run() has killed and reaped it: its CPU time counts
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        used = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        return {"error": f"did not finish in {timeout:.0f} s (killed)",
+                "cpu_s_at_kill": used, "wall_s_at_kill": timeout}
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -131,6 +137,9 @@ def case(mb: float, folder: Path, with_hta: bool, min_free: float, timeout: floa
         out["ours_s_per_mb"] = ours / out["size_mb"]
     if ours and hta:
         out["hta_over_ours"] = hta / ours
+    killed = (out.get("hta") or {}).get("cpu_s_at_kill")
+    if ours and killed:  # HTA stopped unfinished: its time, and the ratio, are lower bounds
+        out["hta_over_ours_at_least"] = killed / ours
     return out
 
 
@@ -151,11 +160,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
         def f(x: Any, spec: str) -> str:
             return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec[0]))
+        if "cpu_s_at_kill" in h:  # unfinished: lower bounds
+            hta = (f"{'>' + format(h['wall_s_at_kill'], '.0f'):>7} "
+                   f"{'>' + format(h['cpu_s_at_kill'], '.1f'):>7} {'-':>6} "
+                   f"{'>' + format(r.get('hta_over_ours_at_least', 0), '.1f'):>8}")
+        else:
+            hta = (f"{f(h.get('wall_s'), '7.2f')} {f(h.get('cpu_s'), '7.2f')} "
+                   f"{f(h.get('peak_rss_mib'), '6.0f')} {f(r.get('hta_over_ours'), '8.1f')}")
         lines.append(f"{r['size_mb']:>8.0f} {r['events']:>10} {f(o.get('wall_s'), '7.2f')} "
                      f"{f(o.get('cpu_s'), '7.2f')} {f(o.get('peak_rss_mib'), '6.0f')} "
-                     f"{f(r.get('ours_s_per_mb'), '8.3f')} {f(h.get('wall_s'), '7.2f')} "
-                     f"{f(h.get('cpu_s'), '7.2f')} {f(h.get('peak_rss_mib'), '6.0f')} "
-                     f"{f(r.get('hta_over_ours'), '8.1f')}"
+                     f"{f(r.get('ours_s_per_mb'), '8.3f')} {hta}"
                      + (f"  ours: {o['error']}" if "error" in o else "")
                      + (f"  HTA: {h['error']}" if "error" in h else ""))
     return "\n".join(lines)

@@ -42,25 +42,18 @@ LARGEST = "serialized_comm_v100_memory_events_rank1"
 
 # Run in a child process: time the work, report its own peak RSS.
 _CHILD = r"""
-import json, logging, sys, time, warnings
-warnings.filterwarnings("ignore")
-logging.disable(logging.WARNING)
-tool, path = sys.argv[1], sys.argv[2]
+import json, sys, time
+sys.path.insert(0, "bench")
+from proc_stats import quiet_child, reset_peak, status_mib as status
+tool, path = quiet_child()
 if tool == "ours":
     from scaletrain.profiling.analyze import analyze
 else:
     import shutil, tempfile
     from hta.trace_analysis import TraceAnalysis
 
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024  # kB -> MiB
 base = status("VmRSS")
-try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
-    open("/proc/self/clear_refs", "w").write("5")
-except OSError:
-    pass
+reset_peak()
 t0 = time.perf_counter()
 if tool == "ours":
     analyze([path])

@@ -108,7 +108,7 @@ def test_hopper_cublas_kernels_are_tensor_core_gemms_and_set_values_are_not_reme
     from types import SimpleNamespace
 
     from scaletrain.profiling.gpu import is_tensor_core_gemm
-    from scaletrain.profiling.verdict import remedies
+    from scaletrain.profiling.remedies import remedies
 
     assert is_tensor_core_gemm("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN")
     assert not is_tensor_core_gemm("void at::native::vectorized_elementwise_kernel<4>")

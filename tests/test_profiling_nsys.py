@@ -46,7 +46,8 @@ def build(path: Path) -> Path:
     names = {1: GEMM, 2: ELEMENTWISE, 3: "cudaLaunchKernel_v7000", 4: "cudaMemcpyAsync_v3020",
              5: "scaletrain/data", 6: "cudaMemsetAsync_v3020"}
     db.executemany("INSERT INTO StringIds VALUES (?, ?)", names.items())
-    tid = (1234 << 24) | 1234
+    pid = 1234 << 24  # globalPid: the process id above 24 bits of thread id
+    tid = pid | 1234
     corr = 0
 
     def launch(t_us: float, name_id: int) -> int:
@@ -58,8 +59,9 @@ def build(path: Path) -> Path:
 
     def kernel(start_us: float, dur_us: float, name_id: int, c: int) -> None:
         db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES "
-                   "(?,?,0,1,7,?,1,?,?,0,1,1,1,128,1,1)",
-                   (int(start_us * US), int((start_us + dur_us) * US), c, name_id, name_id))
+                   "(?,?,0,1,7,?,?,?,?,0,1,1,1,128,1,1)",
+                   (int(start_us * US), int((start_us + dur_us) * US), c, pid, name_id,
+                    name_id))
 
     for s in range(3):
         base = s * 10_000
@@ -72,11 +74,11 @@ def build(path: Path) -> Path:
             kernel(base + 100 + 600 * k, 500, 1, launch(base + 10 * k, 3))
         kernel(base + 5010, 1000, 2, launch(base + 5000, 3))
         c = launch(base + 6100, 4)
-        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (?,?,0,1,7,?,1,1048576,1,0,1)",
-                   ((base + 6110) * US, (base + 6310) * US, c))
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (?,?,0,1,7,?,?,1048576,1,0,1)",
+                   ((base + 6110) * US, (base + 6310) * US, c, pid))
         c = launch(base + 6101, 6)
-        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET VALUES (?,?,0,1,8,?,1,0,4096)",
-                   ((base + 6150) * US, (base + 6200) * US, c))
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET VALUES (?,?,0,1,8,?,?,0,4096)",
+                   ((base + 6150) * US, (base + 6200) * US, c, pid))
     db.commit()
     db.close()
     return path
@@ -156,3 +158,76 @@ def test_nsys_export_without_kernel_rows_is_a_device_job(tmp_path: Path) -> None
     db.close()
     r = analyze([path])
     assert r["platform"] == "cuda" and r["verdict"] == "no kernel timing"
+
+
+NCCL = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevComm*, unsigned long, ncclWork*)"
+STEPS = 6  # the last one is left out: 5 analysed
+OFFSET_US = 37
+
+
+def add_rank(db: sqlite3.Connection, rank: int, work_us: float) -> None:
+    """One torchrun process (pid 4000 + rank, GPU `rank`) in an export: per 10 ms step an NVTX
+    step range (rank r's steps start 37 r us later), `work_us` of GEMMs launched at the
+    step's start, then an all-reduce that every rank finishes at the same time (a rank with
+    less work waits longer in it). Correlation ids start from 1 in every process, as CUPTI
+    numbers them."""
+    pid = (4000 + rank) << 24
+    tid = pid | (4000 + rank)
+    db.executemany("INSERT OR IGNORE INTO StringIds VALUES (?, ?)",
+                   {1: GEMM, 3: "cudaLaunchKernel_v7000", 7: NCCL}.items())
+    corr = 0
+
+    def kernel(launch_us: float, start_us: float, dur_us: float, name_id: int,
+               stream: int) -> None:
+        nonlocal corr
+        corr += 1
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?,?,1,?,?,3,0,0)",
+                   (int(launch_us * US), int((launch_us + 5) * US), tid, corr))
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES "
+                   "(?,?,?,1,?,?,?,?,?,0,1,1,1,128,1,1)",
+                   (int(start_us * US), int((start_us + dur_us) * US), rank, stream, corr, pid,
+                    name_id, name_id))
+
+    for s in range(STEPS):
+        base = 1000 + s * 10_000 + OFFSET_US * rank
+        db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) "
+                   "VALUES (?,?,59,?,?)", (base * US, (base + 10_000) * US,
+                                          f"scaletrain/step#{s}", tid))
+        n = 4
+        for k in range(n):
+            kernel(base + 5 * k, base + 100 + k * work_us / n, work_us / n, 1, 7)
+        done = 1000 + s * 10_000 + 8_500  # the same instant on every rank
+        kernel(base + 30, base + 100 + work_us, done - (base + 100 + work_us), 7, 20)
+
+
+def _export(path: Path, ranks: dict[int, float]) -> Path:
+    db = sqlite3.connect(path)
+    db.executescript(SCHEMA)
+    for rank, work in ranks.items():
+        add_rank(db, rank, work)
+    db.commit()
+    db.close()
+    return path
+
+
+def test_a_multi_process_export_equals_one_export_per_rank(tmp_path: Path) -> None:
+    """`nsys profile torchrun --nproc-per-node 4 ...` writes the 4 processes into one export
+    with overlapping correlation ids: read per process, it gives the figures of 4 exports."""
+    work = {0: 3000.0, 1: 3100.0, 2: 6000.0, 3: 2900.0}  # rank 2 is the straggler
+    merged = analyze([_export(tmp_path / "all.sqlite", work)])
+    apart = analyze([_export(tmp_path / f"rank{r}.sqlite", {r: w}) for r, w in work.items()])
+    assert [r["rank"] for r in merged["ranks"]] == [0, 1, 2, 3]
+    for a, b in zip(merged["ranks"], apart["ranks"], strict=True):
+        assert a["breakdown"] == pytest.approx(b["breakdown"])
+        assert a["step_ms"] == pytest.approx(b["step_ms"])
+        assert a["work_ms_per_step"] == pytest.approx(b["work_ms_per_step"])
+        assert a["verdict"] == b["verdict"]
+    assert merged["cpu"]["steps"] == apart["cpu"]["steps"] == STEPS - 1
+    ar, br = merged["across_ranks"], apart["across_ranks"]
+    assert ar["straggler_rank"] == br["straggler_rank"] == 2
+    # own work = step less all-reduce = work + the rank's start offset; less the median other's
+    own = {r: w + OFFSET_US * r for r, w in work.items()}
+    excess = (own[2] - sorted(v for r, v in own.items() if r != 2)[1]) / 1e3
+    assert ar["straggler_excess_ms"] == pytest.approx(br["straggler_excess_ms"])
+    assert ar["straggler_excess_ms"] == pytest.approx(excess, abs=0.01)
+    assert merged["top_kernels"] == apart["top_kernels"]

@@ -193,7 +193,7 @@ def test_profile_folder_reads_memory_timeline_and_against_shows_memory(
 def test_remedies_already_in_effect_are_not_proposed(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from scaletrain.profiling.verdict import remedies
+    from scaletrain.profiling.remedies import remedies
 
     cfg = SimpleNamespace(precision=SimpleNamespace(dtype="auto"),
                           compile=SimpleNamespace(enabled=False),

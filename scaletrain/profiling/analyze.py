@@ -9,7 +9,17 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.profiling import cpu, gpu, intervals, memory, verdict, warnings
+from scaletrain.profiling import (
+    collectives,
+    cpu,
+    gpu,
+    intervals,
+    memory,
+    remedies,
+    stragglers,
+    verdict,
+    warnings,
+)
 from scaletrain.profiling.load import load_all
 from scaletrain.profiling.trace import Trace
 
@@ -41,8 +51,14 @@ def analyze_trace(trace: Trace, top: int = 15) -> dict[str, Any]:
         b = gpu.breakdown(trace)
         r.update(b)
         r["idle_breakdown"] = gpu.idle_breakdown(trace)
-        r["idle_causes"] = gpu.idle_causes(trace, cpu.ranges(trace, cpu.PHASES["data"]),
-                                           cpu.ranges(trace, cpu.HOST_COMM_RE))
+        data, host_comm = cpu.ranges(trace, cpu.PHASES["data"]), cpu.ranges(trace,
+                                                                           cpu.HOST_COMM_RE)
+        gaps = gpu.classify_gaps(trace, data, host_comm)
+        r["idle_causes"] = gpu.idle_causes(trace, data, host_comm, gaps)
+        r["idle_by_phase"] = cpu.idle_by_phase(trace, gaps)
+        r["optimizer_launches_per_step"] = cpu.launches_in(trace, "optimizer")
+        r["collectives"] = collectives.collectives(trace)
+        r["kernel_ms_per_step"], r["kernel_stats"] = stragglers.kernel_time(trace)
         r["idle_by_stream"] = gpu.idle_by_stream(trace)
         r["top_kernels"], r["kernels_summary"] = gpu.top_kernels(trace, top)
         r["launch"] = gpu.launches(trace)
@@ -53,11 +69,14 @@ def analyze_trace(trace: Trace, top: int = 15) -> dict[str, Any]:
         r.update(span_us=0.0, breakdown=None, top_kernels=[], overlap=None)
         r["note"] = (f"a {trace.platform.upper()} job whose trace holds no kernel timing ("
                      + ("kernels of zero length" if len(trace.gpu) else
+                        f"{trace.untimed['gpu']} device activities without a duration"
+                        if trace.untimed.get("gpu") else
                         "device events: " + ", ".join(trace.device_cats or ("none",)))
                      + "); the device time cannot be broken down: profile with "
                      "activities=[CPU, CUDA] (Kineto activity tracing, not a range profile)")
     else:
         r.update(cpu.cpu_only_breakdown(trace))
+        r["optimizer_launches_per_step"] = cpu.launches_in(trace, "optimizer")
         r["top_kernels"], r["overlap"] = [], None
         r["note"] = "CPU-only trace: no device activity; the CPU step time is broken down instead"
     r["step_ms"] = _step_ms(trace, r)
@@ -102,7 +121,9 @@ def analyze(paths: list[str | Path],
     report = combine(ranks, top)
     if cfg is not None and getattr(getattr(cfg, "precision", None), "dtype", None) == "auto":
         report["cpu_bf16"] = _cpu_bf16()
-    report["remedies"] = verdict.remedies(report["verdict"], report, cfg)
+    report["remedies"] = remedies.remedies(report["verdict"], report, cfg)
+    for r in [report, *ranks]:
+        r.pop("kernel_stats", None)  # per-kernel totals of every rank: used, not reported
     return report
 
 
@@ -146,6 +167,8 @@ def combine(ranks: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
         "across_ranks": across_ranks(ranks),
     }
     out.update(verdict.decide(out))
+    for k in ("idle_by_phase", "optimizer_launches_per_step", "collectives"):
+        out[k] = first.get(k)  # the first rank's (the straggler's when there is one, below)
     _straggler_headline(out, ranks)
     return out
 
@@ -172,8 +195,14 @@ def _straggler_headline(out: dict[str, Any], ranks: list[dict[str, Any]]) -> Non
         out["evidence"].append(f"rank {s}'s whole step, collectives included, is "
                                f"{slow['verdict']}: " + "; ".join(slow.get("evidence") or []))
     out["evidence"].append(f"over all ranks on average: {out['verdict']}")
+    device = stragglers.device_cause(ranks, s)
+    if device:
+        out["straggler_device"] = device
+        out["evidence"].append(device["evidence"])
     out["verdict"] = own["verdict"]
     out["cpu"], out["cpu_rank"] = slow.get("cpu"), s  # the phases of the rank that matters
+    for k in ("idle_by_phase", "optimizer_launches_per_step", "collectives"):
+        out[k] = slow.get(k)
     out["causes"] = own.get("causes", [])
     out["secondary"] = list(own.get("secondary", []))
 
@@ -181,8 +210,8 @@ def _straggler_headline(out: dict[str, Any], ranks: list[dict[str, Any]]) -> Non
 def _rank_summary(r: dict[str, Any]) -> dict[str, Any]:
     return {k: r.get(k) for k in ("rank", "source", "platform", "breakdown", "overlap",
                                   "verdict", "causes", "evidence", "step_ms",
-                                  "work_ms_per_step", "collective_ms_per_step", "per_step",
-                                  "warnings")} | {
+                                  "work_ms_per_step", "collective_ms_per_step",
+                                  "kernel_ms_per_step", "per_step", "warnings")} | {
         "step_time_ms": (r.get("cpu") or {}).get("step_time_ms"),
     }
 

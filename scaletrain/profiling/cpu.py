@@ -26,6 +26,8 @@ PHASES: dict[str, re.Pattern[str]] = {
                            r"^autograd::engine::evaluate_function"),
     "optimizer": re.compile(r"^scaletrain/optimizer|^Optimizer\.step#|^Optimizer\.zero_grad#|"
                             r"^## optimizer ##"),
+    "logging": re.compile(r"^scaletrain/log|^## log|[Ll]ogging|SummaryWriter|^wandb|"
+                          r"^scaletrain/metrics"),
 }
 COMM_RE = re.compile(r"^(nccl|gloo|mpi|ucc|xccl):|^c10d::|^record_param_comms|^scaletrain/comm|"
                      r"^MPI_|^mpi_")
@@ -49,7 +51,7 @@ def window(trace: Trace) -> tuple[float, float, int]:
 def ranges(trace: Trace, pattern: re.Pattern[str]) -> Ranges:
     """The CPU ranges whose name matches, clipped to the analysed window."""
     c = trace.cpu
-    sel = np.array([bool(pattern.search(n)) for n in c.name], dtype=bool)
+    sel = c.matches(pattern)
     lo, hi, _ = window(trace)
     return intervals.clip(c.ts[sel], c.end[sel], lo, hi)
 
@@ -80,31 +82,44 @@ def phase_times(trace: Trace) -> dict[str, Any]:
 
 def outside_phases(trace: Trace, n_steps: int, top: int = 5) -> list[dict[str, Any]]:
     """The biggest top-level CPU ranges of the step threads that fall outside every phase
-    range (what the rest of the step time is spent on), in ms per step."""
+    range (what the rest of the step time is spent on), in ms per step. Linear in the number
+    of ranges: one pass per thread over its ranges sorted by start (longest first at ties)."""
     c = trace.cpu
-    steps = np.array([bool(_STEP_RE.search(x)) for x in c.name], dtype=bool)
+    steps = c.matches(_STEP_RE)
     lo, hi, _ = window(trace)
     if not steps.any() or n_steps == 0:
         return []
-    threads = set(c.tid[steps].tolist())
-    pats = list(PHASES.values()) + [COMM_RE]
-    in_phase = np.array([any(p.search(x) for p in pats) for x in c.name], dtype=bool)
+    in_phase = phase_mask(trace)
     ph_s, ph_e = intervals.merge(c.ts[in_phase], c.end[in_phase])
-    totals: dict[str, float] = {}
-    for tid in threads:
-        sel = np.flatnonzero((c.tid == tid) & ~steps & ~in_phase & (c.ts >= lo) & (c.ts < hi))
-        sel = sel[np.lexsort((-c.dur[sel], c.ts[sel]))]
-        run_end = -np.inf
-        for i in sel:  # top-level: not nested in an earlier range
-            if c.ts[i] < run_end:
-                continue
-            run_end = c.end[i]
-            k = np.searchsorted(ph_s, c.ts[i], side="right") - 1
-            if k >= 0 and ph_e[k] > c.ts[i]:
-                continue  # starts inside a phase
-            totals[c.name[i]] = totals.get(c.name[i], 0.0) + float(c.dur[i])
-    rows = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-    return [{"name": name, "ms_per_step": t / n_steps / 1e3} for name, t in rows]
+    names, codes = c.name_codes()
+    cand = np.flatnonzero(np.isin(c.tid, np.unique(c.tid[steps])) & ~steps & ~in_phase
+                          & (c.ts >= lo) & (c.ts < hi))
+    cand = cand[np.lexsort((-c.dur[cand], c.ts[cand], c.tid[cand]))]
+    k = np.searchsorted(ph_s, c.ts[cand], side="right") - 1
+    starts_in_phase = (k >= 0) & (ph_e[np.maximum(k, 0)] > c.ts[cand]) if len(ph_s) else \
+        np.zeros(len(cand), dtype=bool)
+    top_level = np.zeros(len(cand), dtype=bool)
+    run_end, thread = -np.inf, None
+    for j, (t, ts, end) in enumerate(zip(c.tid[cand].tolist(), c.ts[cand].tolist(),
+                                         c.end[cand].tolist())):
+        if t != thread:
+            thread, run_end = t, -np.inf
+        if ts >= run_end:  # not nested in the previous top-level range of its thread
+            top_level[j], run_end = True, end
+    keep = cand[top_level & ~starts_in_phase]
+    totals = np.bincount(codes[keep], weights=c.dur[keep], minlength=len(names))
+    seen = np.flatnonzero(np.bincount(codes[keep], minlength=len(names)))
+    order = sorted(seen.tolist(), key=lambda i: -totals[i])[:top]
+    return [{"name": names[i], "ms_per_step": float(totals[i]) / n_steps / 1e3} for i in order]
+
+
+def phase_mask(trace: Trace) -> np.ndarray:
+    """CPU ranges that are a training phase or a collective."""
+    c = trace.cpu
+    mask = c.matches(COMM_RE)
+    for pat in PHASES.values():
+        mask |= c.matches(pat)
+    return mask
 
 
 def cpu_only_breakdown(trace: Trace) -> dict[str, Any]:
@@ -121,7 +136,7 @@ def cpu_only_breakdown(trace: Trace) -> dict[str, Any]:
     c = trace.cpu
     comm = ranges(trace, COMM_RE)
     data = ranges(trace, PHASES["data"])
-    is_op = (c.stream == 1) & np.array([not _STEP_RE.search(x) for x in c.name], dtype=bool)
+    is_op = (c.stream == 1) & ~c.matches(_STEP_RE)
     if is_op.any():
         ops = intervals.clip(c.ts[is_op], c.end[is_op], lo, hi)
     else:
@@ -155,3 +170,58 @@ def input_wait_on_gpu(trace: Trace, gaps: Ranges, span: float) -> float:
     if not len(data[0]) or span <= 0:
         return 0.0
     return intervals.intersect_length(gaps, data) / span
+
+
+# The phases a device's idle time is put down to, innermost first (a logging range inside
+# the optimizer's is logging).
+IDLE_PHASES = ("logging", "optimizer", "data", "backward", "forward")
+
+
+def idle_by_phase(trace: Trace, gaps: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Per idle cause, the share of the span the host spent in each training phase while the
+    device was idle for that cause (`gpu.classify_gaps`); the rest of a cause is `other`.
+    Where the lost time falls picks the remedy: host launch inside the optimizer wants a
+    fused optimizer, inside a logging range a longer log interval."""
+    if gaps is None or not len(gaps["a"]) or gaps["span"] <= 0:
+        return {}
+    a, b, rest, cause = gaps["a"], gaps["b"], gaps["rest"], gaps["cause"]
+    left = rest.copy()
+    out: dict[str, dict[str, float]] = {}
+    for name in IDLE_PHASES:
+        if name == "data":
+            continue  # the data part of a gap is the `input` cause already
+        r = ranges(trace, PHASES[name])
+        if not len(r[0]):
+            continue
+        part = np.minimum(intervals.covered(intervals.merge(*r), a, b), left)
+        left -= part
+        for c in np.unique(cause[part > 0]):
+            out.setdefault(str(c), {})[name] = float(part[cause == c].sum()) / gaps["span"]
+    for c in np.unique(cause[left > 0]):
+        out.setdefault(str(c), {})["other"] = float(left[cause == c].sum()) / gaps["span"]
+    return out
+
+
+
+def launches_in(trace: Trace, phase: str) -> float | None:
+    """Kernel/copy launch calls per step made while the host is in `phase` (a for-loop
+    optimizer launches several per parameter tensor; a fused one a handful in all). On a
+    CPU-only trace: the PyTorch operators started in it."""
+    r = ranges(trace, PHASES[phase])
+    lo, hi, n = window(trace)
+    if not len(r[0]) or n == 0:
+        return None
+    if trace.platform == "cpu":
+        c = trace.cpu
+        t = c.ts[(c.stream == 1) & ~c.matches(PHASES[phase])]
+    else:
+        rt = trace.runtime
+        t = rt.ts[rt.matches(_LAUNCH_CALL_RE, how="match")]
+    s, e = intervals.merge(*r)
+    k = np.searchsorted(s, t, side="right") - 1
+    inside = (k >= 0) & (e[np.maximum(k, 0)] > t)
+    return float(inside.sum()) / n
+
+
+_LAUNCH_CALL_RE = re.compile(r"(cuda|hip|cu|mtia)(LaunchKernel|MemcpyAsync|MemsetAsync|"
+                             r"ExtModuleLaunchKernel)|mtiaLaunch")

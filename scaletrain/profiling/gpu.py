@@ -35,6 +35,8 @@ _GEMM_RE = re.compile(r"gemm|matmul|cutlass|xmma|cublaslt|wgmma|nvjet", re.I)
 _TENSOR_CORE_RE = re.compile(
     r"tensorop|h884|h1688|s1688|h16816|s16816|i8816|hmma|wgmma|bf16|f16|fp16|half|tf32|xmma|"
     r"sm80_|sm90_|sm100_|_e4m3|_e5m2|mfma", re.I)
+_LOW_PRECISION_RE = re.compile(r"bf16|f16|half|h884|h1688|h16816|hmma|_e4m3|_e5m2|fp8", re.I)
+_FULL_PRECISION_RE = re.compile(r"sgemm|tf32|s1688|s884|fp32|f32f32_f32|_float", re.I)
 _KIND_BITS = {COMPUTE: 1, COMM: 2, MEMORY: 4, OTHER: 8}
 
 
@@ -112,8 +114,7 @@ def idle_by_stream(trace: Trace) -> list[dict[str, Any]]:
     """HTA's idle-time breakdown per stream, busiest stream first."""
     g = trace.gpu
     out = []
-    for stream in np.unique(g.stream):
-        sel = np.flatnonzero(g.stream == stream)
+    for stream, sel in _by_stream(g.stream, np.ones(len(g), dtype=bool)):
         sel = sel[np.argsort(g.ts[sel], kind="stable")]
         ts, end, launch = g.ts[sel], g.end[sel], trace.launch_ts[sel]
         gap = ts[1:] - end[:-1]
@@ -140,21 +141,31 @@ def top_kernels(trace: Trace, n: int = 15) -> tuple[list[dict[str, Any]], dict[s
             totals[name].append(d)
     rows = sorted(((name, float(np.sum(d)), len(d)) for name, d in totals.items()),
                   key=lambda r: -r[1])
+    names, codes = g.name_codes()
+    kind_of = dict(zip(names, kinds[np.unique(codes, return_index=True)[1]].tolist())) \
+        if len(g) else {}
     top = [{
         "name": name, "total_us": t, "count": c, "mean_us": t / c,
         "share": t / kernel_time if kernel_time else 0.0,
         "share_of_gpu_time": t / gpu_time if gpu_time else 0.0,
-        "kind": "communication" if trace.gpu_kind[g.name.index(name)] == COMM else "compute",
+        "kind": "communication" if kind_of[name] == COMM else "compute",
         "tensor_core_gemm": is_tensor_core_gemm(name),
     } for name, t, c in rows[:n]]
     gemm = sum(t for name, t, _ in rows if _GEMM_RE.search(name))
     tc = sum(t for name, t, _ in rows if is_tensor_core_gemm(name))
+    low = sum(t for name, t, _ in rows if _GEMM_RE.search(name) and _LOW_PRECISION_RE.search(name))
+    full = sum(t for name, t, _ in rows if _GEMM_RE.search(name) and _FULL_PRECISION_RE.search(name)
+               and not _LOW_PRECISION_RE.search(name))
     mem_time = float(g.dur[~is_kernel].sum())
     summary = {
         "kernel_time_us": kernel_time, "gpu_time_us": gpu_time, "kernels": int(is_kernel.sum()),
         "distinct_kernels": len(rows),
         "gemm_share": gemm / kernel_time if kernel_time else 0.0,
         "tensor_core_gemm_share": tc / kernel_time if kernel_time else 0.0,
+        # GEMMs in bf16/fp16/fp8: the run already computes in reduced precision
+        "low_precision_gemm_share": low / gemm if gemm else 0.0,
+        # GEMMs whose names say fp32/tf32 (sgemm, s1688, tf32): reduced precision would help
+        "full_precision_gemm_share": full / gemm if gemm else 0.0,
         "memory_ops_share_of_gpu_time": mem_time / gpu_time if gpu_time else 0.0,
     }
     return top, summary
@@ -190,15 +201,23 @@ def queue_length(trace: Trace) -> dict[str, Any]:
     g = trace.gpu
     known = ~np.isnan(trace.launch_ts) & trace.direct_launch
     out: dict[str, Any] = {}
-    for stream in np.unique(g.stream[known]):
-        sel = known & (g.stream == stream)
+    for stream, sel in _by_stream(g.stream, known):
         times = np.concatenate([trace.launch_ts[sel], g.ts[sel]])
-        delta = np.concatenate([np.ones(sel.sum()), -np.ones(sel.sum())])
+        delta = np.concatenate([np.ones(len(sel)), -np.ones(len(sel))])
         order = np.argsort(times, kind="stable")
         q = np.cumsum(delta[order])
         out[str(int(stream))] = {"mean": float(q.mean()), "max": int(q.max()),
-                                 "launches": int(sel.sum())}
+                                 "launches": int(len(sel))}
     return out
+
+
+def _by_stream(stream: np.ndarray, mask: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(stream, indices of its entries in `mask`, in trace order) for every stream: one sort,
+    not one pass over the trace per stream."""
+    idx = np.flatnonzero(mask)
+    idx = idx[np.argsort(stream[idx], kind="stable")]
+    keys, first = np.unique(stream[idx], return_index=True)
+    return list(zip(keys.tolist(), np.split(idx, first[1:])))
 
 
 def _stats(x: np.ndarray) -> dict[str, float] | None:
@@ -221,7 +240,8 @@ IDLE_CAUSES = ("input", "host_launch", "blocked_collective", "blocked_copy", "bl
 
 
 def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
-                host_comm: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+                host_comm: tuple[np.ndarray, np.ndarray] | None = None,
+                gaps: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the device waited on in each GPU-wide gap, as shares of the span.
 
     - input: the part of a gap during which the CPU was in a data-loading range;
@@ -232,11 +252,28 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
       activity is a communication kernel, `copy` when it is a memory copy/set, else `other`.
     A gap the host spent mostly inside a host-side collective (`host_comm`: MPI_*, gloo
     ranges) is `blocked_collective` whatever launched next: the host was held by the collective.
-    Gaps whose next activity has no known launch call are `blocked_other`."""
-    g = trace.gpu
+    Gaps whose next activity has no known launch call are `blocked_other`. `gaps`: what
+    `classify_gaps` gave for the same arguments, if at hand."""
+    g = gaps if gaps is not None else classify_gaps(trace, data, host_comm)
     out: dict[str, Any] = dict.fromkeys(IDLE_CAUSES, 0.0)
-    if len(g) < 2:
+    if g is None:
         return out
+    out["input"] = float(g["data_part"].sum())
+    for cause in IDLE_CAUSES[1:]:
+        out[cause] = float(g["rest"][g["cause"] == cause].sum())
+    span = g["span"]
+    return {k: v / span if span > 0 else 0.0 for k, v in out.items()}
+
+
+def classify_gaps(trace: Trace, data: tuple[np.ndarray, np.ndarray],
+                  host_comm: tuple[np.ndarray, np.ndarray] | None = None
+                  ) -> dict[str, Any] | None:
+    """The GPU-wide gaps [a, b], the part of each spent in data loading (`data_part`), the
+    rest and the cause of the rest (`cause`: one of IDLE_CAUSES[1:] per gap); see
+    `idle_causes`."""
+    g = trace.gpu
+    if len(g) < 2:
+        return None
     order = np.argsort(g.ts, kind="stable")
     ts, end = g.ts[order], g.end[order]
     launch, kind = trace.launch_ts[order], trace.gpu_kind[order]
@@ -246,14 +283,14 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
     sel = np.flatnonzero(gap > 0)
     a, b = run_end[:-1][sel], ts[1:][sel]
     nxt = sel + 1
-    data_part = _covered(intervals.merge(*data), a, b)
+    data_part = intervals.covered(intervals.merge(*data), a, b)
     rest = (b - a) - data_part
     sync_s, sync_e = _call_ranges(trace, _SYNC_CALL_RE, with_sync_events=True)
-    sync_part = _covered(intervals.merge(sync_s, sync_e), a, b)
-    copy_part = _covered(intervals.merge(*_call_ranges(trace, _COPY_CALL_RE)), a, b)
+    sync_part = intervals.covered(intervals.merge(sync_s, sync_e), a, b)
+    copy_part = intervals.covered(intervals.merge(*_call_ranges(trace, _COPY_CALL_RE)), a, b)
     in_comm = np.zeros(len(a), dtype=bool)
     if host_comm is not None and len(host_comm[0]):
-        in_comm = _covered(intervals.merge(*host_comm), a, b) >= 0.5 * (b - a)
+        in_comm = intervals.covered(intervals.merge(*host_comm), a, b) >= 0.5 * (b - a)
     host = (launch[nxt] > a) & ~in_comm
     short = ((b - a) < KERNEL_WAIT_US) & ~in_comm
     queued = ~host & ~short & ~np.isnan(launch[nxt]) & ~in_comm
@@ -261,56 +298,42 @@ def idle_causes(trace: Trace, data: tuple[np.ndarray, np.ndarray],
     is_sync = queued & ~host_copy & (sync_part >= 0.5 * (b - a))
     comm = queued & ~host_copy & ~is_sync & (kind[nxt] == COMM)
     copy = queued & ~is_sync & ~comm & (host_copy | (kind[nxt] == MEMORY))
-    out["input"] = float(data_part.sum())
-    out["host_launch"] = float(rest[host | short].sum())
-    out["blocked_sync"] = float(rest[is_sync].sum())
-    out["blocked_collective"] = float(rest[comm | in_comm].sum())
-    out["blocked_copy"] = float(rest[copy].sum())
-    out["blocked_other"] = float(rest[~host & ~short & ~is_sync & ~comm & ~copy
-                                      & ~in_comm].sum())
-    return {k: v / span if span > 0 else 0.0 for k, v in out.items()}
+    cause = np.full(len(a), "blocked_other", dtype=object)
+    cause[copy] = "blocked_copy"
+    cause[comm | in_comm] = "blocked_collective"
+    cause[is_sync] = "blocked_sync"
+    cause[host | short] = "host_launch"
+    return {"a": a, "b": b, "data_part": data_part, "rest": rest, "cause": cause,
+            "span": span}
 
 
 def _call_ranges(trace: Trace, pattern: re.Pattern[str], with_sync_events: bool = False
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The runtime calls whose name matches (and the cuda_sync events when asked)."""
     rt = trace.runtime
-    calls = np.array([bool(pattern.search(n)) for n in rt.name], dtype=bool)
+    calls = rt.matches(pattern)
     extra = trace.syncs if with_sync_events else None
     return (np.concatenate([rt.ts[calls]] + ([extra.ts] if extra is not None else [])),
             np.concatenate([rt.end[calls]] + ([extra.end] if extra is not None else [])))
 
 
-def _covered(merged: tuple[np.ndarray, np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per window [a, b]: the length covered by the disjoint sorted intervals `merged`."""
-    s, e = merged
-    if len(s) == 0 or len(a) == 0:
-        return np.zeros(len(a))
-    cum = np.concatenate([[0.0], np.cumsum(e - s)])
-
-    def upto(t: np.ndarray) -> np.ndarray:  # covered length in (-inf, t]
-        k = np.searchsorted(s, t, side="right")  # intervals starting at or before t
-        inside = np.clip(t - s[np.maximum(k - 1, 0)], 0, (e - s)[np.maximum(k - 1, 0)])
-        return cum[np.maximum(k - 1, 0)] + np.where(k > 0, inside, 0.0)
-
-    return np.maximum(upto(b) - upto(a), 0.0)
-
-
 def per_step(trace: Trace) -> list[dict[str, float]]:
     """The breakdown (ms) inside each analysed step's window: GPU activity clipped to the
-    step's CPU range (what the per-step plot shows)."""
-    g, out = trace.gpu, []
-    comp = trace.gpu_kind != COMM
-    for n, lo, hi in trace.steps:
-        cs, ce = intervals.clip(g.ts[comp & (trace.gpu_kind != MEMORY)],
-                                g.end[comp & (trace.gpu_kind != MEMORY)], lo, hi)
-        ms, me = intervals.clip(g.ts[trace.gpu_kind == MEMORY], g.end[trace.gpu_kind == MEMORY],
-                                lo, hi)
-        ks, ke = intervals.clip(g.ts[~comp], g.end[~comp], lo, hi)
-        compute = intervals.total(cs, ce)
-        comm = intervals.total(ks, ke) - intervals.intersect_length((ks, ke), (cs, ce))
-        busy = intervals.total(np.concatenate([cs, ms, ks]), np.concatenate([ce, me, ke]))
-        mem = max(busy - compute - comm, 0.0)
-        out.append({"step": n, "compute": compute / 1e3, "communication": comm / 1e3,
-                    "memory": mem / 1e3, "idle": max(hi - lo - busy, 0.0) / 1e3})
-    return out
+    step's CPU range (what the per-step plot shows). Each kind's activity is merged once and
+    measured in every window by prefix sums, so the cost does not grow with steps x kernels."""
+    if not trace.steps:
+        return []
+    g, kind = trace.gpu, trace.gpu_kind
+    compute = (kind != COMM) & (kind != MEMORY)
+    lo = np.array([s[1] for s in trace.steps])
+    hi = np.array([s[2] for s in trace.steps])
+
+    def covered(sel: np.ndarray) -> np.ndarray:
+        return intervals.covered(intervals.merge(g.ts[sel], g.end[sel]), lo, hi)
+
+    comp = covered(compute)
+    comp_comm = covered(kind != MEMORY)
+    busy = covered(np.ones(len(g), dtype=bool))
+    return [{"step": n, "compute": float(c) / 1e3, "communication": float(cc - c) / 1e3,
+             "memory": float(max(b - cc, 0.0)) / 1e3, "idle": float(max(h - l_ - b, 0.0)) / 1e3}
+            for (n, _, _), c, cc, b, l_, h in zip(trace.steps, comp, comp_comm, busy, lo, hi)]

@@ -60,3 +60,18 @@ def gaps(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The holes between the merged intervals (inside their overall span)."""
     s, e = merge(starts, ends)
     return e[:-1], s[1:]
+
+
+def covered(merged: tuple[np.ndarray, np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per window [a, b]: the length covered by the disjoint sorted intervals `merged`."""
+    s, e = merged
+    if len(s) == 0 or len(a) == 0:
+        return np.zeros(len(a))
+    cum = np.concatenate([[0.0], np.cumsum(e - s)])
+
+    def upto(t: np.ndarray) -> np.ndarray:  # covered length in (-inf, t]
+        k = np.searchsorted(s, t, side="right")  # intervals starting at or before t
+        inside = np.clip(t - s[np.maximum(k - 1, 0)], 0, (e - s)[np.maximum(k - 1, 0)])
+        return cum[np.maximum(k - 1, 0)] + np.where(k > 0, inside, 0.0)
+
+    return np.maximum(upto(b) - upto(a), 0.0)

@@ -13,7 +13,7 @@ _COLORS = {"compute": "#2e7d32", "communication": "#1565c0", "memory": "#ef6c00"
 
 
 def pct(x: float | None) -> str:
-    return "  n/a" if x is None else f"{100 * x:5.1f} %"
+    return "  n/a" if x is None or x != x else f"{100 * x:5.1f} %"  # x != x: NaN
 
 
 def size(n: float) -> str:
@@ -95,6 +95,7 @@ def terminal(r: dict[str, Any]) -> str:
                      f" of kernels < {s['threshold_us']:.0f} us"
                      + (f"; queue length on stream {q[0]}: mean {q[1]['mean']:.1f}, "
                         f"max {q[1]['max']}" if q else ""))
+    lines += _collectives(r.get("collectives"))
     m = r.get("memory")
     if m:
         text = f"Memory: peak {size(m['peak_allocated_bytes'])} allocated"
@@ -118,8 +119,10 @@ def terminal(r: dict[str, Any]) -> str:
                      + (f"rank {ar['straggler_rank']} (+{ar['straggler_excess_ms']:.1f} ms of "
                         "work per step)" if ar.get("straggler_rank") is not None else "none"))
         for rk in r.get("ranks") or []:
+            kernels = (f", kernels {_num(rk['kernel_ms_per_step'])} ms"
+                       if rk.get("kernel_ms_per_step") is not None else "")
             lines.append(f"  rank {rk['rank']:>3}: step {_num(rk.get('step_ms'))} ms, own work "
-                         f"{_num(rk.get('work_ms_per_step'))} ms, collectives "
+                         f"{_num(rk.get('work_ms_per_step'))} ms{kernels}, collectives "
                          f"{_num(rk.get('collective_ms_per_step'))} ms; {rk.get('verdict')}"
                          + _causes(rk.get("causes"), 2))
     head = r["verdict"]
@@ -136,8 +139,26 @@ def terminal(r: dict[str, Any]) -> str:
         for rem in r["remedies"]:
             head = rem.get("flag") or (f"{rem['key']}: {rem['value']}" if rem.get("key") else "")
             cur = f" (now {rem['current']})" if "current" in rem else ""
-            lines.append(f"  {head}{cur}  {rem['change']}" if head else f"  {rem['change']}")
+            tag = f"[{rem['cause']}] " if rem.get("cause") else ""
+            lines.append(f"  {tag}{head}{cur}  {rem['change']}" if head
+                         else f"  {tag}{rem['change']}")
     return "\n".join(lines)
+
+
+def _collectives(c: dict[str, Any] | None) -> list[str]:
+    """The busiest collective and its bus bandwidth; transfer or waiting on a peer."""
+    if not c or not c.get("groups"):
+        return []
+    g = c["groups"][0]
+    of = f" of {size(g['bytes'])}" if g.get("bytes") else ""
+    text = (f"Collectives: {g['collective']}{of} x {g['calls']}, quickest "
+            f"{g['quickest_us']:.0f} us, median {g['median_us']:.0f} us")
+    if g.get("busbw_best_gbps"):
+        text += (f"; bus bandwidth {g['busbw_best_gbps']:.1f} GB/s at the quickest, "
+                 f"{g['busbw_median_gbps']:.1f} GB/s at the median")
+    text += (f"; {pct(c['waiting_share']).strip()} of collective time beyond each size's "
+             f"quickest call: {c['reading']}")
+    return [text]
 
 
 def _causes(causes: list[dict[str, Any]] | None, n: int) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,8 @@ _NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)") 
 _KERNEL_CATS = {"kernel", "Kernel"}
 _MEMCPY_CATS = {"gpu_memcpy", "Memcpy"}
 _MEMSET_CATS = {"gpu_memset", "Memset"}
-_GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS
+# mtia_ccp_events: MTIA's timed device-side events (its kernels and copies), as Kineto writes them
+_GPU_CATS = _KERNEL_CATS | _MEMCPY_CATS | _MEMSET_CATS | {"mtia_ccp_events"}
 _RUNTIME_CATS = {"cuda_runtime", "Runtime", "runtime", "cuda_driver", "mtia_runtime",
                  "xpu_runtime", "privateuse1_runtime", "privateuse1_driver"}
 _OP_CATS = {"cpu_op", "Operator", "operator"}
@@ -90,7 +92,32 @@ class Spans:
 
     @property
     def end(self) -> np.ndarray:
-        return self.ts + self.dur
+        """`ts + dur`, computed once per (ts, dur) pair of arrays: analyses read it inside
+        loops, where recomputing it made them quadratic in the number of spans."""
+        cached = self.__dict__.get("_end")
+        if cached is None or cached[0] is not self.ts or cached[1] is not self.dur:
+            cached = (self.ts, self.dur, self.ts + self.dur)
+            self.__dict__["_end"] = cached
+        return cached[2]
+
+    def matches(self, pattern: re.Pattern[str], how: str = "search") -> np.ndarray:
+        """Boolean mask of the spans whose name matches: the pattern runs once per distinct
+        name (a trace repeats a few hundred names millions of times)."""
+        names, codes = self.name_codes()
+        test = pattern.search if how == "search" else pattern.match
+        hit = np.fromiter((test(n) is not None for n in names), dtype=bool, count=len(names))
+        return hit[codes] if len(codes) else np.zeros(0, dtype=bool)
+
+    def name_codes(self) -> tuple[list[str], np.ndarray]:
+        """The distinct names (in order of first appearance) and each span's index into them."""
+        cached = self.__dict__.get("_codes")
+        if cached is None or cached[0] is not self.name:
+            index: dict[str, int] = {}
+            codes = np.fromiter((index.setdefault(n, len(index)) for n in self.name),
+                                dtype=np.int64, count=len(self.name))
+            cached = (self.name, list(index), codes)
+            self.__dict__["_codes"] = cached
+        return cached[1], cached[2]
 
     def __len__(self) -> int:
         return len(self.name)
@@ -134,6 +161,11 @@ class Trace:
     job: str | None = None  # an identifier of the job (distributedInfo), to spot mixed traces
     all_steps: int = 0
     base_us: float = 0.0  # add to a timestamp for epoch time (Kineto's baseTimeNanoseconds)
+    # message arguments of communication kernels (Collective name, In/Out msg nelems, dtype,
+    # Group size) by correlation id
+    comm_args: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # events left out because their duration (or start) was missing or not a number, by kind
+    untimed: dict[str, int] = field(default_factory=dict)
 
     @property
     def has_gpu(self) -> bool:
@@ -219,6 +251,8 @@ def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Tra
                                          for k in ("gpu", "rt", "cpu", "sync")}
     seen: set[str] = set()
     memory: list[tuple[float, float, float, int]] = []
+    comm_args: dict[int, dict[str, Any]] = {}
+    untimed: dict[str, int] = {}
     for e in events:
         cat, ph = e.get("cat"), e.get("ph")
         if cat in _DEVICE_CATS:
@@ -229,11 +263,16 @@ def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Tra
             if key is None:
                 continue
             try:
-                ts, dur = float(e["ts"]) * scale, float(e.get("dur", 0)) * scale
+                ts, dur = float(e["ts"]) * scale, float(e["dur"]) * scale
             except (KeyError, TypeError, ValueError):
-                raise TraceError(f"{path}: event '{e.get('name')}' has no valid ts/dur; the trace "
-                                 "is damaged") from None
+                ts = dur = math.nan
+            if not (math.isfinite(ts) and math.isfinite(dur)):
+                # a missing or NaN duration is not a zero-length event: leave it out, count it
+                untimed[key] = untimed.get(key, 0) + 1
+                continue
             args = e.get("args") or {}
+            if key == "gpu" and "In msg nelems" in args:
+                comm_args[_as_int(args.get("correlation", -1))] = args
             c = cols[key]
             c[0].append(str(e.get("name", "")))
             c[1].append(ts)
@@ -254,6 +293,7 @@ def load_kineto(path: str | Path, rank: int = 0, time_unit: str = "auto") -> Tra
         seen.add("kernel")
     t = assemble(str(path), meta, _rank_of(meta, path, rank), unit, gpu, rt, cpu, memory)
     t.syncs = sync
+    t.comm_args, t.untimed = comm_args, untimed
     t.device_cats = tuple(sorted(seen))
     device_facts(t, meta)
     return t
@@ -281,7 +321,7 @@ def device_facts(t: Trace, meta: dict[str, Any]) -> None:
     if t.platform == "cpu":
         if "mtia" in kinds:
             t.platform = "mtia"
-        elif kinds or meta.get("deviceProperties") or (
+        elif kinds or meta.get("deviceProperties") or t.untimed.get("gpu") or (
                 meta.get("cupti_version") is not None and len(t.runtime)):
             t.platform = "rocm" if any(n.startswith("hip") for n in t.runtime.name[:500]) else (
                 next((k for k in kinds if k != "cuda"), "cuda"))
@@ -304,9 +344,10 @@ def _whole_us(s: Spans) -> Spans:
 def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans, rt: Spans,
              cpu: Spans, memory: list[tuple[float, float, float, int]]) -> Trace:
     """Steps, HTA's event window, launch times and device facts from the parsed columns."""
+    is_step = np.flatnonzero(cpu.matches(_STEP_RE))
     steps = sorted(
-        (int(m.group(1)), float(t), float(t + d))
-        for n, t, d in zip(cpu.name, cpu.ts, cpu.dur) if (m := _STEP_RE.search(n))
+        (int(_STEP_RE.search(cpu.name[i]).group(1)), float(cpu.ts[i]),  # type: ignore[union-attr]
+         float(cpu.ts[i] + cpu.dur[i])) for i in is_step.tolist()
     )
     steps = list(dict.fromkeys(steps))
     n_steps = len(steps)
@@ -317,7 +358,9 @@ def assemble(source: str, meta: dict[str, Any], rank: int, unit: str, gpu: Spans
         gpu = gpu.take(np.isin(gpu.corr, rt.corr))
         steps = steps[:-1]
     gpu = gpu.take(np.argsort(gpu.ts, kind="stable"))
-    kinds = np.array([kernel_kind(n) for n in gpu.name], dtype=np.int8)
+    names, codes = gpu.name_codes()
+    kinds = np.array([kernel_kind(n) for n in names], dtype=np.int8)[codes] if len(gpu) else \
+        np.zeros(0, dtype=np.int8)
     launch = np.full(len(gpu), np.nan)
     direct = np.zeros(len(gpu), dtype=bool)
     if len(gpu) and len(rt):

@@ -21,7 +21,6 @@ share); otherwise the run is compute-bound. `causes` lists every loss of at leas
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 LOSS_THRESHOLD = 0.15
@@ -104,7 +103,7 @@ def _decide(r: dict[str, Any], s: dict[str, float], where: str | None = None
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f} %"
+    return "n/a" if x is None or x != x else f"{100 * x:.1f} %"  # x != x: NaN
 
 
 def evidence(kind: str, r: dict[str, Any], s: dict[str, float],
@@ -170,9 +169,12 @@ def evidence(kind: str, r: dict[str, Any], s: dict[str, float],
                    + (f"{LOSS_NAMES[causes[0]['cause']]} {_pct(causes[0]['share'])}"
                       if causes else f"under {_pct(CAUSE_THRESHOLD)}"))
         q = _main_queue(r)
-        if q is not None and q["mean"] > 100:
+        if q is not None and queue_full(q):
             out.append(f"the launch queue is full ({q['mean']:.0f} outstanding on average, max "
-                       f"{q['max']}): the CPU waits on the GPU")
+                       f"{q['max']} of {QUEUE_DEPTH}): the CPU waits on the GPU")
+        elif q is not None and q["mean"] > 100:
+            out.append(f"the host runs ahead of the device: {q['mean']:.0f} launches outstanding "
+                       f"on average (max {q['max']} of {QUEUE_DEPTH})")
         ks = r.get("kernels_summary") or {}
         if ks:
             out.append(f"tensor-core GEMMs take {_pct(ks.get('tensor_core_gemm_share'))} of "
@@ -183,154 +185,16 @@ def evidence(kind: str, r: dict[str, Any], s: dict[str, float],
     return out
 
 
+QUEUE_DEPTH = 1024  # CUDA's launch queue per stream (HTA's reference for a full queue)
+
+
+def queue_full(q: dict[str, Any]) -> bool:
+    """The host blocks on launches: the queue reaches its depth, or stays half full."""
+    return q["max"] >= 0.95 * QUEUE_DEPTH or q["mean"] >= 0.5 * QUEUE_DEPTH
+
+
 def _main_queue(r: dict[str, Any]) -> dict[str, Any] | None:
     q = (r.get("launch") or {}).get("queue_length") or {}
     if not q:
         return None
     return max(q.values(), key=lambda v: v["launches"])
-
-
-# --- remedies ------------------------------------------------------------------------------
-_REMEDIES: dict[str, list[tuple[str, str, str]]] = {
-    "input": [
-        ("data.num_workers", "4", "load batches in worker processes, in parallel with the step"),
-        ("data.prefetch_factor", "4", "keep more batches ready per worker"),
-        ("data.pin_memory", "true", "page-locked batches copy to the GPU asynchronously "
-                                    "(the trainer then uses non_blocking copies)"),
-        ("", "", "pre-tokenize and pack the corpus (`scaletrain data tokenize`) so a batch is a "
-                 "slice of a memory-mapped array"),
-    ],
-    "cpu/launch": [
-        ("compile.enabled", "true", "torch.compile fuses small kernels: fewer launches per step"),
-        ("compile.mode", "reduce-overhead", "CUDA graphs replay a whole step with one launch"),
-        ("training.micro_batch_size", "x2", "larger micro-batches: same launches, more work each"),
-        ("metrics.log_interval", "50", "fewer host-device synchronisations for logging"),
-    ],
-    "communication": [
-        ("parallel.bucket_cap_mb", "100", "larger gradient buckets: fewer, better-sized "
-                                          "all-reduces that overlap with backward"),
-        ("training.grad_accum_steps", "x2", "communicate once per more micro-batches"),
-        ("parallel.dp_shard", "-1", "ZeRO/FSDP: reduce-scatter + all-gather that overlap with "
-                                    "compute instead of one exposed all-reduce"),
-        ("parallel.tp", "8", "keep tensor parallelism inside a node (NVLink); do not exceed the "
-                             "GPUs per node"),
-    ],
-    "memory": [
-        ("activation_checkpoint.mode", "partial", "recompute activations instead of storing "
-                                                    "them ('full' saves the most)"),
-        ("training.micro_batch_size", "/2", "smaller micro-batches ..."),
-        ("training.grad_accum_steps", "x2", "... with more accumulation keep the global batch"),
-        ("parallel.dp_shard", "-1", "ZeRO-3/FSDP: shard parameters, gradients and optimizer "
-                                    "state across data-parallel ranks"),
-        ("parallel.tp", "2", "tensor parallelism splits each layer's weights and activations"),
-        ("optimizer.offload", "true", "keep optimizer state and master weights in CPU memory"),
-    ],
-    "compute": [
-        ("precision.dtype", "bf16", "bf16 autocast runs GEMMs on tensor cores"),
-        ("compile.enabled", "true", "fused kernels for norms, activations and the loss"),
-        ("training.micro_batch_size", "x2", "larger GEMMs use the device better (keep dims "
-                                            "multiples of 64)"),
-    ],
-}
-_REMEDIES["sync"] = [
-    ("metrics.log_interval", "50", "fewer host-device synchronisations for logging"),
-    ("", "", "avoid .item(), .cpu(), .tolist() and torch.cuda.synchronize() inside the step; "
-             "record events and read them at log steps"),
-]
-_REMEDIES["overhead"] = [
-    ("compile.enabled", "true", "torch.compile removes Python and framework work between "
-                                "operators"),
-    ("training.micro_batch_size", "x2", "larger micro-batches: the same overhead per step, "
-                                        "more work each"),
-]
-_TRANSFER_REMEDIES = [
-    ("data.pin_memory", "true", "pinned host memory makes host-to-device copies asynchronous"),
-    ("", "", "avoid tensor.to()/.cpu()/.item() inside the step; keep tensors on the device"),
-]
-
-
-def remedies(verdict: str, r: dict[str, Any], cfg: Any | None = None) -> list[dict[str, str]]:
-    """Concrete changes for the verdict; `flag` is the command-line override when scaletrain's
-    config has that key, `current` the value in `cfg` when the run's config is known."""
-    kind = verdict.removesuffix("-bound")
-    if kind == "mixed":  # the two best remedies of each cause, largest cause first
-        items, seen = [], set()
-        for c in r.get("causes") or []:
-            for rem in _REMEDIES.get(c["cause"], [])[:2]:
-                if rem[0] not in seen or not rem[0]:
-                    seen.add(rem[0])
-                    items.append(rem)
-        kind = ""
-    else:
-        items = list(_REMEDIES.get(kind, []))
-    m = r.get("memory") or {}
-    if kind == "memory" and (m.get("peak_fraction_of_device") or 0) < MEMORY_CAPACITY_THRESHOLD:
-        items = _TRANSFER_REMEDIES  # copies, not capacity, are the problem
-    if kind == "compute" and r.get("platform") == "cpu":
-        items = [(k, v, "bf16 autocast is faster on CPUs with AVX-512 bf16 (slower without)"
-                  if k == "precision.dtype" else w) for k, v, w in items]
-    out = []
-    for key, value, why in items:
-        rec: dict[str, str] = {"change": why}
-        if key:
-            rec["key"] = key
-            current = _config_value(cfg, key)
-            if current is not _MISSING:
-                rec["current"] = str(current).lower() if isinstance(current, bool) else str(current)
-                value = _resolve(value, current)
-                if _in_effect(key, value, current, r):
-                    continue  # already set: not a change to suggest
-            if value[:1] in "x/":  # relative to a value we do not know
-                rec["value"] = ("double" if value[0] == "x" else "halve") + " it"
-            else:
-                rec["value"] = value
-                if _config_has(key):
-                    rec["flag"] = f"--{key} {value}"
-        out.append(rec)
-    return out
-
-
-_MISSING = object()
-
-
-def _config_has(key: str) -> bool:
-    from scaletrain.config import Config
-
-    obj: Any = Config()
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(obj) or not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return True
-
-
-def _config_value(cfg: Any, key: str) -> Any:
-    if cfg is None:
-        return _MISSING
-    obj = cfg
-    for part in key.split("."):
-        if not hasattr(obj, part):
-            return _MISSING
-        obj = getattr(obj, part)
-    return obj
-
-
-def _in_effect(key: str, value: str, current: Any, r: dict[str, Any]) -> bool:
-    """The suggested value is what the run already uses: equal, `auto` that resolves to it on
-    this device, or a count that is already at least the suggestion."""
-    cur = str(current).lower() if isinstance(current, bool) else str(current)
-    if cur == value:
-        return True
-    if key == "precision.dtype" and cur == "auto" and value == "bf16":
-        return r.get("platform") != "cpu" or bool(r.get("cpu_bf16"))
-    if isinstance(current, int) and not isinstance(current, bool) and value.isdigit():
-        return current >= int(value) and key != "parallel.tp"
-    return False
-
-
-def _resolve(value: str, current: Any) -> str:
-    """'x2' and '/2' relative to the current value."""
-    if isinstance(current, int) and not isinstance(current, bool) and value[:1] in "x/":
-        n = int(value[1:])
-        return str(current * n if value[0] == "x" else max(current // n, 1))
-    return value

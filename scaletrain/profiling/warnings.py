@@ -30,6 +30,12 @@ def of_trace(trace: Trace, r: dict[str, Any]) -> list[str]:
     if trace.is_device_job and len(trace.gpu) and not trace.kernel_timing:
         out.append(f"{len(trace.gpu)} device activities all of zero length: the device timeline "
                    "is empty, so no device figure is reported")
+    what = {"gpu": "device activities (kernels, copies)", "rt": "runtime calls",
+            "cpu": "CPU operators/ranges", "sync": "synchronization events"}
+    for key, n in sorted(trace.untimed.items()):
+        out.append(f"{n} {what.get(key, key)} without a valid start or duration (missing or "
+                   "NaN) were left out, not counted as zero-length; the figures cover the "
+                   "timed ones only")
     if len(trace.syncs):
         out.append(f"{len(trace.syncs)} cuda_sync events (stream/event/device waits): idle time "
                    "they cover with work queued is counted as synchronization")

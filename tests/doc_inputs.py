@@ -53,7 +53,7 @@ class Substitution:
     replace: tuple[str, str] | None = None  # (regex, replacement), applied once
     append: str = ""  # arguments added at the end (after the doc's, so they win)
 
-    def applies(self, command: str, doc: str) -> bool:
+    def applies(self, command: str) -> bool:
         return bool(re.search(self.match, command)) and not (
             self.unless and re.search(self.unless, command))
 

@@ -85,11 +85,11 @@ def strip_comment(command: str) -> str:
     return command
 
 
-def adapt(command: str, doc: str) -> tuple[str, list[str]]:
+def adapt(command: str) -> tuple[str, list[str]]:
     """The command with every matching substitution applied, and the names of those rules."""
     changes: list[str] = []
     for rule in SUBSTITUTIONS:
-        if rule.applies(command, doc):
+        if rule.applies(command):
             command = rule.apply(strip_comment(command))
             changes.append(rule.name)
     return command, changes
@@ -163,7 +163,7 @@ class DocRun:
     def run_one(self, cmd: DocCommand) -> Outcome:
         if cmd.skip_reason:
             return Outcome(cmd, "marked", detail=cmd.skip_reason)
-        text, changes = (cmd.text, []) if cmd.kind == "python" else adapt(cmd.text, cmd.doc)
+        text, changes = (cmd.text, []) if cmd.kind == "python" else adapt(cmd.text)
         text, port_changes = self._rewrite_ports(text)
         changes += port_changes
         if cmd.kind == "shell" and re.search(r"(^|\s)(pip3?|python3? -m pip)\s+install\b", text):

@@ -34,11 +34,13 @@ SMALL_RUN = (f"--training.steps 2 {SMALL_DATA} --training.eval_sequences 2 "
 @dataclass(frozen=True)
 class Env:
     """Where a maker works: the doc's folder, the fixtures' `shared/` (or None), the commands'
-    environment."""
+    environment, and a folder shared by the session where an input made once is kept (a
+    training run or a model folder is made once and copied into each doc that names it)."""
 
     cwd: Path
     shared: Path | None
     env: dict[str, str]
+    store: Path
 
 
 Maker = Callable[[Env], None]
@@ -199,6 +201,10 @@ def _hf_llama(folder: str) -> Maker:
         weights, with a 512-entry byte-level BPE trained on the stdlib's `email` package."""
         from scaletrain.data.tokenizer import EOS_TOKEN, train_bpe
 
+        built = e.store / "hf-llama"
+        if built.is_dir():
+            shutil.copytree(built, e.cwd / folder)
+            return
         texts = [f.read_text(encoding="utf-8") for f in sorted((_stdlib() / "email").glob("*.py"))]
         (e.cwd / folder).mkdir(parents=True)
         tok = train_bpe(texts, vocab_size=512)
@@ -213,14 +219,18 @@ def _hf_llama(folder: str) -> Maker:
         subprocess.run([sys.executable, "-c", script, str(e.cwd / folder),
                         str(tok.token_to_id(EOS_TOKEN))], check=True, capture_output=True,
                        timeout=300, env=e.env)
+        shutil.copytree(e.cwd / folder, built)
     return make
 
 
 def _training_run(folder: str) -> Maker:
     def make(e: Env) -> None:
         """A training run of the `debug` model (2 steps, small data)."""
-        subprocess.run(["scaletrain", "train", "--output", folder, *SMALL_RUN.split()],
-                       cwd=e.cwd, env=e.env, check=True, capture_output=True, timeout=300)
+        built = e.store / "debug-run"
+        if not built.is_dir():
+            subprocess.run(["scaletrain", "train", "--output", str(built), *SMALL_RUN.split()],
+                           cwd=e.cwd, env=e.env, check=True, capture_output=True, timeout=300)
+        shutil.copytree(built, e.cwd / folder)
     return make
 
 

@@ -111,6 +111,7 @@ class DocRun:
     def __init__(self, doc: Doc, tmp: Path, cache: Path, repo: Path = REPO,
                  timeout_s: float = COMMAND_TIMEOUT_S) -> None:
         self.doc = doc
+        self.cache = cache
         self.timeout_s = timeout_s
         self.root = tmp
         self.cwd = tmp / "repo"
@@ -141,7 +142,8 @@ class DocRun:
         self.carried: list[str] = []  # `export` / `cd` / `source` lines, kept for later commands
 
     def run_all(self) -> list[Outcome]:
-        make_inputs(INPUTS.get(self.doc.path, ()), Env(self.cwd, shared_dir(), self.env))
+        make_inputs(INPUTS.get(self.doc.path, ()),
+                    Env(self.cwd, shared_dir(), self.env, self.cache / "inputs"))
         for name, content in self.doc.files.items():
             path = self.cwd / name
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -310,6 +310,20 @@ def _yield_batch_fields(base: Config, argv: list[str]) -> None:
         base.training.global_batch_size = None
 
 
+DEFAULT_PRESET = "debug"
+"""The preset `load_config` starts from when no `--config` is given."""
+
+
+def default_config(model: str | None = None) -> Config:
+    """What `scaletrain train` runs with no flags (`--model.name MODEL` alone, when given): the
+    default preset over the dataclass defaults, unvalidated. `scaletrain plan` takes its
+    defaults (model, sequence length, micro-batch, precision) from here."""
+    cfg = read_toml(DEFAULT_PRESET)
+    if model is not None:
+        cfg.model = dataclasses.replace(cfg.model, name=model)
+    return cfg
+
+
 def load_config(argv: list[str] | None = None, prog: str = "scaletrain train") -> Config:
     """TOML preset (`--config NAME_OR_PATH`, default `debug`) + command-line overrides, validated.
 
@@ -318,7 +332,7 @@ def load_config(argv: list[str] | None = None, prog: str = "scaletrain train") -
     import tyro
 
     argv = list(argv or [])
-    config_path = "debug"
+    config_path = DEFAULT_PRESET
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
             config_path = argv[i + 1]

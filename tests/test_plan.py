@@ -169,7 +169,8 @@ def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], argv: list[str],
 def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> None:
     from scaletrain.plan.finetune_estimate import estimate as ft_estimate
 
-    base = ["plan", "--model", "llama3.2-1b", "--seq-len", "1024", "--mbs", "1", "--json"]
+    base = ["plan", "--model", "llama3.2-1b", "--seq-len", "1024", "--mbs", "1", "--json",
+            "--precision", "bf16"]  # without --gpu, auto is this machine's (fp32 on most CPUs)
 
     def mem(*extra: str) -> dict:
         rc, out, err = _run(capsys, *base, *extra)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.models.source import load_model_args
 from scaletrain.plan.estimate import PlanError
 from scaletrain.plan.hardware import Device, get_device
+
+if TYPE_CHECKING:
+    from scaletrain.config import Config
 
 GIB, GB = 2**30, 1e9
 
@@ -21,8 +24,20 @@ def positive_int(value: str) -> int:
     return n
 
 
+def train_defaults(model: str) -> Config:
+    """What `scaletrain train --model.name MODEL` runs: the trainer's own default config, the one
+    source of plan's defaults (model dimensions, sequence length, micro-batch, precision)."""
+    from scaletrain.config import default_config
+
+    return default_config(model)
+
+
 def parse_model(name: str, sets: list[str]) -> ModelArgs:
-    args = load_model_args(name)
+    """The model `train --model.name NAME` builds (the preset or Hugging Face config, with the
+    vocabulary widened to the default tokenizer's as the trainer does), then `--set`."""
+    from scaletrain.data.sources import resolve_model_args
+
+    args = resolve_model_args(train_defaults(name))
     fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
     changes = {}
     for item in sets:
@@ -48,8 +63,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    "Hugging Face config.json or model folder")
     p.add_argument("--set", action="append", default=[], metavar="model.FIELD=VALUE",
                    help="override a model dimension (repeatable)")
-    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence "
+                   "(default: train's data.seq_len)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="autocast dtype (default auto: what train's precision.dtype picks on "
+                        "--gpu, or on this machine without it)")
     p.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="dtype parameters are stored in (default: 16-bit with fp32 masters "
                         "for 16-bit precision)")
@@ -62,6 +80,22 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                                                "B200, ...)")
     p.add_argument("--gpu-mem", type=float, default=None, help="override device memory (GiB)")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def resolve_precision(choice: str, cfg: Config, device: Device | None) -> str:
+    """`--precision`, with `auto` resolved as the trainer resolves `precision.dtype auto`: bf16
+    on a GPU that has it (a device-table entry with a bf16 rate; a custom --gpu-mem device is
+    taken to be one), else fp32; without --gpu, on this machine's device (CUDA, or a CPU: bf16
+    only with AVX-512 bf16)."""
+    if choice != "auto":
+        return choice
+    if cfg.precision.dtype != "auto":
+        return cfg.precision.dtype
+    if device is not None:
+        return "bf16" if "bf16" in device.peak_tflops or not device.peak_tflops else "fp32"
+    from scaletrain.runtime import resolve_device, resolve_dtype
+
+    return resolve_dtype(cfg.precision, resolve_device(cfg.training.device))
 
 
 def parse_device(name: str | None, mem: float | None) -> Device | None:

@@ -66,11 +66,30 @@ def run(args: argparse.Namespace) -> Path:
     if args.to == "hf":
         eos = list(loaded.stop_ids) if len(loaded.stop_ids) > 1 else loaded.eos_id
         save_hf_checkpoint(loaded.model, dst, args.max_shard_size, eos_token_id=eos,
-                           tokenizer_file=loaded.tokenizer_path)
+                           tokenizer_file=loaded.tokenizer_path,
+                           special_tokens=_special_tokens(loaded.tokenizer_path))
     else:
         save_model_checkpoint(loaded.model, loaded.args, dst,
                               tokenizer_file=loaded.tokenizer_path, step=step)
     return dst
+
+
+def _special_tokens(tokenizer_path: Path | None) -> dict[str, str]:
+    """The end- and begin-of-document tokens of a tokenizer.json, as Hugging Face's
+    `eos_token` / `bos_token` (the tokens the data path and the loader recognise)."""
+    if tokenizer_path is None:
+        return {}
+    from tokenizers import Tokenizer
+
+    from scaletrain.data.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES
+
+    vocab = Tokenizer.from_file(str(tokenizer_path)).get_vocab(with_added_tokens=True)
+    out = {}
+    for key, candidates in (("eos_token", EOS_CANDIDATES), ("bos_token", BOS_CANDIDATES)):
+        found = next((c for c in candidates if c in vocab), None)
+        if found is not None:
+            out[key] = found
+    return out
 
 
 def main(argv: list[str]) -> int:

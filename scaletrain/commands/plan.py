@@ -13,6 +13,8 @@ from scaletrain.commands._plan_args import (
     parse_device,
     parse_model,
     positive_int,
+    resolve_precision,
+    train_defaults,
 )
 from scaletrain.models.args import ModelArgs, count_active_params
 from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate, plan_json
@@ -24,7 +26,8 @@ def _estimate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="scaletrain plan", description="Memory, FLOPs and "
                                 "communication of one model + layout, for the most loaded rank.")
     add_common_args(p)
-    p.add_argument("--mbs", type=positive_int, required=True, help="micro-batch (sequences)")
+    p.add_argument("--mbs", type=positive_int, default=None,
+                   help="micro-batch (sequences; default: train's training.micro_batch_size)")
     p.add_argument("--gbs", type=positive_int, default=None, help="global batch (sequences)")
     for name, what in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline"),
                        ("cp", "context")):
@@ -68,6 +71,11 @@ def _estimate_main(argv: list[str]) -> int:
                     help="classification head with this many labels")
     a = p.parse_args(argv)
     args = parse_model(a.model, a.set)
+    defaults = train_defaults(a.model)
+    device = parse_device(a.gpu, a.gpu_mem)
+    a.seq_len = a.seq_len or defaults.data.seq_len
+    a.mbs = a.mbs or defaults.training.micro_batch_size
+    a.precision = resolve_precision(a.precision, defaults, device)
     world = a.gpus or a.dp * a.tp * a.pp * a.cp
     replicate = a.dp_replicate or (a.dp if a.zero == 0 else 1)
     if a.dp % replicate:
@@ -88,7 +96,6 @@ def _estimate_main(argv: list[str]) -> int:
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
                              freeze_first=a.freeze_first, num_labels=a.num_labels,
                              lora_dropout=a.lora_dropout)
-    device = parse_device(a.gpu, a.gpu_mem)
     if a.json:
         print(json.dumps(plan_json(plan, device), indent=2))
     else:

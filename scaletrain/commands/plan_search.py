@@ -12,6 +12,8 @@ from scaletrain.commands._plan_args import (
     parse_device,
     parse_model,
     positive_int,
+    resolve_precision,
+    train_defaults,
 )
 from scaletrain.plan.estimate import Layout, PlanError
 from scaletrain.plan.search import Cluster, alternatives, search, why_lost
@@ -41,12 +43,15 @@ def main(argv: list[str]) -> int:
                    help="override the inter-node bandwidth (GB/s per GPU and direction)")
     p.add_argument("--top", type=positive_int, default=5)
     a = p.parse_args(argv)
-    if a.gbs is not None:
-        a.gbs_tokens = a.gbs * a.seq_len
     if a.gpu is None:
         raise PlanError("--gpu is required for a search (e.g. --gpu H100)")
     device = parse_device(a.gpu, a.gpu_mem)
     assert device is not None
+    defaults = train_defaults(a.model)
+    a.seq_len = a.seq_len or defaults.data.seq_len
+    a.precision = resolve_precision(a.precision, defaults, device)
+    if a.gbs is not None:
+        a.gbs_tokens = a.gbs * a.seq_len
     for flag, value in (("--peak-tflops", a.peak_tflops), ("--intra-node-gbs", a.intra_node_gbs),
                         ("--inter-node-gbs", a.inter_node_gbs)):
         if value is not None and value <= 0:

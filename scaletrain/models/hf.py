@@ -429,11 +429,16 @@ def save_hf_checkpoint(
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
     tokenizer_file: str | os.PathLike | None = None,
+    special_tokens: dict[str, str] | None = None,
 ) -> Path:
     """Write `config.json` and safetensors weights (sharded with an index when over
     `max_shard_bytes`) that `transformers` loads with `from_pretrained`. `tokenizer_file` is
     copied as `tokenizer.json`, with the `TOKENIZER_COMPANIONS` found next to it (the chat
-    template lives in `tokenizer_config.json` or `chat_template.jinja`).
+    template lives in `tokenizer_config.json` or `chat_template.jinja`). Where it has no
+    `tokenizer_config.json` (a tokenizer scaletrain trained), one is written, with
+    `special_tokens_map.json`: a fast tokenizer with `special_tokens` (`eos_token`,
+    `bos_token`: their strings) and the model's context as `model_max_length`, so
+    `AutoTokenizer.from_pretrained` and lm-evaluation-harness load the folder.
 
     Written to a temporary directory next to `directory`, then renamed into place, so a crash
     never leaves a complete-looking checkpoint. `directory` must not exist yet.
@@ -474,6 +479,8 @@ def save_hf_checkpoint(
                 companion = Path(tokenizer_file).parent / name
                 if companion.is_file():
                     shutil.copyfile(companion, tmp / name)
+            if not (tmp / "tokenizer_config.json").is_file():
+                _write_tokenizer_config(tmp, special_tokens or {}, args.max_seq_len)
         honour_umask(tmp)  # safetensors writes 0600 files
         os.replace(tmp, directory)
     except BaseException:
@@ -481,6 +488,16 @@ def save_hf_checkpoint(
         raise
     logger.info("saved %s checkpoint to %s (%d file(s))", args.family, directory, len(shards))
     return directory
+
+
+def _write_tokenizer_config(folder: Path, special_tokens: dict[str, str], max_len: int) -> None:
+    """`tokenizer_config.json` + `special_tokens_map.json` for a bare `tokenizer.json`."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False, **special_tokens}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if not (folder / "special_tokens_map.json").is_file():
+        (folder / "special_tokens_map.json").write_text(
+            json.dumps(special_tokens, indent=2) + "\n")
 
 
 __all__ = [

@@ -181,7 +181,7 @@ def test_files_a_folder_holds_but_tokenize_cannot_read_are_named(tmp_path: Path,
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "x"}])
     write_jsonl(tmp_path / "d" / "b.json", [{"text": "y"}])
     with caplog.at_level("WARNING", logger="scaletrain.data"):
-        assert input_shards(tmp_path / "d") == [tmp_path / "d" / "a.jsonl"]
+        assert input_shards(tmp_path / "d") == [str(tmp_path / "d" / "a.jsonl")]
     assert "1 file(s)" in caplog.text and "b.json" in caplog.text
 
 

@@ -32,7 +32,13 @@ import numpy as np
 from scaletrain.curate.io.paths import InputError, expand_inputs
 from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, json_records
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
-from scaletrain.data.tokenize_parts import PartsDir, group_files, mark_finished, plan_fingerprint
+from scaletrain.data.tokenize_parts import (
+    PartsDir,
+    file_stats,
+    group_files,
+    mark_finished,
+    plan_fingerprint,
+)
 from scaletrain.data.tokenizer import TextTokenizer
 
 log = logging.getLogger("scaletrain.data")
@@ -87,38 +93,38 @@ class TokenizeStats:
 
 
 # --- reading ----------------------------------------------------------------------------------
-def input_shards(path: str | Path) -> list[Path]:
+def input_shards(path: str | Path) -> list[str]:
     """The document files of `path`: a file, a glob, a curated folder (the kept shards its
     manifest lists) or any other directory (searched recursively, `_work/` and `_dropped/`
-    of a curation run skipped)."""
+    of a curation run skipped). Paths as strings: 100,000 `Path` objects cost seconds."""
     p = Path(path).expanduser()
     if not p.exists() and not any(c in str(path) for c in "*?["):
         raise TokenizeError(f"--input: '{p}' does not exist")
     try:
-        files = [Path(f) for f in expand_inputs(str(p))]
+        files = expand_inputs(str(p))
     except InputError as e:
         if not (p.is_dir() and "matches no file" in str(e)):
             raise TokenizeError(f"--input: {e}") from None
         files = []
     if p.is_file():
         return files
-    skipped = [f for f in files if not f.name.endswith(SUFFIXES)]
+    skipped = [f for f in files if not f.endswith(SUFFIXES)]
     if skipped:  # said, not silent: a 'docs.json' of JSON lines would otherwise just vanish
         log.warning("--input: %d file(s) under '%s' are not %s and are not read (e.g. %s)",
                     len(skipped), p, "/".join(SUFFIXES), skipped[0])
-    files = [f for f in files if f.name.endswith(SUFFIXES)]
+    files = [f for f in files if f.endswith(SUFFIXES)]
     if not files:
         raise TokenizeError(f"--input: no {', '.join(SUFFIXES)} files under '{p}'")
     return files
 
 
-def read_documents(path: Path, text_key: str = "text", report: ReadReport | None = None
+def read_documents(path: str | Path, text_key: str = "text", report: ReadReport | None = None
                    ) -> Iterator[str]:
     """The `text_key` field of each record of a JSONL(.gz/.zst) or Parquet file; malformed
     records go to `report` (skipped, or raised by a strict report). A file that cannot be
     read as its format, or a Parquet file without the column, is malformed as a whole."""
     report = report if report is not None else ReadReport()
-    name = path.name
+    name = os.fspath(path)
     if name.endswith(".parquet"):
         yield from _parquet_texts(path, text_key, report)
         return
@@ -138,7 +144,7 @@ def read_documents(path: Path, text_key: str = "text", report: ReadReport | None
                               "it is complete and its suffix matches its compression")
 
 
-def _parquet_texts(path: Path, text_key: str, report: ReadReport) -> Iterator[str]:
+def _parquet_texts(path: str | Path, text_key: str, report: ReadReport) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -234,12 +240,15 @@ def write_texts(tok: TextTokenizer, texts: Iterable[str], writer: IndexedDataset
 _TOKENIZERS: dict[tuple[str, bool, str], TextTokenizer] = {}  # per worker: loaded once
 
 
-def _worker_tokenizer(path: str, add_bos: bool) -> TextTokenizer:
-    """The tokenizer at `path`, loaded once per process (by content: a file rewritten at the
-    same path, as a retrained tokenizer is, is loaded again)."""
+def _tokenizer_key(path: str, add_bos: bool) -> tuple[str, bool, str]:
+    """By content: a file rewritten at the same path (a retrained tokenizer) is another."""
     p = Path(path)
-    digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
-    key = (path, add_bos, digest)
+    return path, add_bos, hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+
+
+def _worker_tokenizer(path: str, add_bos: bool) -> TextTokenizer:
+    """The tokenizer at `path`, loaded once per process."""
+    key = _tokenizer_key(path, add_bos)
     if key not in _TOKENIZERS:
         _TOKENIZERS.clear()  # one run's tokenizer at a time
         _TOKENIZERS[key] = TextTokenizer.load(path, add_bos=add_bos)
@@ -252,7 +261,7 @@ def _tokenize_group(job: tuple[list[str], str, bool, str, str, bool]) -> dict[st
     files, tok_path, add_bos, out_prefix, text_key, strict = job
     tok = _worker_tokenizer(tok_path, add_bos)
     report = ReadReport(strict=strict)
-    texts = (t for f in files for t in read_documents(Path(f), text_key, report))
+    texts = (t for f in files for t in read_documents(f, text_key, report))
     with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
         stats = write_texts(tok, texts, w)
     stats.malformed, stats.malformed_examples = report.malformed, report.examples
@@ -320,7 +329,7 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
 
 
 def tokenize_to_indexed(
-    inputs: list[Path],
+    inputs: list[str] | list[Path],
     output: str | Path,
     tokenizer: str | Path,
     workers: int = 1,
@@ -346,17 +355,21 @@ def tokenize_to_indexed(
     # one). The sidecar is replaced before the index, which is renamed last.
     for old in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
         old.unlink(missing_ok=True)
-    groups = group_files(list(inputs), workers)
+    files = file_stats([os.fspath(f) for f in inputs])
+    groups = group_files(files, workers)
     parts = PartsDir(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     fingerprint = plan_fingerprint(groups, tok.path, {"add_bos": add_bos, "text_key": text_key,
                                                       "dtype": str(tok.dtype)})
+    if tok.path is not None:  # this process's worker (workers=1) needs no second load
+        _TOKENIZERS.clear()
+        _TOKENIZERS[_tokenizer_key(str(tok.path), add_bos)] = tok
     found = parts.open(fingerprint)
     done = {i: r for i in range(len(groups)) if (r := parts.finished(i)) is not None}
     if found:
         log.info("resuming: %d of %d parts were finished by an earlier run", len(done),
                  len(groups))
-    jobs = [([str(f) for f in g], str(tok.path), add_bos, parts.part(i), text_key, strict)
+    jobs = [([f.path for f in g], str(tok.path), add_bos, parts.part(i), text_key, strict)
             for i, g in enumerate(groups) if i not in done]
     stats = TokenizeStats()
     for r in done.values():

@@ -17,23 +17,46 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 GROUP_MIN_BYTES = 8 << 20  # a group below this is not worth a job of its own
 GROUP_MAX_BYTES = 256 << 20
 JOBS_PER_WORKER = 4  # enough jobs to balance workers when files differ in size
+GROUP_MIN_FILES = 2000  # nor is a group of fewer (small) files
 
 
-def group_files(files: list[Path], workers: int) -> list[list[Path]]:
+class FileStat(NamedTuple):
+    path: str
+    size: int
+    mtime_ns: int
+
+
+def file_stats(paths: list[str]) -> list[FileStat]:
+    """Each file's size and modification time (one `stat` per file; -1 for one that is gone:
+    its reader names it)."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append(FileStat(p, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(FileStat(p, -1, -1))
+    return out
+
+
+def group_files(files: list[FileStat], workers: int) -> list[list[FileStat]]:
     """Consecutive files in groups of about `total / (workers * JOBS_PER_WORKER)` bytes
-    (between GROUP_MIN_BYTES and GROUP_MAX_BYTES); a larger file is a group of its own."""
-    sizes = [_size(f) for f in files]
-    total = sum(sizes)
-    target = min(GROUP_MAX_BYTES, max(GROUP_MIN_BYTES, total // max(1, workers * JOBS_PER_WORKER)))
-    groups: list[list[Path]] = []
+    (between GROUP_MIN_BYTES and GROUP_MAX_BYTES; a larger file is a group of its own) and
+    at most that share of the files (100,000 tiny files are read by every worker too)."""
+    total = sum(max(f.size, 0) for f in files)
+    jobs = max(1, workers * JOBS_PER_WORKER)
+    target = min(GROUP_MAX_BYTES, max(GROUP_MIN_BYTES, total // jobs))
+    max_files = max(GROUP_MIN_FILES, -(-len(files) // jobs))
+    groups: list[list[FileStat]] = []
     acc = target
-    for f, n in zip(files, sizes):
-        if acc + n > target and acc > 0:
+    for f in files:
+        n = max(f.size, 0)
+        if acc > 0 and (acc + n > target or len(groups[-1]) >= max_files):
             groups.append([])
             acc = 0
         groups[-1].append(f)
@@ -41,15 +64,8 @@ def group_files(files: list[Path], workers: int) -> list[list[Path]]:
     return groups
 
 
-def _size(f: Path) -> int:
-    try:
-        return f.stat().st_size
-    except OSError:
-        return 0
-
-
-def plan_fingerprint(groups: list[list[Path]], tokenizer: Path | None, options: dict[str, Any]
-                     ) -> str:
+def plan_fingerprint(groups: list[list[FileStat]], tokenizer: Path | None,
+                     options: dict[str, Any]) -> str:
     """What the parts are a function of: files (path, size, mtime), tokenizer, options."""
     h = hashlib.sha256()
     h.update(json.dumps(options, sort_keys=True).encode())
@@ -57,11 +73,7 @@ def plan_fingerprint(groups: list[list[Path]], tokenizer: Path | None, options: 
         h.update(hashlib.sha256(Path(tokenizer).read_bytes()).digest())
     for k, group in enumerate(groups):
         for f in group:
-            try:
-                st = f.stat()
-                h.update(f"{k}\0{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-            except OSError:
-                h.update(f"{k}\0{f}\0missing\n".encode())
+            h.update(f"{k}\0{f.path}\0{f.size}\0{f.mtime_ns}\n".encode())
     return h.hexdigest()[:20]
 
 

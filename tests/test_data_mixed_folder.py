@@ -106,3 +106,23 @@ def test_binaries_are_skipped_and_every_file_is_accounted_for(runs: dict) -> Non
     assert s["input_records"] == len(runs["files"]) + 4  # + package.json, html, png, .a
     assert s["kept"] + s["dropped"] + s["malformed"] + s["skipped"] == s["input_records"]
     assert not {"docs/logo.png", "libfast.a"} & runs["mixed"]["kept"]
+
+
+def test_only_limits_a_step_to_one_kind_and_is_checked(tmp_path: Path) -> None:
+    from scaletrain.curate.registry import build_step
+    from scaletrain.curate.runner import run_pipeline
+
+    src = tmp_path / "src"
+    (src / "docs").mkdir(parents=True)
+    (src / "a.py").write_text("x = 1\n")  # 6 characters
+    write_jsonl(src / "docs" / "d.jsonl", [{"text": "short"}, {"text": "y" * 50}])
+    steps = [build_step({"type": "counts", "min_chars": 10, "only": "web"})]
+    s = run_pipeline(steps, str(src), str(tmp_path / "o"))
+    assert s["steps"][0]["seen"] == 2 and s["kept"] == 2  # a.py passes by, unjudged
+    assert {d["text"] for d in read_output(tmp_path / "o")} == {"x = 1\n", "y" * 50}
+    with pytest.raises(ValueError, match="only ="):
+        build_step({"type": "counts", "only": "prose"})
+    late = [build_step({"type": "exact_dedup"}), build_step({"type": "exact_dedup"}),
+            build_step({"type": "counts", "only": "code"})]
+    with pytest.raises(ValueError, match="before the first deduplication step"):
+        run_pipeline(late, str(src), str(tmp_path / "o2"))

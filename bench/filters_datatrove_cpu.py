@@ -10,7 +10,8 @@ Rust documentation installed with rustup (the Book, the Reference, the Nomicon, 
 guide, Cargo, rustc, embedded, Rust by Example, the error index; `--docs-root`), extracted the
 same way; pages under 50 characters of main text are left out. The extracted pages are cached
 in `--cache`. Both sides see the same text, one call per page, for gopher_quality,
-gopher_repetition, c4 and fineweb_quality with their default (published) thresholds.
+gopher_repetition, c4 and fineweb_quality with their default thresholds (and once more
+fineweb_quality with datatrove at the paper's 0.1 for characters in duplicated lines).
 datatrove is not a dependency: install it (with spaCy) into a folder of its own and give it
 with `--datatrove-path` (it is appended to sys.path, so this environment's packages win).
 Writes JSON (default bench/results/filters_datatrove_cpu.json) and prints a table.
@@ -85,6 +86,9 @@ def verdicts(pages: list[dict[str, str]]) -> dict[str, list[tuple[str, str]]]:
         "gopher_repetition": (GopherRepetitionFilter(), dtf.GopherRepetitionFilter()),
         "c4": (C4Filter(), dtf.C4QualityFilter()),
         "fineweb_quality": (FineWebQualityFilter(), dtf.FineWebQualityFilter()),
+        # datatrove's default for characters in duplicated lines is 0.01; the paper's is 0.1
+        "fineweb_quality@0.1": (FineWebQualityFilter(),
+                                dtf.FineWebQualityFilter(char_duplicates_ratio=0.1)),
     }
     out: dict[str, list[tuple[str, str]]] = {}
     for rule, (ours, theirs) in pairs.items():
@@ -157,11 +161,11 @@ def main() -> None:
         "rules": table}
     print(f"{len(pages)} pages {body['sources']}; datatrove word tokenizer "
           f"{body['word_tokenizer']}")
-    print(f"{'rule':<18} {'agree':>12} {'ours kept':>10} {'dt kept':>8}  disagreements")
+    print(f"{'rule':<20} {'agree':>12} {'ours kept':>10} {'dt kept':>8}  disagreements")
     for rule, r in table.items():
         dis = "; ".join(f"{k} {v}" for k, v in {**r["only_we_drop"],
                                                    **r["only_datatrove_drops"]}.items())
-        print(f"{rule:<18} {r['agree']:>5} ({r['agree_pct']:>4}%) {r['ours_kept']:>10} "
+        print(f"{rule:<20} {r['agree']:>5} ({r['agree_pct']:>4}%) {r['ours_kept']:>10} "
               f"{r['datatrove_kept']:>8}  {dis}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(body, indent=1))

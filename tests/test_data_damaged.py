@@ -155,10 +155,10 @@ def test_curate_counts_add_up_on_a_cut_warc_and_strict_stops(tmp_path: Path, cap
     started = sum(1 for st, _ in _record_spans(src / "cut.warc.gz") if st < len(blob) // 3)
     assert s["input_records"] == started
     assert "WARC records that are not HTML responses" in s["skipped_reasons"]
-    assert data_cmd.main(["curate", "--input", str(src), "--output", str(tmp_path / "o2"),
+    assert data_cmd.main(["extract", "--input", str(src), "--output", str(tmp_path / "o2"),
                           "--workers", "1", "--strict"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"scaletrain data curate: {src / 'cut.warc.gz'}@")
+    assert err[-1].startswith(f"scaletrain data extract: {src / 'cut.warc.gz'}@")
     assert "Traceback" not in "".join(err)
 
 

@@ -62,13 +62,16 @@ def test_malformed_records_counted_with_file_and_line(tmp_path: Path) -> None:
     assert any(":3:" in e and "text" in e for e in report.examples)
 
 
-def test_unreadable_input_is_a_clear_error(tmp_path: Path) -> None:
+def test_unreadable_input_is_a_named_malformed_record(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="matches no file"):
         list(read_documents(str(tmp_path / "nope" / "*.jsonl")))
     bad = tmp_path / "x.jsonl.gz"
     bad.write_bytes(b"not gzip at all")
-    with pytest.raises(InputError, match=r"cannot read '.*x\.jsonl\.gz'"):
-        list(read_documents(str(bad)))
+    report = ReadReport()
+    assert list(read_documents(str(bad), report)) == []  # counted and named, the run goes on
+    assert report.malformed == 1 and report.examples[0].startswith(f"{bad}: cannot read")
+    with pytest.raises(InputError, match=r"x\.jsonl\.gz: cannot read the file"):
+        list(read_documents(str(bad), ReadReport(strict=True)))
 
 
 def test_large_jsonl_split_into_byte_ranges_reads_every_record_once(tmp_path: Path) -> None:

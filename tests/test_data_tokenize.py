@@ -89,9 +89,10 @@ def test_bad_inputs_are_named(tmp_path: Path) -> None:
     (tmp_path / "x.jsonl").write_text('{"content": "no text field"}\n')
     with pytest.raises(MalformedRecord, match=r"x.jsonl:1: no string field 'text'"):
         tokenize_to_indexed([tmp_path / "x.jsonl"], tmp_path / "o", NEOX, strict=True)
-    stats = tokenize_to_indexed([tmp_path / "x.jsonl"], tmp_path / "o", NEOX)
-    assert stats.documents == 0 and stats.malformed == 1
-    assert "x.jsonl:1: no string field 'text'" in stats.malformed_examples[0]
+    with pytest.raises(TokenizeError, match=r"no document to tokenize in 1 file\(s\): 1 "
+                       r"malformed .*x.jsonl:1: no string field 'text'"):
+        tokenize_to_indexed([tmp_path / "x.jsonl"], tmp_path / "o", NEOX)
+    assert not list(tmp_path.glob("o.*"))  # nothing written, no parts left
     (tmp_path / "empty").mkdir()
     with pytest.raises(TokenizeError, match="no .jsonl"):
         input_shards(tmp_path / "empty")

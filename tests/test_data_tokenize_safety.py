@@ -93,7 +93,8 @@ def test_blending_datasets_of_different_tokenizers_is_refused(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("table", ["garbage", "int_text"])
-def test_unreadable_parquet_is_a_clear_error_or_counted(tmp_path: Path, capsys, table) -> None:
+def test_unreadable_parquet_is_counted_and_all_malformed_is_exit_2(
+        tmp_path: Path, capsys, table) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -106,18 +107,27 @@ def test_unreadable_parquet_is_a_clear_error_or_counted(tmp_path: Path, capsys, 
     code = _tokenize(tmp_path, tmp_path / "out" / "x", "--json", "--tokenizer",
                      str(fixture_dir() / "gpt-neox-tokenizer.json"))
     out, err = capsys.readouterr()
+    # a file that is not Parquet is one malformed record, a non-string text one per row, as
+    # in JSON lines; the readable documents are tokenized
+    assert code == 0 and json.loads(out)["malformed"] == (1 if table == "garbage" else 2)
+    assert "in.parquet" in json.loads(out)["malformed_examples"][0]
     if table == "garbage":
-        assert code == 2 and "cannot read Parquet file" in err and "in.parquet" in err
-    else:  # a non-string text is a malformed record, as in JSON lines
-        assert code == 0 and json.loads(out)["malformed"] == 2
-        assert "in.parquet" in json.loads(out)["malformed_examples"][0]
-        assert IndexedDataset(tmp_path / "out" / "x").num_documents == 1
+        assert "cannot read Parquet file" in json.loads(out)["malformed_examples"][0]
+    assert IndexedDataset(tmp_path / "out" / "x").num_documents == 1
+    path.unlink()  # alone, it is a run that read no document: exit 2, one line
+    (tmp_path / "ok.jsonl").unlink()
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "only.parquet")
+    assert _tokenize(tmp_path, tmp_path / "out" / "y", "--tokenizer",
+                     str(fixture_dir() / "gpt-neox-tokenizer.json")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("scaletrain data tokenize: no document to tokenize in 1 file")
+    assert "only.parquet:row0" in err[-1] and not list((tmp_path / "out").glob("y*"))
 
 
 def test_a_file_of_malformed_lines_logs_a_few_and_counts_all(tmp_path: Path, caplog) -> None:
     from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, read_documents
 
-    bad = tmp_path / "config.json"  # a pretty-printed JSON file in an input folder
+    bad = tmp_path / "config.jsonl"  # a pretty-printed JSON file named as JSON lines
     bad.write_text(json.dumps({f"k{i}": i for i in range(500)}, indent=1))
     report = ReadReport()
     with caplog.at_level("WARNING", logger="scaletrain.curate.io"):
@@ -171,7 +181,7 @@ def test_files_a_folder_holds_but_tokenize_cannot_read_are_named(tmp_path: Path,
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "x"}])
     write_jsonl(tmp_path / "d" / "b.json", [{"text": "y"}])
     with caplog.at_level("WARNING", logger="scaletrain.data"):
-        assert input_shards(tmp_path / "d") == [tmp_path / "d" / "a.jsonl"]
+        assert input_shards(tmp_path / "d") == [str(tmp_path / "d" / "a.jsonl")]
     assert "1 file(s)" in caplog.text and "b.json" in caplog.text
 
 
@@ -211,20 +221,20 @@ def test_empty_texts_are_counted_not_lost_silently(tmp_path: Path, capsys) -> No
 
 
 def _die_on_second(job: tuple) -> dict:
-    """A tokenize job that kills its own worker (as the OOM killer would) for shard 1."""
+    """A tokenize job that kills its own worker (as the OOM killer would) for file s1."""
     import os
     import signal
 
-    if job[0].endswith("s1.jsonl"):
+    if any(f.endswith("s1.jsonl") for f in job[0]):
         os.kill(os.getpid(), signal.SIGKILL)
-    return tokenize_mod._tokenize_shard(job)
+    return tokenize_mod._tokenize_group(job)
 
 
 def test_a_killed_worker_is_an_error_not_a_hang(tmp_path: Path) -> None:
     shards = [write_jsonl(tmp_path / f"s{k}.jsonl", [{"text": t} for t in TEXTS])
               for k in range(3)]
     tok = fixture_dir() / "gpt-neox-tokenizer.json"
-    jobs = [(str(s), str(tok), False, str(tmp_path / f"part-{k}"), "text", False)
+    jobs = [([str(s)], str(tok), False, str(tmp_path / f"part-{k}"), "text", False)
             for k, s in enumerate(shards)]
     import threading
 
@@ -252,11 +262,11 @@ def test_curate_without_config_picks_the_pipeline_for_its_inputs(tmp_path: Path,
     steps = [s["name"] for s in json.loads((tmp_path / "web" / "stats.json").read_text())["steps"]]
     assert steps == ["language", "gopher_repetition", "gopher_quality", "c4", "fineweb_quality",
                      "exact_dedup", "minhash_dedup", "pii"]
-    assert "default pipeline: web (inputs: jsonl" in capsys.readouterr().err
+    assert "default pipeline: web rules for 1 jsonl files" in capsys.readouterr().err
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.py").write_text("def f(x):\n    return x + 1\n" * 10)
     assert data_cmd.main(["curate", "--input", str(tmp_path / "src"), "--output",
                           str(tmp_path / "code"), "--workers", "1"]) == 0
     steps = [s["name"] for s in json.loads((tmp_path / "code" / "stats.json").read_text())["steps"]]
     assert steps == ["counts", "code", "exact_dedup", "minhash_dedup", "pii"]
-    assert "default pipeline: code (inputs: text" in capsys.readouterr().err
+    assert "default pipeline: code rules for 1 source/text files" in capsys.readouterr().err

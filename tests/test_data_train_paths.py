@@ -65,7 +65,17 @@ def test_missing_and_empty_datasets_are_named(tmp_path: Path, capsys) -> None:
     (tmp_path / "empty" / "e.jsonl").write_text('{"text": ""}\n')
     assert data_cmd.main(["tokenize", "--input", str(tmp_path / "empty"), "--output",
                           str(tmp_path / "tok"), "--tokenizer",
-                          str(FIXTURES / "gpt-neox-tokenizer.json")]) == 0
+                          str(FIXTURES / "gpt-neox-tokenizer.json")]) == 2  # no document
+    assert "no document to tokenize" in capsys.readouterr().err
+    import shutil
+
+    import numpy as np
+
+    from scaletrain.data.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "tok", np.uint16):  # an empty dataset all the same
+        pass
+    shutil.copyfile(FIXTURES / "gpt-neox-tokenizer.json", tmp_path / "tok.tokenizer.json")
     argv = tiny_argv(tmp_path / "run", tmp_path / "cache", "--data.paths", str(tmp_path / "tok"))
     assert train_cmd.main(argv) == 2
     err = capsys.readouterr().err

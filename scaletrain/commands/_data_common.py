@@ -65,6 +65,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="also write dropped documents with their reason to DIR/_dropped/",
     )
     g.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop (exit 2) at the first malformed record instead of counting and skipping it",
+    )
+    g.add_argument("--json", action="store_true",
+                   help="print the run's statistics (stats.json) as JSON instead of the table")
+    g.add_argument(
         "--overwrite",
         action="store_true",
         help="delete DIR first (otherwise a re-run resumes the run in DIR)",
@@ -93,18 +100,33 @@ def run_and_report(
         tasks=args.tasks or ex_cfg.get("tasks"),
         output_format=args.output_format or cfg.get("output_format", "jsonl"),
         write_dropped=bool(args.write_dropped or cfg.get("write_dropped", False)),
+        strict=bool(args.strict),
     )
     summary = run_pipeline(
         steps, inputs, output, executor, opts, overwrite=args.overwrite, root=root
     )
     with open(os.path.join(output, "report.html"), "w", encoding="utf-8") as f:
         f.write(html_report(summary))
-    print(terminal_table(summary))
-    print(
-        f"\nkept documents: {output}/part-*.{opts.output_format}; statistics: "
-        f"{output}/stats.json; report: {output}/report.html"
-    )
+    if args.json:
+        print(json.dumps(summary, indent=1, ensure_ascii=False))
+    else:
+        print(terminal_table(summary))
+        print(
+            f"\nkept documents: {output}/part-*.{opts.output_format}; statistics: "
+            f"{output}/stats.json; report: {output}/report.html"
+        )
+    if summary["docs_in"] == 0:  # nothing usable was read: not a successful run
+        raise InputError(nothing_read(summary))
     return 0
+
+
+def nothing_read(summary: dict[str, Any]) -> str:
+    """One line for a run that read no document: what it met instead."""
+    from scaletrain.curate.report import accounting
+
+    first = summary.get("malformed_examples") or []
+    return ("no document could be read from the input (" + accounting(summary) + ")" +
+            (f"; first malformed: {first[0]}" if first else ""))
 
 
 def guarded(fn: Any, argv: list[str]) -> int:

@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
     try:
         return int(module.main(rest))
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; 130 as shells report it
-        again = {"curate": "its finished tasks are kept", "synth": "it resumes"}.get(
+        again = {"curate": "its finished tasks are kept", "synth": "it resumes",
+                 "tokenize": "its finished parts are reused"}.get(
             sub, "it starts over; nothing half-written is left as output")
         print(f"\nscaletrain data {sub}: interrupted; run the same command again ({again})",
               file=sys.stderr)

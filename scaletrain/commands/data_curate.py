@@ -2,9 +2,10 @@
 
 With no arguments: the default code pipeline (size limits, source-file rules, exact and
 MinHash dedup, PII) on the default corpus, the Python standard library's source files.
-With --input and no --config: that code pipeline for source/text files, the web pipeline
-(language, Gopher, C4, FineWeb rules, exact and MinHash dedup, PII) for WARC, HTML, JSONL or
-Parquet documents.
+With --input and no --config: the pipeline is chosen per file -- the code rules for
+source/text files, the web rules (language, Gopher, C4, FineWeb) for WARC, HTML, JSON-lines
+or Parquet documents -- then exact and MinHash dedup and PII over all of them. A step of a
+TOML pipeline can be limited to one kind with `only = "code"` or `only = "web"`.
 """
 
 from __future__ import annotations
@@ -57,19 +58,21 @@ def _load_toml(path: str) -> dict[str, Any]:
 
 
 def _default_pipeline(inputs: list[str] | None) -> list[dict[str, Any]]:
-    """Without --config: the code pipeline for source/text files (and the default corpus),
-    the web pipeline when any input is a document format (WARC, HTML, JSONL, Parquet) -- the
-    code rules (mean line <= 100 characters, ...) would drop most prose."""
-    from scaletrain.curate.io.paths import expand_inputs, format_of
-    from scaletrain.curate.registry import DEFAULT_CODE_PIPELINE, DEFAULT_WEB_PIPELINE
+    """Without --config: the rules for each input file's kind -- the code pipeline for
+    source/text files (and the default corpus), the web pipeline for WARC, HTML, JSON-lines
+    and Parquet documents, each on its own files when the input holds both (a repository with
+    a package.json and some HTML). A .json file holding one JSON document is a source file."""
+    from collections import Counter
+
+    from scaletrain.curate.io.readers import plan_shards
+    from scaletrain.curate.registry import DEFAULT_CODE_PIPELINE, default_pipeline_for
 
     if inputs is None:
         return DEFAULT_CODE_PIPELINE
-    formats = {format_of(f) for f in expand_inputs(inputs)}
-    web = formats != {"text"}
-    print(f"default pipeline: {'web' if web else 'code'} (inputs: {', '.join(sorted(formats))};"
-          " --config PIPELINE.toml for another)", file=sys.stderr)
-    return DEFAULT_WEB_PIPELINE if web else DEFAULT_CODE_PIPELINE
+    formats = Counter(s.format for s in plan_shards(inputs, target_bytes=1 << 62))
+    specs, said = default_pipeline_for(formats)
+    print(f"default pipeline: {said} (--config PIPELINE.toml for another)", file=sys.stderr)
+    return specs
 
 
 def _main(argv: list[str]) -> int:
@@ -123,7 +126,7 @@ def _main(argv: list[str]) -> int:
         )
     output = output or "runs/data-curate"
     steps = [build_step(s) for s in specs]
-    print("pipeline: " + " -> ".join(s.describe() for s in steps), file=sys.stderr)
+    print("pipeline: " + " -> ".join(s.described() for s in steps), file=sys.stderr)
     return run_and_report(steps, inputs, output, args, root=root, config=cfg)
 
 

@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
         if os.path.exists(trained):
             os.remove(trained)
     out = {"output": str(prefix), "shards": len(shards), **stats.to_dict()}
+    # every record once: documents + empty + malformed = records
     if stats.empty:
         log.warning("skipped %d record(s) with an empty text (not documents)", stats.empty)
     if stats.malformed:
@@ -84,10 +85,12 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        log.info("wrote %s.bin/.idx: %d documents, %d tokens from %d shards in %.1fs "
-                 "(%.0f tokens/s, %.1f tokens per document)", prefix, stats.documents,
-                 stats.tokens, len(shards), stats.seconds, stats.tokens_per_s,
-                 stats.tokens_per_document)
+        log.info("wrote %s.bin/.idx: %d documents, %d tokens from %d files (%d parts) in "
+                 "%.1fs (%.0f tokens/s, %.1f tokens per document); records: %d = %d documents "
+                 "+ %d empty + %d malformed", prefix, stats.documents, stats.tokens,
+                 len(shards), stats.parts, stats.seconds, stats.tokens_per_s,
+                 stats.tokens_per_document, stats.records, stats.documents, stats.empty,
+                 stats.malformed)
     return 0
 
 

@@ -75,6 +75,9 @@ class Step:
 
     name: str = "step"
     batch_size: int = 1  # > 1: documents are handed to process_batch in lists of this size
+    # None: every document; "code" or "web": only documents of that kind (`Document.kind`),
+    # the others pass by untouched and uncounted (set with `only = "code"` in a TOML step)
+    only: str | None = None
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
@@ -113,6 +116,12 @@ class Step:
     ) -> Iterator[Document]:
         batch: list[Document] = []
         for doc in docs:
+            if self.only is not None and doc.kind != self.only:  # not this step's kind
+                if batch:  # documents keep their order
+                    yield from self._emit(batch, stats, on_drop)
+                    batch = []
+                yield doc
+                continue
             batch.append(doc)
             if len(batch) >= self.batch_size:
                 yield from self._emit(batch, stats, on_drop)
@@ -132,6 +141,10 @@ class Step:
     def describe(self) -> str:
         """One line for reports: the step and its settings."""
         return self.name
+
+    def described(self) -> str:
+        """`describe()` with the kind of documents the step applies to, if limited."""
+        return self.describe() + (f" [{self.only} only]" if self.only else "")
 
 
 class Filter(Step):

@@ -56,6 +56,10 @@ def build_step(spec: dict[str, Any]) -> Step:
     if "type" not in spec:
         raise ValueError(f"step {spec} has no 'type'; e.g. type = \"gopher_quality\"")
     kind = spec.pop("type")
+    only = spec.pop("only", None)
+    if only not in (None, "code", "web"):
+        raise ValueError(f"step '{kind}': only = {only!r}; use \"code\" (source and text "
+                         "files) or \"web\" (WARC, HTML, JSON lines, Parquet documents)")
     cls = step_class(kind)
     params = inspect.signature(cls.__init__).parameters
     unknown = [k for k in spec if k not in params]
@@ -63,9 +67,11 @@ def build_step(spec: dict[str, Any]) -> Step:
         allowed = [p for p in params if p != "self"]
         raise ValueError(f"step '{kind}': unknown parameter(s) {unknown}; allowed: {allowed}")
     try:
-        return cls(**spec)
+        step = cls(**spec)
     except TypeError as e:
         raise ValueError(f"step '{kind}': {e}") from e
+    step.only = only
+    return step
 
 
 # The default pipeline for the default corpus (Python source files).
@@ -87,3 +93,31 @@ DEFAULT_WEB_PIPELINE: list[dict[str, Any]] = [
     {"type": "minhash_dedup", "preset": "fineweb"},
     {"type": "pii"},
 ]
+_CODE_RULES = [s for s in DEFAULT_CODE_PIPELINE if s["type"] in ("counts", "code")]
+_WEB_RULES = [s for s in DEFAULT_WEB_PIPELINE if not s["type"].endswith("_dedup")
+              and s["type"] != "pii"]
+# A source tree with some web documents in it: each kind of file gets its own rules, then
+# one deduplication and PII pass over everything.
+DEFAULT_MIXED_PIPELINE: list[dict[str, Any]] = [
+    *({**s, "only": "code"} for s in _CODE_RULES),
+    *({**s, "only": "web"} for s in _WEB_RULES),
+    {"type": "exact_dedup"},
+    {"type": "minhash_dedup", "preset": "fineweb", "verify": True},
+    {"type": "pii"},
+]
+
+
+def default_pipeline_for(formats: dict[str, int]) -> tuple[list[dict[str, Any]], str]:
+    """The default pipeline for input files counted by format ('text', 'jsonl', 'warc', ...)
+    and one line that says the choice: code rules for source/text files, web rules for
+    web documents, both (each on its own files) when the input holds both."""
+    code = formats.get("text", 0)
+    web = {f: n for f, n in sorted(formats.items()) if f != "text" and n}
+    web_files = ", ".join(f"{n:,} {f}" for f, n in web.items())
+    if code and web:
+        return DEFAULT_MIXED_PIPELINE, (
+            f"code rules for {code:,} source/text files, web rules for {sum(web.values()):,} "
+            f"web-document files ({web_files}); then dedup and PII over all")
+    if web:
+        return DEFAULT_WEB_PIPELINE, f"web rules for {web_files} files"
+    return DEFAULT_CODE_PIPELINE, f"code rules for {code:,} source/text files"

@@ -66,10 +66,23 @@ def terminal_table(summary: dict[str, Any]) -> str:
         f"{summary['docs_in']:,} documents in, {summary['docs_out']:,} out, "
         f"{summary['seconds']:.1f} s on {summary['executor']} ({_tasks(summary)})"
     )
+    head += "\n" + accounting(summary)
     if summary.get("malformed_records"):
-        head += f"; {summary['malformed_records']} malformed records skipped"
-        head += "".join(f"\n  {e}" for e in summary["malformed_examples"][:5])
+        head += "".join(f"\n  malformed: {e}" for e in summary["malformed_examples"][:5])
+    for what, n in (summary.get("notes") or {}).items():
+        head += f"\n  note: {n:,} {what}"
     return head + "\n" + "\n".join(lines)
+
+
+def accounting(summary: dict[str, Any]) -> str:
+    """'input 120 records = kept 80 + dropped 30 + malformed 4 + skipped 6 (binary files 6)'."""
+    if "input_records" not in summary:  # a summary written before the accounting existed
+        return f"{summary.get('malformed_records', 0)} malformed records"
+    reasons = summary.get("skipped_reasons") or {}
+    why = f" ({', '.join(f'{k} {v:,}' for k, v in reasons.items())})" if reasons else ""
+    return (f"input {summary['input_records']:,} records = kept {summary['kept']:,} + dropped "
+            f"{summary['dropped']:,} + malformed {summary['malformed']:,} + skipped "
+            f"{summary['skipped']:,}{why}")
 
 
 def html_report(summary: dict[str, Any], title: str = "scaletrain data curation") -> str:
@@ -96,8 +109,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
 .bar{{width:120px;height:10px;background:#eee}}.bar div{{height:10px;background:#4a8}}</style>
 </head><body><h1>{e(title)}</h1>
 <p>{summary["docs_in"]:,} documents in, {summary["docs_out"]:,} out;
-{summary["seconds"]:.1f} s on {e(summary["executor"])} ({e(_tasks(summary))});
-{summary.get("malformed_records", 0)} malformed records.</p>
+{summary["seconds"]:.1f} s on {e(summary["executor"])} ({e(_tasks(summary))}).</p>
+<p>{e(accounting(summary))}</p>
 <table><tr><th>step</th><th>seen</th><th>kept</th><th>kept %</th><th>dropped (why)</th>
 <th>counters</th><th>seconds</th></tr>{"".join(body)}</table>
 {"<h2>Malformed records</h2><ul>" + examples + "</ul>" if examples else ""}

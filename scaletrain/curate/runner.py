@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ class RunOptions:
     shard_bytes: int = 256 << 20
     write_dropped: bool = False
     keep_work: bool = False  # keep intermediate stages after a successful run
+    strict: bool = False  # stop at the first malformed record (`MalformedRecord`)
 
 
 def group_shards(
@@ -110,10 +112,11 @@ def process_task(
     dropped_dir: str | None,
 ) -> dict[str, Any]:
     """One task: read its shards, run the steps, write kept (and dropped) documents."""
-    report = ReadReport()
+    report = ReadReport(strict=opts.strict)
     stats = pipeline.new_stats()
     first = sum(len(t) for t in tasks[:i])  # index of this task's first shard in the stage
-    docs = _positioned(tasks[i], first, report)
+    read = [0]
+    docs = _positioned(tasks[i], first, report, read)
     writer = make_writer(out_dir, opts.output_format, f"part-{i:05d}", opts.shard_bytes)
     drop_writer = (
         make_writer(dropped_dir, "jsonl", f"dropped-{i:05d}", opts.shard_bytes)
@@ -133,12 +136,11 @@ def process_task(
             drop_writer.write(Document(doc.id, doc.text, meta))
 
     try:
-        n_in = 0
         for doc in pipeline.run(docs, stats, on_drop):
             if len(kept_samples) < SAMPLES:
                 kept_samples.append(_sample(doc))
             writer.write(doc)
-        n_in = stats[0].seen if stats else writer.count
+        n_in = read[0]
         files = writer.close()
         if drop_writer is not None:
             drop_writer.close()
@@ -155,6 +157,8 @@ def process_task(
         "file_documents": writer.file_counts,
         "malformed": report.malformed,
         "malformed_examples": report.examples,
+        "skipped": dict(report.skipped),
+        "notes": dict(report.notes),
         "samples": {"kept": kept_samples, "dropped": dropped_samples},
     }
 
@@ -168,10 +172,14 @@ def _sample(doc: Document) -> dict[str, str]:
     return {"id": doc.id, "text": text}
 
 
-def _positioned(shards: list[Shard], first: int, report: ReadReport) -> Iterator[Document]:
+def _positioned(shards: list[Shard], first: int, report: ReadReport, read: list[int]
+                ) -> Iterator[Document]:
+    """The shards' documents with their position and kind; `read[0]` counts them."""
     for k, s in enumerate(shards):
+        kind = "code" if s.format == "text" else "web"
         for p, doc in enumerate(read_shard(s, report)):
-            doc.pos = f"{first + k}:{p}"
+            doc.pos, doc.kind = f"{first + k}:{p}", kind
+            read[0] += 1
             yield doc
 
 
@@ -182,7 +190,7 @@ def _fingerprint(steps: list[Step], shards: list[Shard], opts: RunOptions, sized
     Later stages read an earlier stage's files, which a finished run removes; their sizes
     are left out (the earlier stage's fingerprint covers their content), and the task
     grouping made from them is saved with the job instead (`_tasks`)."""
-    desc = [s.describe() for s in steps] + [repr(sh) for sh in shards]
+    desc = [s.described() for s in steps] + [repr(sh) for sh in shards]
     if sized:
         desc += [str(_shard_bytes(sh)) for sh in shards]
     desc += [repr((opts.tasks, opts.task_bytes, opts.min_tasks)), opts.output_format]
@@ -277,6 +285,22 @@ def split_stages(steps: list[Step]) -> list[list[Step]]:
     return stages
 
 
+def _check_kinds(stages: list[list[Step]]) -> None:
+    """Steps limited to one kind of document (`only`) must read the run's input files: the
+    kind comes from the file a document was read from, which later stages do not see."""
+    for k, stage in enumerate(stages):
+        for s in stage:
+            if s.only is None:
+                continue
+            if isinstance(s, GlobalStep):
+                raise ValueError(f"step '{s.name}': only = \"{s.only}\" is not supported on "
+                                 "a deduplication step; it sees every document")
+            if k > 0:
+                raise ValueError(f"step '{s.name}' (only = \"{s.only}\") comes after a "
+                                 "deduplication step; put the steps limited to one kind "
+                                 "before the first deduplication step")
+
+
 def run_pipeline(
     steps: list[Step],
     inputs: str | list[str],
@@ -317,6 +341,7 @@ def _run_pipeline(
     input_bytes = sum(_shard_bytes(s) for s in shards)
     Pipeline(steps)  # give repeated step names their suffixes before fingerprints are taken
     stages = split_stages(steps)
+    _check_kinds(stages)
     work = os.path.join(output_dir, WORK_DIR)
     dropped_dir = os.path.join(output_dir, DROPPED_DIR) if opts.write_dropped else None
     all_results: list[list[dict[str, Any]]] = []
@@ -335,7 +360,8 @@ def _run_pipeline(
             out_dir,
             os.path.join(work, f"job-{k}"),
             executor,
-            opts if last else RunOptions(opts.tasks, opts.task_bytes, opts.min_tasks),
+            opts if last else RunOptions(opts.tasks, opts.task_bytes, opts.min_tasks,
+                                         strict=opts.strict),
             f"stage {k + 1}/{len(stages)}",
             stage_dropped,
             sized=k == 0,
@@ -370,25 +396,40 @@ def summarize(
     """Statistics of a run: per step (all tasks added up), read errors, totals."""
     step_stats: list[StepStats] = []
     malformed, examples = 0, []
+    skipped: Counter[str] = Counter()
+    notes: Counter[str] = Counter()
     for results in stage_results:
         merged = merge_stats([StepStats.from_dict(d) for d in r["stats"]] for r in results)
         step_stats += merged
         for r in results:
             malformed += r["malformed"]
             examples += r["malformed_examples"]
-    descr = {s.name: s.describe() for s in steps}
+            skipped.update(r.get("skipped", {}))
+            notes.update(r.get("notes", {}))
+    descr = {s.name: s.described() for s in steps}
     fits = {s.name: s for s in steps if isinstance(s, GlobalStep)}
     first, last = stage_results[0], stage_results[-1]
     stages = [
         {"stage": k + 1, "tasks": len(results), "steps": [s.name for s in stage]}
         for k, (stage, results) in enumerate(zip(split_stages(steps), stage_results))
     ]
+    docs_in = sum(r["docs_in"] for r in first)
+    docs_out = sum(r["docs_out"] for r in last)
+    dropped = sum(sum(s.dropped.values()) for s in step_stats)
     return {
         "executor": executor.name,
         "seconds": round(seconds, 3),
         "input_bytes": input_bytes,
-        "docs_in": sum(r["docs_in"] for r in first),
-        "docs_out": sum(r["docs_out"] for r in last),
+        # every input record once: kept + dropped + malformed + skipped = input_records
+        "input_records": docs_in + malformed + sum(skipped.values()),
+        "kept": docs_out,
+        "dropped": dropped,
+        "malformed": malformed,
+        "skipped": sum(skipped.values()),
+        "skipped_reasons": dict(sorted(skipped.items())),
+        "notes": dict(sorted(notes.items())),
+        "docs_in": docs_in,
+        "docs_out": docs_out,
         "tasks": sum(st["tasks"] for st in stages),
         "stages": stages,
         "samples": _merge_samples(stage_results),

@@ -1,9 +1,11 @@
 """Documents (JSONL / Parquet with a `text` field) -> a Megatron indexed dataset, in parallel.
 
-Input shards (the files of `--input`, in sorted order) are tokenized by a pool of processes
-(or Ray tasks), each into its own partial `.bin/.idx`; the parts are then appended in shard
-order, so the output is byte-identical whatever the number of workers. Each document becomes
-one sequence (= one document in the index): [BOS] tokens EOS.
+Input files (those of `--input`, in sorted order) are packed into groups of about equal
+bytes and tokenized by a pool of processes (or Ray tasks), each group into its own partial
+`.bin/.idx` (the tokenizer is loaded once per worker); the parts are then appended in file
+order, so the output is byte-identical whatever the number of workers or files. An
+interrupted run's finished parts are reused by the next run (`tokenize_parts`). Each
+document becomes one sequence (= one document in the index): [BOS] tokens EOS.
 
 Malformed input is treated as curation treats it: a bad record (invalid UTF-8 or JSON, no
 text field, a compressed file that ends early) is counted, skipped and named with its file
@@ -15,6 +17,7 @@ metaspace pre-tokenizers split anyway), so its memory stays bounded by the piece
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -29,6 +32,13 @@ import numpy as np
 from scaletrain.curate.io.paths import InputError, expand_inputs
 from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, json_records
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
+from scaletrain.data.tokenize_parts import (
+    PartsDir,
+    file_stats,
+    group_files,
+    mark_finished,
+    plan_fingerprint,
+)
 from scaletrain.data.tokenizer import TextTokenizer
 
 log = logging.getLogger("scaletrain.data")
@@ -51,6 +61,13 @@ class TokenizeStats:
     malformed: int = 0
     malformed_examples: list[str] = field(default_factory=list)
     empty: int = 0  # records with an empty text, skipped
+    files: int = 0  # input files
+    parts: int = 0  # jobs (groups of files), each one partial dataset
+
+    @property
+    def records(self) -> int:
+        """Every record read: documents + empty + malformed."""
+        return self.documents + self.empty + self.malformed
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,71 +87,46 @@ class TokenizeStats:
             :MAX_EXAMPLES]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1),
+        return {**asdict(self), "records": self.records,
+                "tokens_per_s": round(self.tokens_per_s, 1),
                 "tokens_per_document": round(self.tokens_per_document, 2)}
 
 
 # --- reading ----------------------------------------------------------------------------------
-def input_shards(path: str | Path) -> list[Path]:
+def input_shards(path: str | Path) -> list[str]:
     """The document files of `path`: a file, a glob, a curated folder (the kept shards its
     manifest lists) or any other directory (searched recursively, `_work/` and `_dropped/`
-    of a curation run skipped)."""
+    of a curation run skipped). Paths as strings: 100,000 `Path` objects cost seconds."""
     p = Path(path).expanduser()
     if not p.exists() and not any(c in str(path) for c in "*?["):
         raise TokenizeError(f"--input: '{p}' does not exist")
     try:
-        files = [Path(f) for f in expand_inputs(str(p))]
+        files = expand_inputs(str(p))
     except InputError as e:
         if not (p.is_dir() and "matches no file" in str(e)):
             raise TokenizeError(f"--input: {e}") from None
         files = []
     if p.is_file():
         return files
-    skipped = [f for f in files if not f.name.endswith(SUFFIXES)]
+    skipped = [f for f in files if not f.endswith(SUFFIXES)]
     if skipped:  # said, not silent: a 'docs.json' of JSON lines would otherwise just vanish
         log.warning("--input: %d file(s) under '%s' are not %s and are not read (e.g. %s)",
                     len(skipped), p, "/".join(SUFFIXES), skipped[0])
-    files = [f for f in files if f.name.endswith(SUFFIXES)]
+    files = [f for f in files if f.endswith(SUFFIXES)]
     if not files:
         raise TokenizeError(f"--input: no {', '.join(SUFFIXES)} files under '{p}'")
     return files
 
 
-def read_documents(path: Path, text_key: str = "text", report: ReadReport | None = None
+def read_documents(path: str | Path, text_key: str = "text", report: ReadReport | None = None
                    ) -> Iterator[str]:
     """The `text_key` field of each record of a JSONL(.gz/.zst) or Parquet file; malformed
-    records go to `report` (skipped, or raised by a strict report)."""
+    records go to `report` (skipped, or raised by a strict report). A file that cannot be
+    read as its format, or a Parquet file without the column, is malformed as a whole."""
     report = report if report is not None else ReadReport()
-    name = path.name
+    name = os.fspath(path)
     if name.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise TokenizeError("reading Parquet needs pyarrow: pip install 'scaletrain[data]'"
-                                ) from None
-        try:  # pyarrow raises several error types for a file that is not Parquet
-            pf = pq.ParquetFile(path)
-        except Exception as e:
-            raise TokenizeError(f"cannot read Parquet file '{path}': {e}") from None
-        if text_key not in pf.schema_arrow.names:
-            raise TokenizeError(f"{path}: no '{text_key}' column (has {pf.schema_arrow.names})")
-        row = 0
-        try:
-            for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
-                for t in batch.column(0).to_pylist():
-                    if not isinstance(t, str):  # as a JSON record without a string text
-                        report.add(f"{path}:row{row}", f"no string field '{text_key}' "
-                                                       f"({type(t).__name__})")
-                    elif t:
-                        yield t
-                    else:
-                        report.empty += 1
-                    row += 1
-        except (TokenizeError, InputError):  # InputError: a strict report's first record
-            raise
-        except Exception as e:  # a damaged row group
-            raise TokenizeError(f"cannot read Parquet file '{path}' at row {row}: {e}"
-                                ) from None
+        yield from _parquet_texts(path, text_key, report)
         return
     if not name.endswith(SUFFIXES):
         raise TokenizeError(f"{path}: unknown document format (use {', '.join(SUFFIXES)})")
@@ -148,8 +140,44 @@ def read_documents(path: Path, text_key: str = "text", report: ReadReport | None
             else:
                 report.empty += 1
     except (OSError, EOFError) as e:  # not readable from its first byte
-        raise TokenizeError(f"cannot read '{path}' ({type(e).__name__}: {e}); check that the "
-                            "file is complete and its suffix matches its compression") from None
+        report.add(str(path), f"cannot read the file ({type(e).__name__}: {e}); check that "
+                              "it is complete and its suffix matches its compression")
+
+
+def _parquet_texts(path: str | Path, text_key: str, report: ReadReport) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise TokenizeError("reading Parquet needs pyarrow: pip install 'scaletrain[data]'"
+                            ) from None
+    try:  # pyarrow raises several error types for a file that is not Parquet
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        report.add(str(path), f"cannot read Parquet file: {e}")
+        return
+    rows = pf.metadata.num_rows
+    if text_key not in pf.schema_arrow.names:
+        if rows:
+            report.add(str(path), f"no '{text_key}' column (has {pf.schema_arrow.names}; set "
+                                  "--text-key)", count=rows)
+        return
+    row = 0
+    try:
+        for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
+            for t in batch.column(0).to_pylist():
+                if not isinstance(t, str):  # as a JSON record without a string text
+                    report.add(f"{path}:row{row}", f"no string field '{text_key}' "
+                                                   f"({type(t).__name__})")
+                elif t:
+                    yield t
+                else:
+                    report.empty += 1
+                row += 1
+    except (TokenizeError, InputError):  # InputError: a strict report's first record
+        raise
+    except Exception as e:  # a damaged row group: the rows not read are malformed
+        report.add(f"{path}:row{row}", f"cannot read Parquet file at row {row}: {e}",
+                   count=max(1, rows - row))
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -209,23 +237,49 @@ def write_texts(tok: TextTokenizer, texts: Iterable[str], writer: IndexedDataset
     return stats
 
 
-def _tokenize_shard(job: tuple[str, str, bool, str, str, bool]) -> dict[str, Any]:
-    """One shard into one partial dataset (runs in a worker process or Ray task)."""
-    shard, tok_path, add_bos, out_prefix, text_key, strict = job
-    tok = TextTokenizer.load(tok_path, add_bos=add_bos)
+_TOKENIZERS: dict[tuple[str, bool, str], TextTokenizer] = {}  # per worker: loaded once
+
+
+def _tokenizer_key(path: str, add_bos: bool) -> tuple[str, bool, str]:
+    """By content: a file rewritten at the same path (a retrained tokenizer) is another."""
+    p = Path(path)
+    return path, add_bos, hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+
+
+def _worker_tokenizer(path: str, add_bos: bool) -> TextTokenizer:
+    """The tokenizer at `path`, loaded once per process."""
+    key = _tokenizer_key(path, add_bos)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()  # one run's tokenizer at a time
+        _TOKENIZERS[key] = TextTokenizer.load(path, add_bos=add_bos)
+    return _TOKENIZERS[key]
+
+
+def _tokenize_group(job: tuple[list[str], str, bool, str, str, bool]) -> dict[str, Any]:
+    """One group of files into one partial dataset and its marker (a worker process or Ray
+    task); the texts of small files are batched together."""
+    files, tok_path, add_bos, out_prefix, text_key, strict = job
+    tok = _worker_tokenizer(tok_path, add_bos)
     report = ReadReport(strict=strict)
+    texts = (t for f in files for t in read_documents(f, text_key, report))
     with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
-        stats = write_texts(tok, read_documents(Path(shard), text_key, report), w)
+        stats = write_texts(tok, texts, w)
     stats.malformed, stats.malformed_examples = report.malformed, report.examples
     stats.empty = report.empty
-    return asdict(stats)
+    result = asdict(stats)
+    mark_finished(out_prefix, result)
+    return result
+
+
+class WorkerDied(TokenizeError):
+    """A worker process was killed (out of memory?); the finished parts are kept."""
 
 
 def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
               ) -> Iterator[dict[str, Any]]:
-    """`fn` (default: `_tokenize_shard`) of each job; results in job order. A worker process
-    that dies (killed, out of memory) is a `TokenizeError`, not a wait for ever."""
-    fn = fn or _tokenize_shard
+    """`fn` (default: `_tokenize_group`) of each job; results in job order. A worker process
+    that dies (killed, out of memory) is a `WorkerDied` error, not a wait for ever."""
+    fn = fn or _tokenize_group
     if executor == "ray":
         try:
             import ray
@@ -236,7 +290,13 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
         task = ray.remote(fn)
         refs = [task.remote(j) for j in jobs]
         for r in refs:
-            yield ray.get(r)
+            try:
+                yield ray.get(r)
+            except Exception as e:
+                cause = getattr(e, "cause", e)
+                if isinstance(cause, InputError):  # --strict: the malformed record, as is
+                    raise InputError(str(cause)) from None
+                raise
         return
     if executor != "local":
         raise TokenizeError(f"--executor: unknown executor '{executor}' (local or ray)")
@@ -259,16 +319,17 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
             try:
                 yield fut.result()
             except BrokenProcessPool:
-                raise TokenizeError(
+                first = j[0][0] if isinstance(j[0], list) and j[0] else j[0]
+                raise WorkerDied(
                     f"a worker process died (killed, or out of memory?) while tokenizing "
-                    f"'{j[0]}' or a shard beside it; nothing was written: run again, with "
-                    "fewer --workers if memory is short") from None
-    finally:  # on an error, the shards not started are not started
+                    f"'{first}' or files beside it; the finished parts are kept: run again "
+                    "to go on, with fewer --workers if memory is short") from None
+    finally:  # on an error, the jobs not started are not started
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def tokenize_to_indexed(
-    inputs: list[Path],
+    inputs: list[str] | list[Path],
     output: str | Path,
     tokenizer: str | Path,
     workers: int = 1,
@@ -277,10 +338,15 @@ def tokenize_to_indexed(
     text_key: str = "text",
     strict: bool = False,
 ) -> TokenizeStats:
-    """Tokenize every input shard into the indexed dataset `output` (PREFIX.bin/.idx).
+    """Tokenize every input file into the indexed dataset `output` (PREFIX.bin/.idx).
 
-    Malformed records are skipped and counted (`stats.malformed`, examples with file and
-    line); with `strict` the first one raises `MalformedRecord` and nothing is written."""
+    Files are tokenized in groups of about equal bytes (`group_files`), one partial dataset
+    per group in `PREFIX.parts-tmp/`, then appended in file order: the output is the same
+    whatever the number of workers or groups. An interrupted run leaves its finished parts;
+    the same command again reuses them. Malformed records are skipped and counted
+    (`stats.malformed`, examples with file and line); with `strict` the first one raises
+    `MalformedRecord`. A run that reads no document raises `TokenizeError`; in both cases
+    nothing is written."""
     tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad tokenizer
     prefix = strip_prefix(output)
     sidecar = Path(f"{prefix}.tokenizer.json")
@@ -289,29 +355,59 @@ def tokenize_to_indexed(
     # one). The sidecar is replaced before the index, which is renamed last.
     for old in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
         old.unlink(missing_ok=True)
-    parts = Path(f"{prefix}.parts-tmp")
-    shutil.rmtree(parts, ignore_errors=True)
-    parts.mkdir(parents=True)
-    jobs = [(str(s), str(tok.path), add_bos, str(parts / f"part-{i:05d}"), text_key, strict)
-            for i, s in enumerate(inputs)]
+    files = file_stats([os.fspath(f) for f in inputs])
+    groups = group_files(files, workers)
+    parts = PartsDir(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    fingerprint = plan_fingerprint(groups, tok.path, {"add_bos": add_bos, "text_key": text_key,
+                                                      "dtype": str(tok.dtype)})
+    if tok.path is not None:  # this process's worker (workers=1) needs no second load
+        _TOKENIZERS.clear()
+        _TOKENIZERS[_tokenizer_key(str(tok.path), add_bos)] = tok
+    found = parts.open(fingerprint)
+    done = {i: r for i in range(len(groups)) if (r := parts.finished(i)) is not None}
+    if found:
+        log.info("resuming: %d of %d parts were finished by an earlier run", len(done),
+                 len(groups))
+    jobs = [([f.path for f in g], str(tok.path), add_bos, parts.part(i), text_key, strict)
+            for i, g in enumerate(groups) if i not in done]
     stats = TokenizeStats()
+    for r in done.values():
+        stats.add(TokenizeStats(**r))
     t0 = time.perf_counter()
+    keep_parts = False
     try:
         for i, r in enumerate(_run_jobs(jobs, workers, executor)):
             stats.add(TokenizeStats(**r))
             dt = time.perf_counter() - t0
-            log.info("tokenized shard %d/%d: %d documents, %d tokens so far (%.0f tokens/s)",
-                     i + 1, len(jobs), stats.documents, stats.tokens, stats.tokens / max(dt, 1e-9))
+            log.info("tokenized part %d/%d (%d files): %d documents, %d tokens so far "
+                     "(%.0f tokens/s)", len(done) + i + 1, len(groups), len(jobs[i][0]),
+                     stats.documents, stats.tokens, stats.tokens / max(dt, 1e-9))
+        if stats.documents == 0:
+            raise TokenizeError(nothing_read(stats, len(inputs)))
         if tok.path is not None and tok.path.resolve() != sidecar.resolve():
             shutil.copyfile(tok.path, f"{sidecar}.tmp")
             os.replace(f"{sidecar}.tmp", sidecar)
         with IndexedDatasetWriter(prefix, tok.dtype) as w:  # .bin, then .idx, renamed last
-            for _, _, _, part, _, _ in jobs:
-                w.append_dataset(part)
+            for i in range(len(groups)):
+                w.append_dataset(parts.part(i))
+    except (KeyboardInterrupt, WorkerDied):
+        # the next run goes on from the finished parts (if any finished)
+        keep_parts = any(parts.finished(i) for i in range(len(groups)))
+        raise
     finally:
-        shutil.rmtree(parts, ignore_errors=True)
+        if not keep_parts:
+            parts.remove()
     stats.seconds = time.perf_counter() - t0
+    stats.files, stats.parts = len(inputs), len(groups)
     return stats
+
+
+def nothing_read(stats: TokenizeStats, files: int) -> str:
+    """One line for a run that read no document from its input files."""
+    first = f"; first: {stats.malformed_examples[0]}" if stats.malformed_examples else ""
+    return (f"no document to tokenize in {files} file(s): {stats.malformed} malformed and "
+            f"{stats.empty} empty record(s){first}")
 
 
 def sidecar_tokenizer(prefix: str | Path) -> Path | None:

@@ -9,6 +9,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 
 from scaletrain.curate.executors.base import Executor, TaskFn, log_progress, run_and_mark
 from scaletrain.curate.executors.lifeline import bind_to_parent
+from scaletrain.curate.io.errors import InputError
 
 
 class LocalExecutor(Executor):
@@ -53,6 +54,8 @@ class LocalExecutor(Executor):
                     except Exception as e:
                         for f in remaining:
                             f.cancel()
+                        if isinstance(e, InputError):  # the input's fault (--strict): as is
+                            raise
                         raise RuntimeError(
                             f"{desc}: task {futures[fut]} failed ({type(e).__name__}: {e}); "
                             f"completed tasks are kept in {job_dir}, run again to resume"

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from scaletrain.curate.executors.base import Executor, TaskFn, log_progress, run_and_mark
+from scaletrain.curate.io.errors import InputError
 from scaletrain.optional import require
 
 log = logging.getLogger("scaletrain.data.executor")
@@ -68,6 +69,9 @@ class RayExecutor(Executor):
                 try:
                     out.append((i, ray.get(ref)))
                 except Exception as e:
+                    cause = getattr(e, "cause", e)
+                    if isinstance(cause, InputError):  # the input's fault (--strict): said as is
+                        raise InputError(str(cause)) from None
                     raise RuntimeError(
                         f"{desc}: task {i} failed on Ray ({e}); completed tasks are kept in "
                         f"{job_dir}, run again to resume"

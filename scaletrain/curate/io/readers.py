@@ -2,8 +2,9 @@
 
 `read_documents(path_or_glob)` is the simple public entry point. Executors read `Shard`s: a
 file or a part of one (a byte range of an uncompressed JSONL file, a range of Parquet row
-groups), so one large file is not one task. A malformed record is counted in a `ReadReport`
-with its file and line and skipped; a file that cannot be opened raises `InputError`.
+groups), so one large file is not one task. A malformed record (or a file that cannot be
+read as its format) is counted in a `ReadReport` with its file and line and skipped; binary
+files are skipped and counted; a missing dependency raises `InputError`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.curate.documents import Document
+from scaletrain.curate.io.errors import DamagedInput
 from scaletrain.curate.io.paths import (
     InputError,
     compression_of,
@@ -25,6 +27,8 @@ from scaletrain.curate.io.paths import (
     open_decompressed,
     open_raw,
 )
+from scaletrain.curate.io.read_report import MAX_EXAMPLES, MalformedRecord, ReadReport
+from scaletrain.curate.io.sniff import SNIFF_BYTES, binary_suffix, is_binary, json_kind
 
 log = logging.getLogger("scaletrain.curate.io")
 
@@ -33,7 +37,7 @@ try:  # a damaged .zst stream raises zstandard's own error type
 except ImportError:  # pragma: no cover - zstandard is optional
     _ZstdError = OSError  # type: ignore[assignment,misc]
 
-MAX_EXAMPLES = 20  # malformed records kept (file:line + message) for the report
+_DAMAGED_STREAM = (OSError, EOFError, _ZstdError, DamagedInput)
 
 
 @dataclass(frozen=True)
@@ -42,51 +46,20 @@ class Shard:
 
     For JSONL the part is a byte range: the records whose first byte lies in [start, end).
     For Parquet it is a range of row groups. `root` is the input directory the file was
-    found under (ids of text files are paths relative to it).
+    found under (ids of text files are paths relative to it). `fmt` is the format found by
+    `plan_shards` when the suffix alone does not say it (a `.json` file holding one JSON
+    document is 'text'); empty: the suffix's format.
     """
 
     path: str
     start: int = 0
     end: int | None = None
     root: str = ""
+    fmt: str = ""
 
     @property
     def format(self) -> str:
-        return format_of(self.path)
-
-
-class MalformedRecord(InputError):
-    """A malformed record met in strict mode; the message is `FILE:LINE: what is wrong`."""
-
-
-@dataclass
-class ReadReport:
-    """Malformed records seen while reading: counted, skipped and named (file and line or
-    byte offset). With `strict`, the first one raises `MalformedRecord` with the same text."""
-
-    malformed: int = 0
-    examples: list[str] = field(default_factory=list)
-    strict: bool = False
-    empty: int = 0  # well-formed records with an empty text (tokenize skips them)
-
-    def add(self, where: str, message: str) -> None:
-        if self.strict:
-            raise MalformedRecord(f"{where}: {message}")
-        self.malformed += 1
-        if len(self.examples) < MAX_EXAMPLES:
-            self.examples.append(f"{where}: {message}")
-        # the first ones are logged; the rest only counted (a file that is not JSON lines
-        # at all would otherwise log one line per line of it)
-        if self.malformed <= MAX_EXAMPLES:
-            log.warning("skipping malformed record at %s: %s", where, message)
-        elif self.malformed == MAX_EXAMPLES + 1:
-            log.warning("more malformed records (from %s on) are counted, not logged",
-                        where)
-
-    def merge(self, other: ReadReport) -> None:
-        self.malformed += other.malformed
-        self.empty += other.empty
-        self.examples = (self.examples + other.examples)[:MAX_EXAMPLES]
+        return self.fmt or format_of(self.path)
 
 
 def _rel_id(shard: Shard) -> str:
@@ -169,14 +142,23 @@ def _read_parquet(shard: Shard, report: ReadReport) -> Iterator[Document]:
         try:
             pf = pq.ParquetFile(raw)
         except Exception as e:  # pyarrow raises several types for a damaged file
-            raise InputError(f"cannot read Parquet file '{shard.path}': {e}") from e
-        if "text" not in pf.schema_arrow.names:
-            raise InputError(
-                f"'{shard.path}' has no 'text' column (columns: {pf.schema_arrow.names})"
-            )
+            raise DamagedInput(f"not a readable Parquet file ({e})") from e
         end = pf.num_row_groups if shard.end is None else min(shard.end, pf.num_row_groups)
+        if "text" not in pf.schema_arrow.names:  # every row of it is unusable
+            rows = sum(pf.metadata.row_group(rg).num_rows for rg in range(shard.start, end))
+            if rows:
+                report.add(shard.path, f"no 'text' column (columns: {pf.schema_arrow.names})",
+                           count=rows)
+            return
         for rg in range(shard.start, end):
-            rows = pf.read_row_group(rg).to_pylist()
+            try:
+                rows = pf.read_row_group(rg).to_pylist()
+            except MalformedRecord:
+                raise
+            except Exception as e:  # a damaged row group: its rows are malformed
+                report.add(f"{shard.path}:rowgroup{rg}", f"damaged row group ({e})"[:300],
+                           count=max(1, pf.metadata.row_group(rg).num_rows))
+                continue
             for i, record in enumerate(rows):
                 try:
                     yield Document.from_dict(record, default_id=f"{name}/{rg}/{i}")
@@ -185,13 +167,19 @@ def _read_parquet(shard: Shard, report: ReadReport) -> Iterator[Document]:
 
 
 def _read_text(shard: Shard, report: ReadReport) -> Iterator[Document]:
+    """One document per file; binary content (a NUL byte or a known signature in its first
+    bytes) is skipped and counted, never read as text."""
     with open_decompressed(shard.path) as f:
-        data = f.read()
+        head = f.read(SNIFF_BYTES)
+        if is_binary(head):
+            report.skip("binary files", shard.path)
+            return
+        data = head + f.read()
     try:
         text = data.decode("utf-8")
-    except UnicodeDecodeError:
+    except UnicodeDecodeError:  # text in another encoding: kept, the bytes replaced
         text = data.decode("utf-8", errors="replace")
-        report.add(shard.path, "not valid UTF-8; undecodable bytes replaced by U+FFFD")
+        report.note("files not valid UTF-8 (undecodable bytes replaced by U+FFFD)", shard.path)
     rel = _rel_id(shard)
     if shard.format == "html":
         from scaletrain.curate.io.warc import extract_html
@@ -205,9 +193,16 @@ def _read_text(shard: Shard, report: ReadReport) -> Iterator[Document]:
 
 
 def read_shard(shard: Shard, report: ReadReport | None = None) -> Iterator[Document]:
-    """The documents of one shard, in file order."""
+    """The documents of one shard, in file order.
+
+    A file that cannot be read as its format (damaged from its first byte, not gzip, not
+    Parquet) is one malformed record named by its path; the documents read before damage
+    further in are kept. A binary file is skipped and counted (`report.skipped`)."""
     report = report if report is not None else ReadReport()
     fmt = shard.format
+    if fmt in ("text", "html") and binary_suffix(shard.path):
+        report.skip("binary files", shard.path)
+        return
     try:
         if fmt == "jsonl":
             yield from _read_jsonl(shard, report)
@@ -219,13 +214,12 @@ def read_shard(shard: Shard, report: ReadReport | None = None) -> Iterator[Docum
             yield from read_warc(shard.path, report)
         else:
             yield from _read_text(shard, report)
-    except InputError:
+    except MalformedRecord:
         raise
-    except (OSError, EOFError, _ZstdError) as e:  # damaged gzip/zstd stream, truncated file
-        raise InputError(
-            f"cannot read '{shard.path}' ({type(e).__name__}: {e}); check that the file is "
-            "complete and its suffix matches its compression"
-        ) from e
+    except _DAMAGED_STREAM as e:  # damaged gzip/zstd stream, truncated or unreadable file
+        what = str(e) if isinstance(e, DamagedInput) else f"{type(e).__name__}: {e}"
+        report.add(shard.path, f"cannot read the file ({what}); check that it is complete "
+                               "and its suffix matches its compression")
 
 
 def _root_of(spec: str) -> str:
@@ -254,7 +248,7 @@ def plan_shards(
     for s in specs:
         root = fixed_root if fixed_root is not None else _root_of(s)
         for path in expand_inputs(s):
-            fmt = format_of(path)
+            fmt = sniff_format(path)
             size = file_size(path)
             if fmt == "jsonl" and compression_of(path) is None and size > target_bytes:
                 n = -(-size // target_bytes)
@@ -263,8 +257,22 @@ def plan_shards(
             elif fmt == "parquet" and size > target_bytes:
                 shards += _parquet_shards(path, size, target_bytes, root)
             else:
-                shards.append(Shard(path, root=root))
+                shards.append(Shard(path, root=root, fmt=fmt if fmt != format_of(path) else ""))
     return shards
+
+
+def sniff_format(path: str) -> str:
+    """`format_of(path)`, except that a `.json` file holding one JSON document (such as
+    package.json) rather than JSON lines is 'text': one document, the file itself."""
+    fmt = format_of(path)
+    name = path.lower().removesuffix(".gz").removesuffix(".zst")
+    if fmt != "jsonl" or not name.endswith(".json"):
+        return fmt
+    try:
+        with open_decompressed(path) as f:
+            return "jsonl" if json_kind(f) == "jsonl" else "text"
+    except (*_DAMAGED_STREAM, InputError):
+        return fmt  # unreadable: the JSONL reader names it
 
 
 def _parquet_shards(path: str, size: int, target_bytes: int, root: str) -> list[Shard]:
@@ -280,3 +288,7 @@ def read_documents(spec: str | list[str], report: ReadReport | None = None) -> I
     """Every document of a file, a directory or a glob (JSONL, Parquet, WARC, text)."""
     for shard in plan_shards(spec, target_bytes=1 << 62):
         yield from read_shard(shard, report)
+
+
+__all__ = ["MAX_EXAMPLES", "MalformedRecord", "ReadReport", "Shard", "json_records",
+           "plan_shards", "read_documents", "read_shard", "sniff_format"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,45 +31,59 @@ def extract_html(html: str | bytes, url: str | None = None) -> str | None:
 def read_warc(path: str, report: ReadReport) -> Iterator[Document]:
     """One document per HTML `response` record whose main text is not empty.
 
-    Records that are not HTTP responses with an HTML content type (requests, metadata,
-    images) are skipped silently. A response whose extraction fails or is empty, a record
-    shorter than its Content-Length (a truncated file), a damaged record and bytes after the
-    last whole record are counted as malformed with the file and byte offset (`FILE@OFFSET`;
-    for .warc.gz the offset of the record's gzip member); the documents before them are kept.
+    Every record is accounted for once. Records that are not HTTP responses with an HTML
+    content type (requests, metadata, images) are skipped and counted. A response whose
+    extraction fails or is empty, a record shorter than its Content-Length (a truncated
+    file), a record whose headers cannot be parsed and bytes after the last whole record are
+    malformed records named with the file and byte offset (`FILE@OFFSET`; for .warc.gz the
+    offset of the record's gzip member); the documents before them are kept and the rest
+    of a damaged file is skipped (its records cannot be found without their lengths).
     """
     _require("warcio")
     from warcio.archiveiterator import ArchiveIterator
 
-    records, end = 0, 0
+    end, size = 0, file_size(path)
     with open_raw(path) as raw:
         it = ArchiveIterator(raw)
-        try:
-            for record in it:
-                records += 1
+        while True:
+            try:
+                record = next(it)
                 doc, problem = _response_document(path, record)
                 offset = it.get_record_offset()  # reads to the record's end (warcio)
-                missing = getattr(record.raw_stream, "limit", 0)
-                if missing:
-                    report.add(f"{path}@{offset}", f"truncated {record.rec_type} record: "
-                                                   f"{missing} bytes of its content are missing")
-                    return
-                if problem:
-                    report.add(f"{path}@{offset} {doc.id if doc else ''}".rstrip(), problem)
-                elif doc is not None:
-                    yield doc
-                end = offset + it.get_record_length()
-        except Exception as e:
-            if type(e).__name__ not in _DAMAGED and not isinstance(e, (OSError, EOFError)):
+                length = it.get_record_length()
+            except StopIteration:
+                break
+            except InputError:  # a missing dependency; strict mode's first malformed record
                 raise
-            if records == 0:
-                raise InputError(f"'{path}' is not a readable WARC file: {e}") from e
-            report.add(f"{path}@{end}", f"damaged record ({type(e).__name__}: {e}); "
-                                        "the rest of the file is skipped")
-            return
+            except Exception as e:  # warcio raises many types (even AttributeError) on damage
+                what = "not a WARC file" if end == 0 else "damaged record"
+                report.add(f"{path}@{end}", f"{what} ({type(e).__name__}: {e})"[:300] +
+                           "; the rest of the file is skipped")
+                return
+            if not (record.rec_headers.get_header("Content-Length") or "").strip().isdigit():
+                report.add(f"{path}@{offset}", "a record without a Content-Length (mandatory "
+                                               "in WARC): its headers are cut short or damaged")
+                return
+            missing = getattr(record.raw_stream, "limit", 0)
+            if not missing and (offset + length > size or (
+                    offset + length == size and not _ends_whole(path, offset))):
+                short = offset + length - size
+                gone = f"{short} bytes of its end" if short > 0 else "the end of its gzip member"
+                report.add(f"{path}@{offset}", f"the file ends inside a {record.rec_type} "
+                                               f"record ({gone} missing); it is truncated")
+                return
+            if missing:
+                report.add(f"{path}@{offset}", f"truncated {record.rec_type} record: "
+                                               f"{missing} bytes of its content are missing")
+                return
+            if problem:
+                report.add(f"{path}@{offset} {doc.id if doc else ''}".rstrip(), problem)
+            elif doc is not None:
+                yield doc
+            else:
+                report.skip("WARC records that are not HTML responses", f"{path}@{offset}")
+            end = offset + length
     _check_tail(path, end, report)
-
-
-_DAMAGED = ("ArchiveLoadFailed", "StatusAndHeadersParserException", "error")  # zlib.error
 
 
 def _response_document(path: str, record: Any) -> tuple[Document | None, str | None]:
@@ -98,6 +113,22 @@ def _response_document(path: str, record: Any) -> tuple[Document | None, str | N
         return doc, "no main text extracted"
     doc.text = text
     return doc, None
+
+
+def _ends_whole(path: str, offset: int) -> bool:
+    """For a .warc.gz, whether the gzip member from `offset` to the end of the file is whole
+    (warcio reads a member that lacks its last bytes without a word). True for a .warc."""
+    if not path.endswith(".gz"):
+        return True
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    with open_raw(path) as raw:
+        raw.seek(offset)
+        while not d.eof:
+            chunk = raw.read(1 << 16)
+            if not chunk:
+                return False
+            d.decompress(chunk)
+    return True
 
 
 def _check_tail(path: str, end: int, report: ReadReport) -> None:

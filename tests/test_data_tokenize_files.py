@@ -1,0 +1,114 @@
+"""`data tokenize` at any file count: many small files are packed into a few parts (the
+tokenizer loaded once per worker), the dataset equals the one from a single file holding
+the same lines, and an interrupted run's parts are reused (or cleared when stale)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import scaletrain.data.tokenize as tokenize_mod
+import scaletrain.data.tokenize_parts as parts_mod
+from scaletrain.commands import data as data_cmd
+from scaletrain.data.tokenize import tokenize_to_indexed
+from tests.curate_helpers import fixture_dir, write_jsonl
+
+LINES = [{"text": f"line {i}: the quick brown fox jumps over the lazy dog {i * 13}."}
+         for i in range(300)]
+
+
+def _many(tmp_path: Path, n: int = 300) -> tuple[Path, Path]:
+    """The same lines as `n` one-line files (in a tree) and as one file."""
+    many = tmp_path / "many"
+    for i, rec in enumerate(LINES[:n]):
+        write_jsonl(many / f"d{i // 100:02d}" / f"f{i:05d}.jsonl", [rec])
+    one = write_jsonl(tmp_path / "one" / "all.jsonl", LINES[:n])
+    return many, one
+
+
+def _bytes(prefix: Path) -> tuple[bytes, bytes]:
+    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def test_many_small_files_make_one_part_and_the_same_dataset(tmp_path: Path, capsys,
+                                                             monkeypatch) -> None:
+    many, one = _many(tmp_path)
+    loads = []
+    real_load = tokenize_mod.TextTokenizer.load
+    monkeypatch.setattr(tokenize_mod.TextTokenizer, "load",
+                        staticmethod(lambda *a, **k: loads.append(a) or real_load(*a, **k)))
+    tok = str(fixture_dir() / "gpt-neox-tokenizer.json")
+    argv = ["tokenize", "--tokenizer", tok, "--workers", "2", "--json"]
+    assert data_cmd.main([*argv, "--input", str(many), "--output", str(tmp_path / "m")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["files"] == 300 and out["parts"] == 1 and out["documents"] == 300
+    assert out["records"] == out["documents"] + out["empty"] + out["malformed"]
+    assert len(loads) <= 2  # the check up front and one per worker, not one per file
+    assert data_cmd.main([*argv, "--input", str(one), "--output", str(tmp_path / "o")]) == 0
+    assert _bytes(tmp_path / "m") == _bytes(tmp_path / "o")
+    assert not list(tmp_path.glob("*.parts-tmp"))
+
+
+def test_groups_follow_bytes_and_keep_file_order(tmp_path: Path, monkeypatch) -> None:
+    many, one = _many(tmp_path, 60)
+    files = sorted(str(f) for f in many.rglob("*.jsonl"))
+    stats = parts_mod.file_stats(files)
+    assert len(parts_mod.group_files(stats, workers=4)) == 1  # tiny: one part
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_BYTES", 1000)
+    groups = parts_mod.group_files(stats, workers=2)
+    assert len(groups) > 3 and [f.path for g in groups for f in g] == files
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_FILES", 10)  # many tiny files: split by count
+    groups = parts_mod.group_files(stats, workers=2)
+    assert [len(g) for g in groups] == [10] * 6
+    tok = fixture_dir() / "gpt-neox-tokenizer.json"
+    tokenize_to_indexed(files, tmp_path / "g", tok, workers=2)  # several parts, 2 processes
+    tokenize_to_indexed([one], tmp_path / "o", tok, workers=1)
+    assert _bytes(tmp_path / "g") == _bytes(tmp_path / "o")
+
+
+def test_an_interrupted_run_is_resumed_from_its_finished_parts(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    many, one = _many(tmp_path, 60)
+    files = sorted(many.rglob("*.jsonl"))
+    tok = fixture_dir() / "gpt-neox-tokenizer.json"
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_BYTES", 1000)
+    n_parts = len(parts_mod.group_files(parts_mod.file_stats([str(f) for f in files]), 1))
+    real = tokenize_mod.write_texts
+    calls = []
+
+    def interrupted_at_the_third_part(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(tokenize_mod, "write_texts", interrupted_at_the_third_part)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    left = tmp_path / "r.parts-tmp"
+    assert sorted(p.name for p in left.glob("part-*.json")) == ["part-00000.json",
+                                                                "part-00001.json"]
+    assert not Path(f"{tmp_path}/r.bin").exists()  # no dataset that looks whole
+    calls.clear()
+    monkeypatch.setattr(tokenize_mod, "write_texts", lambda *a, **k: calls.append(1) or
+                        real(*a, **k))
+    stats = tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    assert len(calls) == n_parts - 2  # only the unfinished parts are tokenized again
+    assert stats.documents == 60 and not left.exists()
+    tokenize_to_indexed([one], tmp_path / "o", tok, workers=1)
+    assert _bytes(tmp_path / "r") == _bytes(tmp_path / "o")
+
+
+def test_stale_leftovers_of_another_run_are_cleared(tmp_path: Path) -> None:
+    many, one = _many(tmp_path, 20)
+    left = tmp_path / "s.parts-tmp"
+    left.mkdir()
+    (left / "plan.json").write_text(json.dumps({"fingerprint": "another run"}))
+    (left / "part-00000.json").write_text(json.dumps({"documents": 999}))
+    (left / "part-00000.bin").write_bytes(b"stale")
+    stats = tokenize_to_indexed(sorted(many.rglob("*.jsonl")), tmp_path / "s",
+                                fixture_dir() / "gpt-neox-tokenizer.json")
+    assert stats.documents == 20 and not left.exists()

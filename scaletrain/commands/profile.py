@@ -19,12 +19,14 @@ log = logging.getLogger("scaletrain")
 
 
 def _with_defaults(argv: list[str]) -> list[str]:
-    """Profiling on; a short run without final checkpoint or sample unless the user says so."""
+    """Profiling on; a short fresh run (no resume, no checkpoint, no sample) unless the user
+    says so: a profile measures new steps, and leaves the run directory's checkpoints alone."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     extra = ["--profiling.enabled", "true"]
     for flag, value in (("--checkpoint.save_final", "false"), ("--training.sample_tokens", "0"),
                         ("--checkpoint.interval", "0"), ("--training.eval_interval", "0"),
-                        ("--training.eval_sequences", "4")):
+                        ("--training.eval_sequences", "4"), ("--checkpoint.resume", "false"),
+                        ("--checkpoint.interval_minutes", "0")):
         if flag not in given:
             extra += [flag, value]
     return [*argv, *extra]

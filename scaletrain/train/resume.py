@@ -28,6 +28,9 @@ _LOADER_ONLY = {"cache_dir", "num_workers", "prefetch_factor", "pin_memory",
 _FINETUNE_DATA = ("data", "val_data", "task", "packing")
 
 
+_ANEW = "another --output, or --checkpoint.resume false to replace these checkpoints"
+
+
 class ResumeMismatch(ConfigError):
     """This run's settings would silently change the resumed run (exit 2, one line)."""
 
@@ -74,12 +77,13 @@ def check_resume(saved: dict[str, Any], cfg: Config, global_batch: int, step: in
             name = key if key.startswith("finetune.") else f"data.{key}"
             raise ResumeMismatch(
                 f"{where} {name} {_show(value)}, this run sets {_show(now['data'][key])}: the "
-                f"data order would change; resume with --{name} {_show(value)}, or start a new "
-                "run in another --output")
+                f"data order would change; resume with --{name} {_show(value)}, or start anew "
+                f"({_ANEW})")
     if saved["seed"] != cfg.training.seed:
         raise ResumeMismatch(
             f"{where} training.seed {saved['seed']}, this run sets {cfg.training.seed}: the "
-            f"data order would change; resume with --training.seed {saved['seed']}")
+            f"data order would change; resume with --training.seed {saved['seed']}, or start "
+            f"anew ({_ANEW})")
     if saved["global_batch_size"] != global_batch and not cfg.checkpoint.allow_batch_change:
         raise ResumeMismatch(
             f"{where} a global batch of {saved['global_batch_size']} samples, this run uses "

@@ -269,7 +269,8 @@ class Trainer:
         self.resume_step = 0
         steps = Checkpointer.steps_in(folder)
         if mode is False:
-            if steps:
+            if steps and (self.cfg.checkpoint.save_final or self.cfg.checkpoint.interval
+                          or self.cfg.checkpoint.interval_minutes):
                 log.warning("checkpoint.resume is false: starting fresh although %s holds "
                             "checkpoints (later saves replace them)", folder)
             return None, None

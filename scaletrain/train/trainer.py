@@ -542,8 +542,7 @@ class Trainer:
             self._where(heartbeat, "final evaluation")
             result.val_loss = self.evaluate()
             metrics.log_eval(self.step, result.val_loss)
-            # The last step is saved by `save_final`, or as any step of `interval` is (a run
-            # resumed after its last step already has it).
+            # The last step is saved by `save_final`, or as any step of `interval` is.
             on_interval = bool(cfg.checkpoint.interval) and self.step > result.steps \
                 and self.step % cfg.checkpoint.interval == 0
             if cfg.checkpoint.save_final or on_interval:

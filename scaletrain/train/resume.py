@@ -35,15 +35,19 @@ class ResumeMismatch(ConfigError):
     """This run's settings would silently change the resumed run (exit 2, one line)."""
 
 
-def run_settings(cfg: Config, global_batch: int, consumed_samples: int) -> dict[str, Any]:
-    """What a checkpoint records about the run that wrote it (JSON-ready)."""
+def _data_settings(cfg: Config) -> dict[str, Any]:
+    """The settings that decide which samples come in which order (JSON-ready)."""
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _LOADER_ONLY}
     data.update({f"finetune.{k}": getattr(cfg.finetune, k) for k in _FINETUNE_DATA})
+    return json.loads(json.dumps(data))
+
+
+def run_settings(cfg: Config, global_batch: int, consumed_samples: int) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (JSON-ready)."""
     return {"format": FORMAT, "version": 1, "consumed_samples": int(consumed_samples),
             "global_batch_size": int(global_batch), "seed": cfg.training.seed,
             "training_steps": cfg.training.steps, "lr": cfg.optimizer.lr,
-            "lr_schedule": dataclasses.asdict(cfg.lr_schedule),
-            "data": json.loads(json.dumps(data))}
+            "lr_schedule": dataclasses.asdict(cfg.lr_schedule), "data": _data_settings(cfg)}
 
 
 def write_run_settings(directory: Path, settings: dict[str, Any]) -> None:
@@ -71,12 +75,12 @@ def check_resume(saved: dict[str, Any], cfg: Config, global_batch: int, step: in
     """Raise `ResumeMismatch` when resuming `checkpoint` (at `step`) with `cfg` would change
     the data order, the global batch or the learning rate of a remaining step unasked."""
     where = f"{checkpoint.name} was trained with"
-    now = run_settings(cfg, global_batch, 0)
+    now = _data_settings(cfg)
     for key, value in saved["data"].items():
-        if key in now["data"] and now["data"][key] != value:
+        if key in now and now[key] != value:
             name = key if key.startswith("finetune.") else f"data.{key}"
             raise ResumeMismatch(
-                f"{where} {name} {_show(value)}, this run sets {_show(now['data'][key])}: the "
+                f"{where} {name} {_show(value)}, this run sets {_show(now[key])}: the "
                 f"data order would change; resume with --{name} {_show(value)}, or start anew "
                 f"({_ANEW})")
     if saved["seed"] != cfg.training.seed:

@@ -262,8 +262,6 @@ class Trainer:
     def _find_resume(self) -> tuple[Path | None, dict[str, Any] | None]:
         """(checkpoint to continue from, the settings it was trained with) per
         `checkpoint.resume`; a setting that would silently change the run is refused here."""
-        from scaletrain.train.resume import check_resume, read_run_settings
-
         mode = self.cfg.checkpoint.resume
         folder = self.output / "checkpoints"
         self.resume_step = 0
@@ -280,37 +278,37 @@ class Trainer:
                     f"checkpoint.resume is true but no complete checkpoint exists under {folder};"
                     " run without --checkpoint.resume true to start fresh")
             return None, None
+        self.resume_step = steps[-1]
         path = folder / Checkpointer.dir_name(steps[-1])
+        return path, self._checked_settings(path, steps[-1])
+
+    def _checked_settings(self, path: Path, step: int) -> dict[str, Any] | None:
+        """The `run.json` of checkpoint `path` (at `step`), checked against this run."""
+        from scaletrain.train.resume import check_resume, read_run_settings
+
         settings = read_run_settings(path)
         if settings is None:
             log.warning("%s has no run.json (an older scaletrain): its schedule, batch and data "
                         "settings cannot be checked against this run's", path)
         else:
-            check_resume(settings, self.cfg, self.global_batch, steps[-1], path)
-        self.resume_step = steps[-1]
-        return path, settings
+            check_resume(settings, self.cfg, self.global_batch, step, path)
+        return settings
 
     def _resume(self) -> None:
         """Load `resume_from`; with `checkpoint.resume auto` a damaged newest checkpoint gives
         way to the one before it (each checked as the first was)."""
-        from scaletrain.train.resume import check_resume, read_run_settings
-
-        path = self.resume_from
-        assert path is not None
-        while True:
+        candidates = [s for s in reversed(self.checkpointer.steps()) if s <= self.resume_step]
+        for i, step in enumerate(candidates):
+            path = self.checkpointer.path(step)
+            if i:
+                self._checked_settings(path, step)
             try:
                 self._load_checkpoint(path)
                 return
             except CheckpointError as e:
-                older = [s for s in self.checkpointer.steps()
-                         if s < int(path.name.split("-")[1])]
-                if self.cfg.checkpoint.resume != "auto" or not older:
+                if self.cfg.checkpoint.resume != "auto" or i + 1 == len(candidates):
                     raise
                 log.warning("%s; resuming from the checkpoint before it", e)
-                path = self.checkpointer.path(older[-1])
-                settings = read_run_settings(path)
-                if settings is not None:
-                    check_resume(settings, self.cfg, self.global_batch, older[-1], path)
 
     def _load_checkpoint(self, path: Path) -> None:
         from scaletrain.checkpoint.safe_dcp import read_metadata

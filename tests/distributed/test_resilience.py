@@ -29,7 +29,8 @@ from tests.trainer_helpers import tiny_argv
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
 RUN = ["--training.steps", str(STEPS), "--checkpoint.interval", "2", "--checkpoint.keep_last",
-       "3", "--parallel.data_parallel", "zero3", "--training.eval_sequences", "4"]
+       "3", "--parallel.data_parallel", "zero3", "--training.eval_sequences", "4",
+       "--training.micro_batch_size", "2", "--training.grad_accum_steps", "2"]  # accumulation on
 
 
 def torchrun(out: Path, cache: Path, *driver: str, restarts: int = 0, extra: tuple = (),

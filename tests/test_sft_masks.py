@@ -95,13 +95,31 @@ def test_every_assistant_turn_is_scored_as_generated(tmp_path, family):
     assert (TEMPLATES / f"{family}.jinja").is_file()
 
 
-def test_a_template_whose_turn_drops_its_generation_prompt_is_refused_clearly(tmp_path):
-    """DeepSeek-V3's template prefills `<think>\\n` in the generation prompt but renders past
-    turns without it: no turn boundary to find, so the record is refused with the fix."""
-    from scaletrain.inference.chat import ChatFormatError
-
+def test_a_template_whose_turns_drop_their_generation_prompt_trains_as_rendered(tmp_path,
+                                                                               caplog):
+    """DeepSeek-R1's template (published as DeepSeek-V3's too) prefills `<think>\\n` in the
+    generation prompt but renders every turn without it (and without earlier reasoning):
+    each turn is trained as transformers renders the whole conversation, the text after each
+    `<｜Assistant｜>` header up to the next user turn, and the fallback is said once."""
     d = tokenizer_dir(tmp_path, "deepseekv3")
     tok = transformers.AutoTokenizer.from_pretrained(str(d))
     fmt = ChatFormatter(tok.backend_tokenizer, tok.eos_token_id, *read_chat_template(d))
-    with pytest.raises(ChatFormatError, match=r"rec: .*add \{% generation %\}"):
-        fmt.encode({"messages": [dict(m) for m in RECORDS[0]]}, "rec")
+    with caplog.at_level("WARNING", logger="scaletrain.chat"):
+        for record in RECORDS:
+            messages = [dict(m) for m in record]
+            ids, mask = fmt.encode({"messages": messages}, "rec")
+            text = tok.apply_chat_template(messages, tokenize=False)
+            assert ids == tok(text, add_special_tokens=False)["input_ids"]
+            scored, cur = [], []
+            for t, m in zip(ids, mask):
+                if m:
+                    cur.append(t)
+                elif cur:
+                    scored, cur = scored + [tok.decode(cur)], []
+            scored += [tok.decode(cur)] if cur else []
+            want = [turn.split("<｜User｜>")[0] for turn in text.split("<｜Assistant｜>")[1:]]
+            assert scored == want and len(want) == sum(m["role"] == "assistant"
+                                                       for m in messages)
+            assert all(w.endswith(tok.eos_token) for w in want)
+    said = [r for r in caplog.records if "'<think>\\n' its generation prompt" in r.message]
+    assert len(said) == 1

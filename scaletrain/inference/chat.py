@@ -10,10 +10,14 @@ documented default is `role: content` lines and `assistant: ` before the reply.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+
+log = logging.getLogger("scaletrain.chat")
 
 
 class ChatFormatError(ValueError):
@@ -34,6 +38,7 @@ class ChatFormatter:
         self.special = dict(special_tokens or {})
         self._template = None
         self._source = template or ""
+        self._prefill_said = False  # the PrefillDropped warning, once per formatter
         if template:
             from scaletrain.inference.chat_template import TemplateError, compile_template
 
@@ -110,7 +115,13 @@ class ChatFormatter:
         """The assistant's text of the rendered conversation is scored (`chat_spans`: the
         template's `{% generation %}` blocks, else render-and-diff per turn); each piece is
         encoded on its own, so the prompt tokens are those `conversation_prompt_ids` gives."""
-        from scaletrain.inference.chat_spans import SpanError, pieces_by_diff, pieces_from_spans
+        from scaletrain.inference.chat_spans import (
+            PrefillDropped,
+            SpanError,
+            pieces_by_diff,
+            pieces_by_marks,
+            pieces_from_spans,
+        )
         from scaletrain.inference.chat_template import (
             TemplateError,
             has_generation_blocks,
@@ -127,7 +138,16 @@ class ChatFormatter:
                                           ) from None
                 pieces = pieces_from_spans(text, spans)
             else:
-                pieces = pieces_by_diff(lambda m, gen: self.render(m, gen), messages, self._ids)
+                render = self.render
+                try:
+                    pieces = pieces_by_diff(render, messages, self._ids)
+                except PrefillDropped as e:
+                    if not self._prefill_said:
+                        log.warning("%s; each assistant turn is trained as the whole "
+                                    "conversation renders it, without that text (add {%% "
+                                    "generation %%} blocks to the template to choose)", e)
+                        self._prefill_said = True
+                    pieces = pieces_by_marks(render, messages, self._ids)
         except (ChatFormatError, SpanError) as e:
             raise ChatFormatError(f"{where}: {e}") from None
         ids: list[int] = []

@@ -30,6 +30,17 @@ class SpanError(ValueError):
     """The template renders a conversation in a way assistant turns cannot be found in."""
 
 
+class PrefillDropped(SpanError):
+    """A rendered assistant turn does not continue the generation prompt it is asked with
+    (the prompt prefills text, such as DeepSeek-R1's `<think>\\n`, that the rendered turn
+    drops); `pieces_by_marks` still finds the turns."""
+
+    def __init__(self, turn: int, prefill: str):
+        super().__init__(f"the chat template renders assistant turn {turn} without the "
+                         f"{prefill!r} its generation prompt ends with")
+        self.prefill = prefill
+
+
 def _common_suffix(a: str, b: str) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
@@ -74,11 +85,7 @@ def pieces_by_diff(render: Render, messages: list[dict[str, Any]],
         prompt = render(messages[:i], True)
         full = render(messages[: i + 1], False)
         if not full.startswith(prompt):
-            raise SpanError(f"the chat template renders assistant turn {i} without the "
-                            "generation prompt it asks the model with (e.g. a prefilled "
-                            "'<think>'), so the turn cannot be told apart; add {% generation %}"
-                            " ... {% endgeneration %} around the assistant's text in the "
-                            "template (as TRL's training templates do)")
+            raise PrefillDropped(i, prompt[_common_prefix(prompt, full):])
         turn = full[len(prompt):]
         marked = render(_with_mark(messages, i)[: i + 1], False)
         closer = _common_suffix(turn, marked)
@@ -107,6 +114,35 @@ def pieces_by_diff(render: Render, messages: list[dict[str, Any]],
     return [(t, a) for t, a in out if t]
 
 
+def pieces_by_marks(render: Render, messages: list[dict[str, Any]],
+                    encode: Callable[[str], list[int]] | None = None
+                    ) -> list[tuple[str, bool]]:
+    """(text, is the assistant's) pieces of the whole conversation as the template renders
+    it, for templates whose rendered turns do not continue their generation prompt: turn j
+    is the text that changes when its content is swapped for a mark, plus the closing text
+    the template writes after it (of which a turn followed by more messages keeps what the
+    template also writes there, cut on a token boundary). The role header before a turn is
+    prompt, as in `pieces_by_diff`."""
+    whole = render(messages, False)
+    spans: list[tuple[int, int]] = []
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        marked = render(_with_mark(messages, j), False)
+        start = _common_prefix(whole, marked)
+        end = max(start, len(whole) - _common_suffix(whole, marked))
+        alone = render(messages[: j + 1], False)  # the turn closes the conversation here
+        closer = alone[len(alone) - _common_suffix(alone, render(
+            _with_mark(messages, j)[: j + 1], False)):]
+        kept = _common_prefix(closer, whole[end:])
+        if j < len(messages) - 1:
+            kept = _token_cut(whole[end:], kept, encode)
+        if spans and start < spans[-1][1]:
+            raise SpanError(f"assistant turn {j} overlaps the turn before it in the render")
+        spans.append((start, end + kept))
+    return pieces_from_spans(whole, spans)
+
+
 def pieces_from_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[str, bool]]:
     out, pos = [], 0
     for s, e in spans:
@@ -120,4 +156,5 @@ def pieces_from_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[str
     return out
 
 
-__all__ = ["pieces_by_diff", "pieces_from_spans", "SpanError"]
+__all__ = ["PrefillDropped", "SpanError", "pieces_by_diff", "pieces_by_marks",
+           "pieces_from_spans"]

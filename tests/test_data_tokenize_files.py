@@ -64,9 +64,13 @@ def test_groups_follow_bytes_and_keep_file_order(tmp_path: Path, monkeypatch) ->
     groups = parts_mod.group_files(stats, workers=2)
     assert [len(g) for g in groups] == [10] * 6
     tok = fixture_dir() / "gpt-neox-tokenizer.json"
-    tokenize_to_indexed(files, tmp_path / "g", tok, workers=2)  # several parts, 2 processes
     tokenize_to_indexed([one], tmp_path / "o", tok, workers=1)
-    assert _bytes(tmp_path / "g") == _bytes(tmp_path / "o")
+    for encoded_here in (False, True):  # workers forked; spawned once this process encoded
+        monkeypatch.setattr(tokenize_mod, "_ENCODED_HERE", encoded_here)
+        assert tokenize_mod._start_method() == ("spawn" if encoded_here else "fork")
+        out = tmp_path / f"g-{encoded_here}"
+        tokenize_to_indexed(files, out, tok, workers=2)  # several parts, 2 processes
+        assert _bytes(out) == _bytes(tmp_path / "o")
 
 
 def test_an_interrupted_run_is_resumed_from_its_finished_parts(tmp_path: Path,

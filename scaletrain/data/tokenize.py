@@ -46,6 +46,7 @@ log = logging.getLogger("scaletrain.data")
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson", ".parquet")
 _BATCH_CHARS = 4 << 20  # text per encode_batch call
 _PIECE_CHARS = 1 << 20  # a longer document is encoded in pieces of about this size
+_ENCODED_HERE = False  # whether this process has encoded (its tokenizer threads started)
 
 
 class TokenizeError(ValueError):
@@ -210,6 +211,8 @@ def _encode_long(tok: TextTokenizer, text: str) -> np.ndarray:
 def write_texts(tok: TextTokenizer, texts: Iterable[str], writer: IndexedDatasetWriter
                 ) -> TokenizeStats:
     """Tokenize `texts` (one document each) into `writer`; returns the counts."""
+    global _ENCODED_HERE
+    _ENCODED_HERE = True
     stats = TokenizeStats()
 
     def add(batch: list[str], docs: list[np.ndarray]) -> None:
@@ -275,6 +278,18 @@ class WorkerDied(TokenizeError):
     """A worker process was killed (out of memory?); the finished parts are kept."""
 
 
+def _start_method() -> str:
+    """'fork' where it is safe and available: a forked worker starts in milliseconds with the
+    driver's tokenizer already loaded, where a spawned one imports and loads it again (about
+    a second, which 100,000 tiny files notice). 'spawn' once this process has encoded a
+    batch: the tokenizers thread pool it started does not survive a fork."""
+    import multiprocessing as mp
+
+    if _ENCODED_HERE or "fork" not in mp.get_all_start_methods():
+        return "spawn"
+    return "fork"
+
+
 def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
               ) -> Iterator[dict[str, Any]]:
     """`fn` (default: `_tokenize_group`) of each job; results in job order. A worker process
@@ -309,9 +324,9 @@ def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
 
     from scaletrain.curate.executors.lifeline import bind_to_parent
 
-    # spawn: tokenizers' thread pool does not survive fork. (multiprocessing.Pool would wait
-    # for ever for the job of a worker that was killed; this pool reports it.)
-    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp.get_context("spawn"),
+    # (multiprocessing.Pool would wait for ever for the job of a worker that was killed;
+    # this pool reports it.)
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp.get_context(_start_method()),
                                initializer=bind_to_parent)
     try:
         futures = [pool.submit(fn, j) for j in jobs]

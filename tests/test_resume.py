@@ -228,3 +228,32 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(
     assert Trainer.checkpointer_cls.steps_in(out / "checkpoints") == [2]
     assert train(out, cache) == 0
     assert losses(out) == losses(reference)
+
+
+def test_a_signal_during_start_up_stops_before_the_first_step(
+        reference: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM while the trainer is built (loading a large base takes minutes): the marker is
+    written at once, so a job killed before the loop is still requeued; the loop then stops
+    before its first step with exit 75, and the rerun equals the uninterrupted run."""
+    out = tmp_path / "run"
+    marker_at_once = []
+    original = Trainer.__init__
+
+    def build(self: Any, *a: Any, **k: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        marker_at_once.append((out / "preempted.json").is_file())
+        original(self, *a, **k)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "__init__", build)
+        assert train(out, cache) == EXIT_PREEMPTED
+    assert marker_at_once == [True] and signal.getsignal(signal.SIGTERM) == before
+    assert "stopped by SIGTERM during start-up, before step 1; nothing was trained" in \
+        capsys.readouterr().err
+    marker = json.loads((out / "preempted.json").read_text())
+    assert marker["step"] == 0 and marker["checkpoint"] is None
+    assert not list((out / "checkpoints").glob("step-*"))
+    assert train(out, cache) == 0
+    assert losses(out) == losses(reference)

@@ -13,7 +13,9 @@ defaults come from the `finetune` preset (`--config NAME_OR_TOML` picks another)
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from scaletrain.commands.train_dry_run import split_flags
@@ -57,9 +59,16 @@ def main(argv: list[str]) -> int:
     from scaletrain.finetune.lora import LoRAError
     from scaletrain.parallel.mesh import shutdown_process_group
     from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
-    from scaletrain.train.preemption import EXIT_PREEMPTED, Preempted
+    from scaletrain.train.preemption import (
+        EXIT_PREEMPTED,
+        Preempted,
+        catch_during_startup,
+        end_startup,
+    )
     from scaletrain.train.trainer import TrainingDiverged
 
+    catch_during_startup(cfg.checkpoint.signals, Path(cfg.output),
+                         os.environ.get("RANK", "0") == "0")
     try:
         result, scores = _finetune(cfg, fit_seq_len)
     except NonFiniteStateError as e:  # the run diverged: not an input error
@@ -79,6 +88,7 @@ def main(argv: list[str]) -> int:
         print(f"scaletrain finetune: {e}", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY
     finally:  # also under torchrun: no process group outlives the run (see shutdown_process_group)
+        end_startup()
         shutdown_process_group()
     if result.losses:
         log.info("fine-tuned %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f; "

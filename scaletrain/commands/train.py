@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from scaletrain.commands.train_dry_run import split_flags
@@ -28,9 +30,16 @@ def main(argv: list[str]) -> int:
     from scaletrain.parallel.failure import DistributedFailure
     from scaletrain.parallel.mesh import shutdown_process_group
     from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
-    from scaletrain.train.preemption import EXIT_PREEMPTED, Preempted
+    from scaletrain.train.preemption import (
+        EXIT_PREEMPTED,
+        Preempted,
+        catch_during_startup,
+        end_startup,
+    )
     from scaletrain.train.trainer import TrainingDiverged
 
+    catch_during_startup(cfg.checkpoint.signals, Path(cfg.output),
+                         os.environ.get("RANK", "0") == "0")
     try:
         result = _train(cfg)
     except NonFiniteStateError as e:  # the run diverged: not an input error
@@ -52,6 +61,7 @@ def main(argv: list[str]) -> int:
         print(f"scaletrain train: {e}", file=sys.stderr)
         return 1
     finally:  # on every way out (the trainer is out of reach by now)
+        end_startup()
         shutdown_process_group()
     losses = result.losses
     if losses:

@@ -14,6 +14,7 @@ memory: no device synchronization, and never interleaved with the training's col
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -32,13 +33,70 @@ MARKER_NAME = "preempted.json"
 
 
 class Preempted(Exception):
-    """The run stopped on a preemption signal after saving `checkpoint` at `step`."""
+    """The run stopped on a preemption signal after saving `checkpoint` at `step` (or, with
+    `during_startup`, before its first step, `checkpoint` being the one it started from)."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint: Path | None) -> None:
+    def __init__(self, signal_name: str, step: int, checkpoint: Path | None,
+                 during_startup: bool = False) -> None:
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-        saved = f"checkpoint {checkpoint} saved" if checkpoint else "no checkpoint saved"
-        super().__init__(f"stopped by {signal_name} after step {step}; {saved}: run the same "
-                         "command again to continue (checkpoint.resume auto)")
+        if during_startup:
+            where = f"during start-up, before step {step + 1}"
+            saved = f"it continues from {checkpoint}" if checkpoint else "nothing was trained"
+        else:
+            where = f"after step {step}"
+            saved = f"checkpoint {checkpoint} saved" if checkpoint else "no checkpoint saved"
+        super().__init__(f"stopped by {signal_name} {where}; {saved}: run the same command "
+                         "again to continue (checkpoint.resume auto)")
+
+
+class _StartupSignals:
+    """The preemption signals between the command's start and the training loop (loading a
+    large base can take minutes of a short grace period): a signal is remembered for the
+    loop, which stops before its first step, and rank 0 writes the marker at once, so a job
+    killed before the loop starts is still requeued."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[signal.Signals, object] = {}
+        self.output: Path | None = None
+
+    def install(self, signals: tuple[str, ...], output: Path | None) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.output = output
+        for sig in (signal.Signals[name] for name in signals):
+            self.previous.setdefault(sig, signal.signal(sig, self._on_signal))
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is not None:
+            return
+        self.received = signum
+        if self.output is not None:
+            with contextlib.suppress(OSError):
+                self.output.mkdir(parents=True, exist_ok=True)
+                write_marker(self.output, signal.Signals(signum).name, None, None)
+
+    def hand_over(self) -> tuple[int | None, dict[signal.Signals, object]]:
+        """(the signal received so far, the handlers before start-up); start-up is over."""
+        out = self.received, dict(self.previous)
+        self.received, self.previous, self.output = None, {}, None
+        return out
+
+
+_STARTUP = _StartupSignals()
+
+
+def catch_during_startup(signals: tuple[str, ...], output: Path, is_main: bool) -> None:
+    """Catch `signals` from now on; the training loop's `StepBoundary` takes them over."""
+    _STARTUP.install(signals, output if is_main else None)
+
+
+def end_startup() -> None:
+    """The handlers before `catch_during_startup` again, where the loop did not take them
+    over (the run failed before its loop)."""
+    _, before = _STARTUP.hand_over()
+    for sig, handler in before.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 class StepBoundary:
@@ -62,8 +120,12 @@ class StepBoundary:
         if threading.current_thread() is not threading.main_thread():
             log.warning("checkpoint.signals: not the main thread, signals keep their defaults")
             return
+        early, before = _STARTUP.hand_over()
+        if early is not None and self.received is None:
+            self.received = early
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+            previous = signal.signal(sig, self._on_signal)
+            self._previous[sig] = before.get(sig, previous)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -94,7 +156,8 @@ class StepBoundary:
         return name, bool(flags[1])
 
 
-def write_marker(output: Path, signal_name: str, step: int, checkpoint: Path | None) -> None:
+def write_marker(output: Path, signal_name: str, step: int | None,
+                 checkpoint: Path | None) -> None:
     """`preempted.json`: tells the job script the run stopped to be continued (requeue)."""
     info = {"signal": signal_name, "step": step,
             "checkpoint": str(checkpoint) if checkpoint else None, "time": time.time()}

@@ -486,6 +486,16 @@ class Trainer:
         heartbeat = self.par.heartbeat()
         boundary = StepBoundary(cfg.checkpoint.signals, cfg.checkpoint.interval_minutes,
                                 self.par.enabled, self.is_main)
+        boundary.install()
+        stop, _ = boundary.decide()  # a signal during start-up: stop before the first step
+        if stop is not None:
+            boundary.uninstall()
+            self.checkpointer.close()
+            if heartbeat is not None:
+                heartbeat.stop()
+            if self.is_main:
+                write_marker(self.output, stop, self.step, self.resume_from)
+            raise Preempted(stop, self.step, self.resume_from, during_startup=True)
         stacks = self._stack_dumps()
         metrics: Any = _NoMetrics()
         if self.is_main:  # one rank writes metrics, logs and the progress bar
@@ -495,7 +505,6 @@ class Trainer:
                                     start_step=self.step)
         pending = _Pending(time.perf_counter())
         prof = StepProfiler(cfg.profiling, self.output, self.device, start_step=self.step).start()
-        boundary.install()
         try:
             while self.step < cfg.training.steps:
                 self._where(heartbeat, "training step")

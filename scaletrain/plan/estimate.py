@@ -141,7 +141,11 @@ def layout_problems(args: ModelArgs, lay: Layout) -> list[str]:
         return out
     if lay.precision not in DTYPE_BYTES or lay.stored_dtype not in ("fp32", "bf16", "fp16"):
         out.append(f"precision must be fp32, bf16 or fp16 (got {lay.precision})")
-    out += lay.dims.model_problems(args, lay.seq_len, lay.vpp)
+    # The planner estimates tied embeddings under pipeline parallelism as Megatron runs them
+    # (first and last stage each hold the embedding; `memory.stage_params`, `comm.py`):
+    # whether the trainer runs them is `trainer_problems`' question, not the estimate's.
+    out += [p for p in lay.dims.model_problems(args, lay.seq_len, lay.vpp)
+            if not p.startswith("model.tie_embeddings")]
     if lay.gbs is not None and lay.gbs % (lay.mbs * lay.dims.dp):
         out.append(f"the global batch ({lay.gbs} sequences) must be divisible by micro-batch x "
                    f"data parallel ({lay.mbs} x {lay.dims.dp})")

@@ -34,6 +34,7 @@ from scaletrain.plan.estimate import (
     layout_problems,
     trainer_problems,
 )
+from scaletrain.plan.flops import attention_forward_flops
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import stage_params
 
@@ -47,8 +48,8 @@ class Cluster:
     gpus_per_node: int = 8
     headroom: float = 0.08
     """Share of device memory kept free for the CUDA context, NCCL and fragmentation."""
-    efficiency: float = 0.6
-    """Fraction of peak a large matmul reaches."""
+    efficiency: float | None = None
+    """Fraction of peak a large matmul reaches; None: the device's `gemm_efficiency`."""
 
     @property
     def usable_bytes(self) -> float:
@@ -92,6 +93,49 @@ class Candidate:
             / 1e12
 
 
+TOKENS_HALF = 32
+"""Tokens per micro-batch (on a rank) at which matmuls reach half their attainable rate."""
+ELEMENTWISE_DIM = 1536
+"""Memory-bound work per layer (norms, activations, residuals, RoPE, dropout) grows with the
+width h, matmul work with h^2: their ratio is ELEMENTWISE_DIM / h. Fitted, with the devices'
+`gemm_efficiency` and CONTENTION, to the calibration table (a grid search minimizing the
+largest |log(predicted / measured)| with every group's measured order kept)."""
+
+
+def attention_hardware_flops(plan: Plan) -> float:
+    """Attention-core FLOPs per token (scores and values): forward, backward (2x), and the
+    recomputed forward of the layers recomputation re-runs."""
+    lay, args = plan.layout, plan.args
+    fwd = attention_forward_flops(args, lay.seq_len)
+    if lay.recompute == "full":
+        again = 1.0
+    elif lay.recompute == "partial":
+        again = sum(1 for i in range(args.n_layers) if i % lay.every == lay.every - 1) \
+            / args.n_layers
+    else:
+        again = 0.0
+    return fwd * (3 + again)
+
+
+def compute_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> float:
+    """Seconds of arithmetic per step on one GPU: matmuls at the device's attainable fraction
+    of peak, lowered for few tokens per micro-batch and for the memory-bound work around them
+    (relatively more in narrow models); the attention core at the device's attention efficiency."""
+    lay, args = plan.layout, plan.args
+    d = lay.dims
+    peak = cluster.device.peak_tflops.get(lay.precision)
+    if not peak:
+        raise PlanError(f"no peak FLOP/s for {cluster.device.name} in {lay.precision}")
+    tokens_mb = lay.mbs * lay.seq_len / d.cp
+    gemm_eff = (cluster.efficiency or cluster.device.gemm_efficiency) \
+        * tokens_mb / (tokens_mb + TOKENS_HALF) / (1 + ELEMENTWISE_DIM / args.dim)
+    attn = attention_hardware_flops(plan)
+    gemm = plan.hardware_flops_per_token - attn
+    per_gpu = gbs_tokens / cluster.gpus
+    return per_gpu * (gemm / gemm_eff + attn / cluster.device.attention_efficiency) \
+        / (peak * 1e12)
+
+
 def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dict[str, float]]:
     """Estimated seconds per optimizer step and its parts.
 
@@ -104,17 +148,11 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     """
     lay, args = plan.layout, plan.args
     d = lay.dims
-    peak = cluster.device.peak_tflops.get(lay.precision)
-    if not peak:
-        raise PlanError(f"no peak FLOP/s for {cluster.device.name} in {lay.precision}")
     gpn = cluster.gpus_per_node
     fabric = Fabric(cluster.device, gpn)
     m = lay.grad_accum
     tokens_mb = lay.mbs * lay.seq_len / d.cp
-    width = args.dim / d.tp
-    eff = cluster.efficiency * tokens_mb / (tokens_mb + 512) * width / (width + 256)
-    flops = plan.hardware_flops_per_token * gbs_tokens / cluster.gpus
-    compute = flops / (peak * 1e12 * eff)
+    compute = compute_time(plan, cluster, gbs_tokens)
     sp = stage_params(args, d.pp, d.tp, plan.stage, lay.vpp)
     layers = max(1, sp.layers)
     c = DTYPE_BYTES[lay.precision]
@@ -161,9 +199,31 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     return busy + bubble + dp, times
 
 
+CONTENTION = 0.1
+"""Compute slowed by communication it hides: NCCL kernels running beside compute kernels take
+SMs and memory bandwidth from them, so each hidden second of data-parallel communication costs
+CONTENTION seconds of compute (fitted to the calibration table: ZeRO-3 at 384 A100s measured
+slower than Megatron's TP x PP although its traffic hides behind compute)."""
+
+
+def _overlap(comm: float, window: float) -> float:
+    """Seconds a collective of `comm` seconds adds when `window` seconds of compute run beside
+    it: what sticks out, plus the contention cost of the part hidden."""
+    return max(0.0, comm - window) + CONTENTION * min(comm, window)
+
+
 def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
                 params: int) -> float:
-    """Seconds of data-parallel communication per step that compute does not hide."""
+    """Seconds of data-parallel communication per step that compute does not hide.
+
+    FSDP2 (`parallel/fsdp.py`, one unit per block) prefetches one block ahead: in forward the
+    all-gather of block i+1 runs during block i's forward; in backward the all-gather of the
+    next block and the reduce-scatter of the previous one run during a block's backward (and
+    its recomputed forward). Each block's exposed time is what its own compute cannot cover;
+    the first gather and the last reduce-scatter are never covered. DDP's bucketed all-reduce
+    runs during the last micro-batch's backward (no sync before it); ZeRO-1's gather of the
+    updated weights runs after the optimizer step, exposed.
+    """
     lay = plan.layout
     d = lay.dims
     gpn = fabric.gpus_per_node
@@ -176,12 +236,9 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
         ag = fabric.time("all_gather", gather, n, k)
         rs = fabric.time("reduce_scatter", grad_wire * params / layers, n, k)
         fwd = compute / (3 * m * layers)  # one block's forward of one micro-batch
-        bwd = 2 * fwd
-        if not lay.blocks_stay_gathered:  # ZeRO-3: gathered again in backward
-            per_mb = (layers * max(0.0, ag - fwd) + ag
-                      + layers * max(0.0, ag + rs - bwd) + rs)
-        else:  # ZeRO-2 (or ZeRO-3 under zero bubble): gathered once, kept until backward
-            per_mb = layers * max(0.0, ag - fwd) + ag + layers * max(0.0, rs - bwd) + rs
+        bwd = compute / (m * layers) - fwd  # its backward (and recomputed forward)
+        backward_ag = ag if not lay.blocks_stay_gathered else 0.0  # ZeRO-3 gathers again
+        per_mb = (layers * (_overlap(ag, fwd) + _overlap(backward_ag + rs, bwd)) + ag + rs)
         exposed = m * per_mb
         if d.dp_replicate > 1:  # HSDP: shards all-reduced across replicas, after backward
             kr = per_node(d.tp * n, d.dp_replicate, gpn)
@@ -196,7 +253,7 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     bucket = grad_wire * params / buckets
     all_reduce = buckets * fabric.time("all_reduce", bucket, n, k)
     backward = 2 / 3 * compute / m  # the last micro-batch's backward (no sync before it)
-    exposed = max(0.0, all_reduce - backward) + all_reduce / buckets
+    exposed = _overlap(all_reduce, backward) + all_reduce / buckets
     if lay.zero == 1:  # each owner broadcasts its updated parameters
         exposed += fabric.time("all_gather", 4.0 * params, n, k)
     return exposed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 from scaletrain.models.args import ModelArgs, count_active_params, count_params
@@ -282,6 +283,15 @@ def _spec(args: ModelArgs, lay: Layout) -> ActivationSpec:
 
 def hardware_flops_per_token(args: ModelArgs, lay: Layout) -> float:
     """Model FLOPs plus the forward of every recomputed region."""
+    return _hardware_flops(args, lay.seq_len, lay.recompute, lay.every, lay.scope)
+
+
+@lru_cache(maxsize=1024)
+def _hardware_flops(args: ModelArgs, seq_len: int, recompute: str, every: int,
+                    scope: str) -> float:
+    """`hardware_flops_per_token` of hashable inputs (the search asks thousands of times)."""
+    lay = Layout(seq_len=seq_len, recompute=recompute, every=every,  # type: ignore[arg-type]
+                 scope=scope)  # type: ignore[arg-type]
     model = flops_per_token(args, lay.seq_len)
     if lay.recompute == "none":
         return model

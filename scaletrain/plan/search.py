@@ -39,6 +39,7 @@ from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import stage_params
 
 RECOMPUTE_COST = {"none": 0, "partial": 1, "full": 2}
+ZERO_OF_MODE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
 @dataclass(frozen=True)
@@ -63,19 +64,29 @@ class Candidate:
     step_time_s: float
     mfu: float
     times: dict[str, float]
-    command: str = ""
-    """The `torchrun ... -m scaletrain train ...` line that runs this layout."""
+    model: str = "MODEL"
+    """The name (preset or Hugging Face config path) `command` trains."""
+    gpus: int = 1
+    gpus_per_node: int = 8
 
     @property
     def layout(self) -> Layout:
         return self.plan.layout
+
+    @property
+    def command(self) -> str:
+        """The `torchrun ... -m scaletrain train ...` line that runs this layout (built when
+        asked: the search evaluates thousands of layouts and prints a few)."""
+        return train_command(self.model, self.plan.args, self.layout, self.gpus,
+                             self.gpus_per_node)
 
     def to_json(self) -> dict:
         lay = self.layout
         d = lay.dims
         return {
             "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-            "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "ep": d.ep, "zero": lay.zero, "mbs": lay.mbs,
+            "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "ep": d.ep, "zero": self.zero_label,
+            "mbs": lay.mbs,
             "ga": lay.grad_accum, "recompute": lay.recompute,
             "memory_bytes_per_gpu": self.plan.peak_bytes, "step_time_s": self.step_time_s,
             "mfu": self.mfu, "bubble_fraction": self.plan.bubble_fraction,
@@ -83,6 +94,13 @@ class Candidate:
             "data_parallel": lay.data_parallel, "fsdp_param_dtype": lay.fsdp_param_dtype,
             "schedule": lay.schedule, "command": self.command,
         }
+
+    @property
+    def zero_label(self) -> int:
+        """The ZeRO stage the command runs: with one data-parallel rank the stage changes
+        nothing and the trainer's `auto` mode picks it (zero3 under TP or PP), so the label
+        follows the command's `parallel.data_parallel`."""
+        return ZERO_OF_MODE[self.layout.data_parallel]
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -264,24 +282,32 @@ def _divisors(n: int) -> list[int]:
 
 
 def _model_parallel_ladder(args: ModelArgs, cluster: Cluster) -> list[tuple[int, int]]:
-    """(tp, pp) pairs in the practitioners' order: tensor parallel grows inside a node first;
-    pipeline parallel (across nodes) only once tensor parallel fills the node."""
+    """(tp, pp) pairs: tensor parallel inside a node (1, 2, 4, 8: the divisors of the node's
+    GPUs that divide the heads) combined with every pipeline degree that divides the rest and
+    leaves each stage a layer (BLOOM's TP 4 x PP 12 as well as Megatron's TP 8 x PP n)."""
     n = cluster.gpus
     tps = [t for t in _divisors(cluster.gpus_per_node) if n % t == 0
            and args.n_heads % t == 0 and args.kv_heads % t == 0]
-    out = [(t, 1) for t in tps]
-    top = tps[-1]
-    out += [(top, p) for p in _divisors(n // top) if 1 < p <= args.n_layers]
-    return out
+    return [(t, p) for t in tps for p in _divisors(n // t) if p <= args.n_layers]
+
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+RECOMPUTE_BY_MEMORY = ("full", "partial", "none")
+"""Recomputation from the least memory to the most: once one does not fit, the next won't."""
 
 
 def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                base: Layout | None = None, max_cp: int = 32,
-               max_zero: int = 3, model: str = "MODEL") -> list[Candidate]:
-    """Every layout the search considers, evaluated (fitting or not).
+               max_zero: int = 3, model: str = "MODEL",
+               refused: dict[str, int] | None = None) -> list[Candidate]:
+    """Every layout the search evaluates, fitting or not: TP x PP x virtual stages x CP x EP x
+    ZeRO stage x recomputation x micro-batch, pruned by memory before the step time is ranked
+    (the micro-batches of a layout stop at the first that does not fit even with full
+    recomputation; lighter recomputation is tried only while the heavier one fits).
 
     Context parallel is added (2, 4, ... up to `max_cp`) only when no layout without it fits:
-    it is the tool for sequences whose activations do not fit otherwise.
+    it is the tool for sequences whose activations do not fit otherwise. `refused` (if given)
+    counts the layouts the trainer refuses, by reason.
     """
     if gbs_tokens % seq_len:
         raise PlanError(f"--gbs-tokens ({gbs_tokens}) must be a multiple of --seq-len "
@@ -298,13 +324,21 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
             dp = cluster.gpus // (tp * pp * cp)
             if gbs % dp:
                 continue
-            for zero, recompute, mbs, vpp, ep in itertools.product(
-                    range(max_zero + 1), ("none", "partial", "full"), (1, 2, 4, 8, 16),
-                    (1, 2, 4), _ep_degrees(args, dp)):
-                cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp, zero,
-                                 recompute, mbs, vpp, model, ep)
-                if cand is not None:
-                    out.append(cand)
+            for zero, vpp, ep in itertools.product(range(max_zero + 1), (1, 2, 4),
+                                                   _ep_degrees(args, dp)):
+                for mbs in MICRO_BATCHES:
+                    fitted = False
+                    for recompute in RECOMPUTE_BY_MEMORY:
+                        cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp,
+                                         zero, recompute, mbs, vpp, model, ep, refused)
+                        if cand is None:
+                            continue
+                        out.append(cand)
+                        if not cand.fits:
+                            break
+                        fitted = True
+                    if not fitted and any(c.layout.mbs == mbs for c in out[-3:]):
+                        break  # a larger micro-batch holds more still
         if any(c.fits for c in out):
             break
     return out
@@ -312,7 +346,8 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 
 def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tokens: int,
               tp: int, cp: int, pp: int, dp: int, zero: int, recompute: str, mbs: int,
-              vpp: int, model: str = "MODEL", ep: int = 1) -> Candidate | None:
+              vpp: int, model: str = "MODEL", ep: int = 1,
+              refused: dict[str, int] | None = None) -> Candidate | None:
     if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp) or (ep > 1 and zero < 2):
         return None
     ga = gbs // (mbs * dp)
@@ -328,15 +363,23 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
                        sequence_parallel=base.sequence_parallel and args.arch == "llama",
                        fsdp_param_dtype=fsdp_dtype,
                        schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
-    if layout_problems(args, lay) or trainer_problems(args, lay):
-        return None  # never propose what the trainer refuses
+    if layout_problems(args, lay):
+        return None
+    problems = trainer_problems(args, lay)
+    if problems:  # never propose what the trainer refuses
+        if refused is not None:
+            for problem in problems:
+                refused[problem] = refused.get(problem, 0) + 1
+        return None
     plan = estimate(args, lay)
+    fits = plan.peak_bytes <= cluster.usable_bytes
+    if not fits:  # pruned by memory: no step time needed
+        return Candidate(plan, False, math.inf, 0.0, {}, model, cluster.gpus,
+                         cluster.gpus_per_node)
     t, times = step_time(plan, cluster, gbs_tokens)
     peak = cluster.device.peak_tflops[lay.precision] * 1e12
     mfu = plan.flops_per_token * gbs_tokens / (t * cluster.gpus * peak)
-    return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times,
-                     command=train_command(model, args, lay, cluster.gpus,
-                                           cluster.gpus_per_node))
+    return Candidate(plan, True, t, mfu, times, model, cluster.gpus, cluster.gpus_per_node)
 
 
 def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:
@@ -359,13 +402,14 @@ def rank_key(c: Candidate) -> tuple:
 
 
 def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
-           base: Layout | None = None, max_zero: int = 3,
-           model: str = "MODEL") -> tuple[list[Candidate], list[Candidate]]:
+           base: Layout | None = None, max_zero: int = 3, model: str = "MODEL",
+           refused: dict[str, int] | None = None) -> tuple[list[Candidate], list[Candidate]]:
     """(fitting layouts best first, all evaluated layouts). `max_zero` 1 restricts the search to
     replicated weights (DDP, ZeRO-1). Only layouts the trainer runs are evaluated; `model` is
     the name (preset or Hugging Face config path) the commands train."""
     base = (base or Layout()).replace(seq_len=seq_len)
-    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model)
+    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model,
+                       refused=refused)
     fitting = sorted((c for c in every if c.fits), key=rank_key)
     return fitting, every
 
@@ -380,6 +424,8 @@ KNOBS = ("tp", "pp", "cp", "ep", "zero", "recompute", "mbs", "vpp")
 
 def knob(c: Candidate, name: str) -> object:
     lay = c.layout
+    if name == "zero":
+        return c.zero_label
     return getattr(lay.dims, name) if name in ("tp", "pp", "cp", "ep") else getattr(lay, name)
 
 
@@ -410,4 +456,6 @@ def why_lost(best: Candidate, alt: Candidate, usable_bytes: float) -> str:
     deltas = {k: alt.times[k] - best.times.get(k, 0.0) for k in alt.times}
     worst = max(deltas, key=deltas.get)  # type: ignore[arg-type]
     slower = alt.step_time_s / best.step_time_s - 1
-    return f"{slower:.0%} slower, mostly {worst.replace('_', ' ')} (+{deltas[worst]:.2f} s)"
+    extra = deltas[worst]
+    amount = f"{extra:.2f} s" if extra >= 0.1 else f"{extra * 1e3:.3g} ms"
+    return f"{slower:.0%} slower, mostly {worst.replace('_', ' ')} (+{amount})"

@@ -209,6 +209,9 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
         act = tokens_mb * args.dim * c / (d.tp if lay.sequence_parallel else 1)
         across = d.tp * d.cp * d.dp >= gpn
         pp = 2 * m * lay.vpp * fabric.p2p(act, across)
+        if args.tie_embeddings:  # the embedding's gradient: first <-> last stage, exposed
+            tied = 4.0 * args.vocab_size * args.dim / d.tp
+            pp += fabric.time("all_reduce", tied, 2, 1 if across or d.pp > gpn else 2)
     dp = _dp_exposed(plan, fabric, compute, layers, sp.total)
     busy = compute + tp + cp + ep + pp
     bubble = busy * plan.bubble_fraction

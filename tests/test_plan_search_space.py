@@ -87,3 +87,14 @@ def test_search_json_zero_matches_data_parallel(capsys: pytest.CaptureFixture[st
                 "--seq-len", "4096", "--gbs", "1", "--json"]) == 0
     for row in json.loads(capsys.readouterr().out):
         assert row["zero"] == ZERO_OF_MODE[row["data_parallel"]]
+
+
+def test_cpu_device_is_this_host_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["plan", "search", "--model", "debug", "--gpus", "2", "--gpu", "cpu",
+                "--gbs", "8", "--json", "--top", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(r["step_time_s"] > 0 for r in rows)
+    from scaletrain.plan.cpu_device import cpu_device, host_ram_bytes
+
+    dev = cpu_device(2)
+    assert dev.peak_tflops["fp32"] > 0 and dev.memory_bytes <= host_ram_bytes() / 2 + 2**30

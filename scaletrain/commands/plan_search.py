@@ -26,7 +26,9 @@ def main(argv: list[str]) -> int:
                                 allow_abbrev=False)
     add_common_args(p)
     p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
-    p.add_argument("--gpus-per-node", type=positive_int, default=8)
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="GPUs (or, with --gpu cpu, processes) per node; default 8, with "
+                        "--gpu cpu all of --gpus on this host")
     batch = p.add_mutually_exclusive_group(required=True)
     batch.add_argument("--gbs-tokens", type=positive_int, help="global batch in tokens")
     batch.add_argument("--gbs", type=positive_int,
@@ -45,9 +47,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=positive_int, default=5)
     a = p.parse_args(argv)
     if a.gpu is None:
-        raise PlanError("--gpu is required for a search (e.g. --gpu H100)")
-    device = parse_device(a.gpu, a.gpu_mem)
+        raise PlanError("--gpu is required for a search (e.g. --gpu H100, or cpu)")
+    if a.gpu.lower() == "cpu":  # this host, measured, shared by the ranks of one host
+        from scaletrain.plan.cpu_device import cpu_device
+
+        if a.gpus_per_node is None:
+            a.gpus_per_node = a.gpus
+        device = cpu_device(a.gpus_per_node)
+        if a.gpu_mem is not None:
+            device = dataclasses.replace(device, memory_gib=a.gpu_mem)
+    else:
+        device = parse_device(a.gpu, a.gpu_mem)
     assert device is not None
+    if a.gpus_per_node is None:
+        a.gpus_per_node = 8
     defaults = train_defaults(a.model)
     a.seq_len = a.seq_len or defaults.data.seq_len
     a.precision = resolve_precision(a.precision, defaults, device)

@@ -330,17 +330,18 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
             for zero, vpp, ep in itertools.product(range(max_zero + 1), (1, 2, 4),
                                                    _ep_degrees(args, dp)):
                 for mbs in MICRO_BATCHES:
-                    fitted = False
+                    evaluated = fitted = False
                     for recompute in RECOMPUTE_BY_MEMORY:
                         cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp,
                                          zero, recompute, mbs, vpp, model, ep, refused)
                         if cand is None:
                             continue
                         out.append(cand)
+                        evaluated = True
                         if not cand.fits:
                             break
                         fitted = True
-                    if not fitted and any(c.layout.mbs == mbs for c in out[-3:]):
+                    if evaluated and not fitted:
                         break  # a larger micro-batch holds more still
         if any(c.fits for c in out):
             break

@@ -1,17 +1,16 @@
 """Layout search: the layouts that fit a cluster, ranked by an estimated step time.
 
-The procedure practitioners follow: fix the global batch (in tokens) and the sequence length;
-try tensor parallel only inside a node, pipeline parallel across nodes, context parallel for
-long sequences; every micro-batch size that divides the batch; data parallel takes the rest and
-gradient accumulation is GBS / (MBS x DP); ZeRO stages and recomputation are added only when
-they are needed: they cost time (recomputation FLOPs, ZeRO-3 gathers) and ties go to the
-simpler layout.
+The space practitioners use: fix the global batch (in tokens) and the sequence length; tensor
+parallel 1, 2, 4, 8 inside a node, each with every pipeline degree (and 1, 2, 4 virtual
+stages), context parallel for long sequences, ZeRO 0-3, recomputation, every micro-batch that
+divides the batch; data parallel takes the rest and gradient accumulation is GBS / (MBS x DP).
+Layouts are pruned by memory before they are timed; ties go to the simpler layout.
 
 Step time = (compute + exposed tensor/context/pipeline communication) x (1 + bubble) +
-data-parallel communication not hidden behind compute. Compute = hardware FLOPs / (peak x
-efficiency); the efficiency falls for small matmuls (few tokens per micro-batch, narrow
-tensor-parallel shards). Communication: the alpha-beta collective model of `plan.collectives`.
-The data-parallel degree is bounded by the global batch: dp x micro-batch must divide it.
+data-parallel communication not hidden behind compute (`step_time`); compute at the device's
+attainable matmul and attention rates (`compute_time`); communication by the alpha-beta model
+of `plan.collectives` (one NIC per rank across nodes). Calibrated against published measured
+runs: `plan/calibration/`, docs/plan.md.
 """
 
 from __future__ import annotations
@@ -158,11 +157,10 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     """Estimated seconds per optimizer step and its parts.
 
     Communication uses the alpha-beta model of `plan.collectives` (ring or tree, NVLink inside
-    a node, the NICs across nodes). Tensor, context and pipeline communication is exposed.
-    FSDP's per-block all-gathers (and reduce-scatters) overlap the compute of the neighbouring
-    block: only what a block's compute cannot cover is exposed, plus the first gather. DDP's
-    gradient all-reduce overlaps the backward of the last micro-batch; ZeRO-1's gather of the
-    updated weights does not overlap.
+    a node, one NIC per rank across nodes). Tensor, context, expert and pipeline communication
+    is on the critical path (the trainer does not overlap it). Data-parallel communication:
+    `_dp_exposed` (FSDP per block with a prefetch depth of one, DDP behind the last backward,
+    and the contention cost of what hides).
     """
     lay, args = plan.layout, plan.args
     d = lay.dims

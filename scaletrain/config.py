@@ -102,9 +102,13 @@ def read_toml(path: str | Path) -> Config:
     """Read a preset name (`debug` -> configs/debug.toml) or a TOML file path."""
     p = Path(path)
     preset = CONFIG_DIR / f"{path}.toml"
-    # A bare name is a preset, dots included ("llama3.2-1b" has no ".toml" suffix).
-    if not p.exists() and p.suffix != ".toml" and len(p.parts) == 1 and preset.exists():
+    # A bare name is a preset, dots included ("llama3.2-1b" has no ".toml" suffix), also when
+    # the working directory holds a folder of that name (`mkdir debug && scaletrain train`).
+    if not p.is_file() and p.suffix != ".toml" and len(p.parts) == 1 and preset.exists():
         p = preset
+    if p.is_dir():
+        raise ConfigError(f"config '{path}' is a directory, not a TOML file; give the path of "
+                          "a .toml file or a preset name")
     if not p.exists():
         presets = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.toml")))
         raise ConfigError(f"config file '{path}' not found (built-in presets: {presets})")

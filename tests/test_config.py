@@ -129,3 +129,13 @@ def test_megatron_selective_name_is_refused_with_the_meaning_of_each_mode() -> N
     assert len(errors) == 1 and "Megatron-LM's selective" in errors[0] and "partial" in errors[0]
     cfg.activation_checkpoint.mode = "partial"
     assert validate(cfg) == []
+
+
+def test_a_folder_named_like_the_preset_does_not_hide_it(tmp_path, monkeypatch) -> None:
+    """`mkdir debug && scaletrain train --dry-run` reads the preset, not the folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "debug").mkdir()
+    assert read_toml("debug").model.name == "debug"
+    (tmp_path / "mine.toml").mkdir()
+    with pytest.raises(ConfigError, match="is a directory"):
+        read_toml("mine.toml")

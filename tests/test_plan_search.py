@@ -32,11 +32,12 @@ def test_every_fitting_layout_fits_and_respects_the_procedure() -> None:
         d = c.layout.dims
         assert c.plan.peak_bytes <= usable
         assert d.tp <= 8  # tensor parallel never leaves the node
-        assert d.pp == 1 or d.tp == 8  # pipeline only once tensor parallel fills the node
         assert d.world_size == 64
         assert c.layout.grad_accum * c.layout.mbs * d.dp * 8192 == 4 * M
     times = [c.step_time_s for c in fitting]
     assert times[0] <= min(times) * 1.005
+    # tensor parallel below the node size combines with pipeline parallel (BLOOM's TP 4 x PP 12)
+    assert any(1 < c.layout.dims.tp < 8 and c.layout.dims.pp > 1 for c in fitting)
 
 
 def test_llama3_70b_on_eight_nodes_shards_or_splits_the_model() -> None:

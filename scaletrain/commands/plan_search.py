@@ -26,15 +26,18 @@ def main(argv: list[str]) -> int:
                                 allow_abbrev=False)
     add_common_args(p)
     p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
-    p.add_argument("--gpus-per-node", type=positive_int, default=8)
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help="GPUs (or, with --gpu cpu, processes) per node; default 8, with "
+                        "--gpu cpu all of --gpus on this host")
     batch = p.add_mutually_exclusive_group(required=True)
     batch.add_argument("--gbs-tokens", type=positive_int, help="global batch in tokens")
     batch.add_argument("--gbs", type=positive_int,
                        help="global batch in sequences (--gbs-tokens = GBS x --seq-len)")
     p.add_argument("--max-zero", type=int, choices=[0, 1, 2, 3], default=3,
                    help="highest ZeRO stage to consider (1: Megatron-style)")
-    p.add_argument("--efficiency", type=float, default=0.6,
-                   help="fraction of peak a large matmul reaches")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="fraction of peak a large matmul reaches (default: the device's, "
+                        "fitted to published runs: docs/plan.md)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="override the device's peak TFLOP/s in --precision")
     p.add_argument("--intra-node-gbs", type=float, default=None,
@@ -44,9 +47,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=positive_int, default=5)
     a = p.parse_args(argv)
     if a.gpu is None:
-        raise PlanError("--gpu is required for a search (e.g. --gpu H100)")
-    device = parse_device(a.gpu, a.gpu_mem)
+        raise PlanError("--gpu is required for a search (e.g. --gpu H100, or cpu)")
+    if a.gpu.lower() == "cpu":  # this host, measured, shared by the ranks of one host
+        from scaletrain.plan.cpu_device import cpu_device
+
+        if a.gpus_per_node is None:
+            a.gpus_per_node = a.gpus
+        device = cpu_device(a.gpus_per_node)
+        if a.gpu_mem is not None:
+            device = dataclasses.replace(device, memory_gib=a.gpu_mem)
+    else:
+        device = parse_device(a.gpu, a.gpu_mem)
     assert device is not None
+    if a.gpus_per_node is None:
+        a.gpus_per_node = 8
     defaults = train_defaults(a.model)
     a.seq_len = a.seq_len or defaults.data.seq_len
     a.precision = resolve_precision(a.precision, defaults, device)
@@ -63,17 +77,25 @@ def main(argv: list[str]) -> int:
         device = dataclasses.replace(device, intra_node_gbs=a.intra_node_gbs)
     if a.inter_node_gbs is not None:
         device = dataclasses.replace(device, inter_node_gbs=a.inter_node_gbs)
-    if not 0 < a.efficiency <= 1:
+    if a.efficiency is not None and not 0 < a.efficiency <= 1:
         raise PlanError(f"--efficiency must be in (0, 1] (got {a.efficiency})")
     args = parse_model(a.model, a.set)
     cluster = Cluster(device, a.gpus, a.gpus_per_node, efficiency=a.efficiency)
     base = Layout(precision=a.precision, param_dtype=a.param_dtype,
                   grad_convention=a.grad_convention, optimizer=a.optimizer, kernels=a.kernels)
+    refused: dict[str, int] = {}
     fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero,
-                            model=a.model)
+                            model=a.model, refused=refused)
     if a.json:
         print(json.dumps([c.to_json() for c in fitting[:a.top]], indent=2))
         return 0 if fitting else 1
+    if not every:
+        reasons = "; ".join(f"{why} ({n} layouts)" for why, n in
+                            sorted(refused.items(), key=lambda kv: -kv[1])[:3])
+        print(f"no layout of {a.model} on {a.gpus} x {device.name} was evaluated: "
+              + (f"scaletrain train refuses every candidate: {reasons}" if refused else
+                 "no degree divides the model, the GPUs and the global batch"))
+        return 1
     if not fitting:
         smallest = min(every, key=lambda c: c.plan.peak_bytes, default=None)
         need = "" if smallest is None else \
@@ -99,7 +121,8 @@ def main(argv: list[str]) -> int:
     for i, c in enumerate(fitting[:a.top], 1):
         print(f"{i:>2} {c.command}")
     best = fitting[0]
-    parts = ", ".join(f"{k} {v:.2f} s" for k, v in best.times.items() if v > 0.005)
+    parts = ", ".join(f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in best.times.items()
+                      if v > 0.005 * best.step_time_s)
     print(f"\nwhy #1: fastest estimated step ({parts}); it fits with "
           f"{(cluster.usable_bytes - best.plan.peak_bytes) / GIB:.1f} GiB to spare.")
     print("nearest alternatives:")
@@ -107,6 +130,10 @@ def main(argv: list[str]) -> int:
         value = alt.to_json().get(name, getattr(alt.layout, name, None))
         print(f"  {name}={value}: {why_lost(best, alt, cluster.usable_bytes)}")
     return 0
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 0.1 else f"{t * 1e3:.3g} ms"
 
 
 def _overhead(c) -> str:

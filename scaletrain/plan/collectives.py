@@ -11,9 +11,15 @@ time = alpha x (latency steps of the algorithm) + (bytes each rank moves) / bus 
 - NVLink SHARP (NVLS): inside one NVSwitch node an all-reduce runs in the switch, which nccl-tests
   shows as a higher bus bandwidth than the ring's.
 - Hierarchy: a group of n ranks with k of them per node. Inside one node it runs over NVLink;
-  across nodes every rank uses its own NIC (one per GPU), so the group's bus bandwidth is
-  min(NVLink, k x NIC). On a rail-optimized fabric (`Device.rail_optimized`) a group of one GPU
-  per node stays on one leaf switch; other cross-node groups pay more switch hops (latency).
+  across nodes every rank uses its own NIC (one per GPU) and the group's bus bandwidth is one
+  NIC's, whatever k: a ring is not credited with the k NICs of a node. nccl-tests does show
+  up to k x NIC for one isolated collective of 8 GPUs per node (8 rings, one per NIC), but
+  the data-parallel collectives of training runs measured at one NIC's worth: ZeRO-3 without
+  model parallelism over 384-2240 A100s (Narayanan et al. 2021, Table 2) runs at 44-144
+  TFLOP/s, which the step-time model reproduces with one NIC per rank and not with eight
+  (`plan/calibration/published_runs.toml`, `tests/test_plan_calibration.py`). On a
+  rail-optimized fabric (`Device.rail_optimized`) a group of one GPU per node stays on one
+  leaf switch; other cross-node groups pay more switch hops (latency).
 
 Calibration (H100 SXM nodes, 8 GPUs and 8 ConnectX-7 NDR 400 Gb/s NICs each), from NVIDIA
 engineers' answers on the nccl-tests tracker (sources in docs/plan.md): ring bus bandwidth
@@ -59,9 +65,9 @@ class Fabric:
             if kind == "all_reduce" and dev.name in NVLS_DEVICES and n > 2:
                 return dev.intra_node_gbs * 1e9 * NVLS_ALLREDUCE_GAIN
             return self._intra()
-        network = per_node * dev.inter_node_gbs * 1e9 * NETWORK_EFFICIENCY
-        return min(self._intra(), network) if dev.intra_node_gbs > 0 and per_node > 1 \
-            else network
+        # Across nodes each rank's bytes leave through its own NIC: one NIC's bandwidth per
+        # rank, however many ranks of the group share its node (docs/plan.md, "Collectives").
+        return dev.inter_node_gbs * 1e9 * NETWORK_EFFICIENCY
 
     def _alpha(self, n: int, per_node: int) -> tuple[float, float]:
         """(seconds per ring step, seconds per tree step) for this group."""

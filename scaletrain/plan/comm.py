@@ -20,7 +20,8 @@ send the tensor itself.
 - context parallel (all-gather KV): keys and values gathered in forward, their gradients
   reduce-scattered in backward, per layer and micro-batch.
 - pipeline: each micro-batch sends its activation forward and its gradient back, once per
-  model chunk (v times when interleaved).
+  model chunk (v times when interleaved); tied embeddings add one all-reduce of the
+  embedding's gradient between the first and the last stage per step (Megatron's scheme).
 """
 
 from __future__ import annotations
@@ -114,4 +115,10 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
         x = 2 * m * lay.vpp * tokens * args.dim * c / shard
         kinds["send_recv"] += x
         by_dim["pp"] += x
+        if args.tie_embeddings:
+            # Megatron's tied embeddings under PP: the first and the last stage each hold the
+            # embedding (1/tp of it) and all-reduce its gradient between them once per step.
+            tied = 2 * _ring(2) * args.vocab_size * args.dim / dims.tp * grad_wire
+            kinds["all_reduce"] += tied
+            by_dim["pp"] += tied
     return ({k: int(v) for k, v in kinds.items()}, {k: int(v) for k, v in by_dim.items()})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 from scaletrain.models.args import ModelArgs, count_active_params, count_params
@@ -141,7 +142,11 @@ def layout_problems(args: ModelArgs, lay: Layout) -> list[str]:
         return out
     if lay.precision not in DTYPE_BYTES or lay.stored_dtype not in ("fp32", "bf16", "fp16"):
         out.append(f"precision must be fp32, bf16 or fp16 (got {lay.precision})")
-    out += lay.dims.model_problems(args, lay.seq_len, lay.vpp)
+    # The planner estimates tied embeddings under pipeline parallelism as Megatron runs them
+    # (first and last stage each hold the embedding; `memory.stage_params`, `comm.py`):
+    # whether the trainer runs them is `trainer_problems`' question, not the estimate's.
+    out += [p for p in lay.dims.model_problems(args, lay.seq_len, lay.vpp)
+            if not p.startswith("model.tie_embeddings")]
     if lay.gbs is not None and lay.gbs % (lay.mbs * lay.dims.dp):
         out.append(f"the global batch ({lay.gbs} sequences) must be divisible by micro-batch x "
                    f"data parallel ({lay.mbs} x {lay.dims.dp})")
@@ -278,6 +283,15 @@ def _spec(args: ModelArgs, lay: Layout) -> ActivationSpec:
 
 def hardware_flops_per_token(args: ModelArgs, lay: Layout) -> float:
     """Model FLOPs plus the forward of every recomputed region."""
+    return _hardware_flops(args, lay.seq_len, lay.recompute, lay.every, lay.scope)
+
+
+@lru_cache(maxsize=1024)
+def _hardware_flops(args: ModelArgs, seq_len: int, recompute: str, every: int,
+                    scope: str) -> float:
+    """`hardware_flops_per_token` of hashable inputs (the search asks thousands of times)."""
+    lay = Layout(seq_len=seq_len, recompute=recompute, every=every,  # type: ignore[arg-type]
+                 scope=scope)  # type: ignore[arg-type]
     model = flops_per_token(args, lay.seq_len)
     if lay.recompute == "none":
         return model

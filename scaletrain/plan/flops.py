@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from scaletrain.models.args import ModelArgs, count_active_params, count_params
 
 
+@lru_cache(maxsize=256)
 def matmul_params(args: ModelArgs) -> int:
     """Parameters that take part in a matmul per token: all but the embedding lookups.
 
@@ -17,6 +20,7 @@ def matmul_params(args: ModelArgs) -> int:
     return p.non_embedding - skipped + args.vocab_size * args.dim
 
 
+@lru_cache(maxsize=1024)
 def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:
     """Forward FLOPs per token of attention scores and values, summed over the layers:
     2 x 2 x keys x head_dim x heads, where keys is the sequence, or the sliding window of a

@@ -36,6 +36,11 @@ class Device:
     rail_optimized: bool = False
     intra_latency_us: float = 3.0
     inter_latency_us: float = 8.0
+    gemm_efficiency: float = 0.75
+    """Fraction of `peak_tflops` large training matmuls sustain (before the size factors of
+    `plan.search.compute_time`); fitted to the calibration table (`plan/calibration/`)."""
+    attention_efficiency: float = 0.5
+    """Fraction of peak the fused attention kernels (FlashAttention-2 through SDPA) reach."""
 
     @property
     def memory_bytes(self) -> int:
@@ -44,11 +49,22 @@ class Device:
 
 def _dev(name: str, mem: float, bf16: float, fp32: float, intra: float, inter: float,
          fp8: float | None = None, aliases: tuple[str, ...] = (), rail: bool = False,
-         per_node: int = 8) -> Device:
+         per_node: int = 8, gemm: float = 0.75, attention: float = 0.5) -> Device:
     peaks = {"bf16": bf16, "fp16": bf16, "fp32": fp32}
     if fp8 is not None:
         peaks["fp8"] = fp8
-    return Device(name, mem, peaks, intra, inter, per_node, aliases, rail)
+    return Device(name, mem, peaks, intra, inter, per_node, aliases, rail,
+                  gemm_efficiency=gemm, attention_efficiency=attention)
+
+
+# Attainable fractions of peak (`gemm`, `attention`). Attention: FlashAttention-2 reaches
+# 50-73 % of an A100's peak in forward + backward (Dao 2023, arXiv 2307.08691) and about 35 %
+# of an H100's (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608); the A100 value is the
+# low end, for causal masks and head dim 128. Matmuls: fitted to the published runs of
+# `plan/calibration/published_runs.toml` (A100 and H100 rows); Hopper-class parts sustain a
+# smaller fraction of their data-sheet peak than the A100 (H100 MFU in the table: 34-46 %,
+# A100: 44-55 %). Parts without published runs in the table keep the A100 value.
+_HOPPER = dict(gemm=0.6, attention=0.35)
 
 
 # Data-sheet figures. NVLink: A100 600 GB/s, H100/H200 SXM 900 GB/s, B200 1.8 TB/s
@@ -67,19 +83,20 @@ DEVICES: dict[str, Device] = {
         _dev("A100-PCIE-40GB", 40.0, 312.0, 19.5, 32.0, 25.0, aliases=("A100-40GB-PCIE",)),
         _dev("A100-PCIE-80GB", 80.0, 312.0, 19.5, 32.0, 25.0, aliases=("A100-80GB-PCIE",)),
         _dev("H100-SXM", 79.6, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, rail=True,
-             aliases=("H100", "H100-SXM5", "H100-SXM5-80GB", "H100-80GB-HBM3")),
+             aliases=("H100", "H100-SXM5", "H100-SXM5-80GB", "H100-80GB-HBM3"), **_HOPPER),
         _dev("H100-PCIE", 79.6, 756.0, 51.0, 64.0, 50.0, fp8=1513.0,
-             aliases=("H100-PCIE-80GB",)),
-        _dev("H100-NVL", 93.6, 835.0, 60.0, 64.0, 50.0, fp8=1670.0, aliases=("H100-NVL-94GB",)),
+             aliases=("H100-PCIE-80GB",), **_HOPPER),
+        _dev("H100-NVL", 93.6, 835.0, 60.0, 64.0, 50.0, fp8=1670.0, aliases=("H100-NVL-94GB",),
+             **_HOPPER),
         _dev("H200", 140.4, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, rail=True,
-             aliases=("H200-SXM", "H200-SXM-141GB", "H200-141GB")),
-        _dev("H200-NVL", 140.4, 835.0, 60.0, 64.0, 50.0, fp8=1670.0),
+             aliases=("H200-SXM", "H200-SXM-141GB", "H200-141GB"), **_HOPPER),
+        _dev("H200-NVL", 140.4, 835.0, 60.0, 64.0, 50.0, fp8=1670.0, **_HOPPER),
         _dev("GH200", 95.6, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, per_node=4,
-             aliases=("GH200-480GB", "GH200-96GB")),
+             aliases=("GH200-480GB", "GH200-96GB"), **_HOPPER),
         _dev("GH200-144GB", 140.4, 989.0, 67.0, 450.0, 50.0, fp8=1979.0, per_node=4,
-             aliases=("GH200-144G-HBM3E", "GH200-624GB")),
+             aliases=("GH200-144G-HBM3E", "GH200-624GB"), **_HOPPER),
         _dev("B200", 179.1, 2250.0, 80.0, 900.0, 50.0, fp8=4500.0, rail=True,
-             aliases=("B200-SXM", "B200-180GB")),
+             aliases=("B200-SXM", "B200-180GB"), **_HOPPER),
         _dev("A10G", 22.1, 70.0, 31.2, 0.0, 12.5),
         _dev("L4", 22.5, 121.0, 30.3, 0.0, 12.5),
         _dev("L40", 44.5, 181.0, 90.5, 0.0, 25.0),

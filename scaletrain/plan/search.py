@@ -1,17 +1,16 @@
 """Layout search: the layouts that fit a cluster, ranked by an estimated step time.
 
-The procedure practitioners follow: fix the global batch (in tokens) and the sequence length;
-try tensor parallel only inside a node, pipeline parallel across nodes, context parallel for
-long sequences; every micro-batch size that divides the batch; data parallel takes the rest and
-gradient accumulation is GBS / (MBS x DP); ZeRO stages and recomputation are added only when
-they are needed: they cost time (recomputation FLOPs, ZeRO-3 gathers) and ties go to the
-simpler layout.
+The space practitioners use: fix the global batch (in tokens) and the sequence length; tensor
+parallel 1, 2, 4, 8 inside a node, each with every pipeline degree (and 1, 2, 4 virtual
+stages), context parallel for long sequences, ZeRO 0-3, recomputation, every micro-batch that
+divides the batch; data parallel takes the rest and gradient accumulation is GBS / (MBS x DP).
+Layouts are pruned by memory before they are timed; ties go to the simpler layout.
 
 Step time = (compute + exposed tensor/context/pipeline communication) x (1 + bubble) +
-data-parallel communication not hidden behind compute. Compute = hardware FLOPs / (peak x
-efficiency); the efficiency falls for small matmuls (few tokens per micro-batch, narrow
-tensor-parallel shards). Communication: the alpha-beta collective model of `plan.collectives`.
-The data-parallel degree is bounded by the global batch: dp x micro-batch must divide it.
+data-parallel communication not hidden behind compute (`step_time`); compute at the device's
+attainable matmul and attention rates (`compute_time`); communication by the alpha-beta model
+of `plan.collectives` (one NIC per rank across nodes). Calibrated against published measured
+runs: `plan/calibration/`, docs/plan.md.
 """
 
 from __future__ import annotations
@@ -34,10 +33,12 @@ from scaletrain.plan.estimate import (
     layout_problems,
     trainer_problems,
 )
+from scaletrain.plan.flops import attention_forward_flops
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import stage_params
 
 RECOMPUTE_COST = {"none": 0, "partial": 1, "full": 2}
+ZERO_OF_MODE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class Cluster:
     gpus_per_node: int = 8
     headroom: float = 0.08
     """Share of device memory kept free for the CUDA context, NCCL and fragmentation."""
-    efficiency: float = 0.6
-    """Fraction of peak a large matmul reaches."""
+    efficiency: float | None = None
+    """Fraction of peak a large matmul reaches; None: the device's `gemm_efficiency`."""
 
     @property
     def usable_bytes(self) -> float:
@@ -62,19 +63,29 @@ class Candidate:
     step_time_s: float
     mfu: float
     times: dict[str, float]
-    command: str = ""
-    """The `torchrun ... -m scaletrain train ...` line that runs this layout."""
+    model: str = "MODEL"
+    """The name (preset or Hugging Face config path) `command` trains."""
+    gpus: int = 1
+    gpus_per_node: int = 8
 
     @property
     def layout(self) -> Layout:
         return self.plan.layout
+
+    @property
+    def command(self) -> str:
+        """The `torchrun ... -m scaletrain train ...` line that runs this layout (built when
+        asked: the search evaluates thousands of layouts and prints a few)."""
+        return train_command(self.model, self.plan.args, self.layout, self.gpus,
+                             self.gpus_per_node)
 
     def to_json(self) -> dict:
         lay = self.layout
         d = lay.dims
         return {
             "dp": d.dp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-            "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "ep": d.ep, "zero": lay.zero, "mbs": lay.mbs,
+            "pp": d.pp, "vpp": lay.vpp, "cp": d.cp, "ep": d.ep, "zero": self.zero_label,
+            "mbs": lay.mbs,
             "ga": lay.grad_accum, "recompute": lay.recompute,
             "memory_bytes_per_gpu": self.plan.peak_bytes, "step_time_s": self.step_time_s,
             "mfu": self.mfu, "bubble_fraction": self.plan.bubble_fraction,
@@ -82,6 +93,13 @@ class Candidate:
             "data_parallel": lay.data_parallel, "fsdp_param_dtype": lay.fsdp_param_dtype,
             "schedule": lay.schedule, "command": self.command,
         }
+
+    @property
+    def zero_label(self) -> int:
+        """The ZeRO stage the command runs: with one data-parallel rank the stage changes
+        nothing and the trainer's `auto` mode picks it (zero3 under TP or PP), so the label
+        follows the command's `parallel.data_parallel`."""
+        return ZERO_OF_MODE[self.layout.data_parallel]
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -92,29 +110,65 @@ class Candidate:
             / 1e12
 
 
-def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dict[str, float]]:
-    """Estimated seconds per optimizer step and its parts.
+TOKENS_HALF = 32
+"""Tokens per micro-batch (on a rank) at which matmuls reach half their attainable rate."""
+ELEMENTWISE_DIM = 1536
+"""Memory-bound work per layer (norms, activations, residuals, RoPE, dropout) grows with the
+width h, matmul work with h^2: their ratio is ELEMENTWISE_DIM / h. Fitted, with the devices'
+`gemm_efficiency` and CONTENTION, to the calibration table (a grid search minimizing the
+largest |log(predicted / measured)| with every group's measured order kept)."""
 
-    Communication uses the alpha-beta model of `plan.collectives` (ring or tree, NVLink inside
-    a node, the NICs across nodes). Tensor, context and pipeline communication is exposed.
-    FSDP's per-block all-gathers (and reduce-scatters) overlap the compute of the neighbouring
-    block: only what a block's compute cannot cover is exposed, plus the first gather. DDP's
-    gradient all-reduce overlaps the backward of the last micro-batch; ZeRO-1's gather of the
-    updated weights does not overlap.
-    """
+
+def attention_hardware_flops(plan: Plan) -> float:
+    """Attention-core FLOPs per token (scores and values): forward, backward (2x), and the
+    recomputed forward of the layers recomputation re-runs."""
+    lay, args = plan.layout, plan.args
+    fwd = attention_forward_flops(args, lay.seq_len)
+    if lay.recompute == "full":
+        again = 1.0
+    elif lay.recompute == "partial":
+        again = sum(1 for i in range(args.n_layers) if i % lay.every == lay.every - 1) \
+            / args.n_layers
+    else:
+        again = 0.0
+    return fwd * (3 + again)
+
+
+def compute_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> float:
+    """Seconds of arithmetic per step on one GPU: matmuls at the device's attainable fraction
+    of peak, lowered for few tokens per micro-batch and for the memory-bound work around them
+    (relatively more in narrow models); the attention core at the device's attention efficiency."""
     lay, args = plan.layout, plan.args
     d = lay.dims
     peak = cluster.device.peak_tflops.get(lay.precision)
     if not peak:
         raise PlanError(f"no peak FLOP/s for {cluster.device.name} in {lay.precision}")
+    tokens_mb = lay.mbs * lay.seq_len / d.cp
+    gemm_eff = (cluster.efficiency or cluster.device.gemm_efficiency) \
+        * tokens_mb / (tokens_mb + TOKENS_HALF) / (1 + ELEMENTWISE_DIM / args.dim)
+    attn = attention_hardware_flops(plan)
+    gemm = plan.hardware_flops_per_token - attn
+    per_gpu = gbs_tokens / cluster.gpus
+    return per_gpu * (gemm / gemm_eff + attn / cluster.device.attention_efficiency) \
+        / (peak * 1e12)
+
+
+def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dict[str, float]]:
+    """Estimated seconds per optimizer step and its parts.
+
+    Communication uses the alpha-beta model of `plan.collectives` (ring or tree, NVLink inside
+    a node, one NIC per rank across nodes). Tensor, context, expert and pipeline communication
+    is on the critical path (the trainer does not overlap it). Data-parallel communication:
+    `_dp_exposed` (FSDP per block with a prefetch depth of one, DDP behind the last backward,
+    and the contention cost of what hides).
+    """
+    lay, args = plan.layout, plan.args
+    d = lay.dims
     gpn = cluster.gpus_per_node
     fabric = Fabric(cluster.device, gpn)
     m = lay.grad_accum
     tokens_mb = lay.mbs * lay.seq_len / d.cp
-    width = args.dim / d.tp
-    eff = cluster.efficiency * tokens_mb / (tokens_mb + 512) * width / (width + 256)
-    flops = plan.hardware_flops_per_token * gbs_tokens / cluster.gpus
-    compute = flops / (peak * 1e12 * eff)
+    compute = compute_time(plan, cluster, gbs_tokens)
     sp = stage_params(args, d.pp, d.tp, plan.stage, lay.vpp)
     layers = max(1, sp.layers)
     c = DTYPE_BYTES[lay.precision]
@@ -153,6 +207,9 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
         act = tokens_mb * args.dim * c / (d.tp if lay.sequence_parallel else 1)
         across = d.tp * d.cp * d.dp >= gpn
         pp = 2 * m * lay.vpp * fabric.p2p(act, across)
+        if args.tie_embeddings:  # the embedding's gradient: first <-> last stage, exposed
+            tied = 4.0 * args.vocab_size * args.dim / d.tp
+            pp += fabric.time("all_reduce", tied, 2, 1 if across or d.pp > gpn else 2)
     dp = _dp_exposed(plan, fabric, compute, layers, sp.total)
     busy = compute + tp + cp + ep + pp
     bubble = busy * plan.bubble_fraction
@@ -161,9 +218,31 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     return busy + bubble + dp, times
 
 
+CONTENTION = 0.1
+"""Compute slowed by communication it hides: NCCL kernels running beside compute kernels take
+SMs and memory bandwidth from them, so each hidden second of data-parallel communication costs
+CONTENTION seconds of compute (fitted to the calibration table: ZeRO-3 at 384 A100s measured
+slower than Megatron's TP x PP although its traffic hides behind compute)."""
+
+
+def _overlap(comm: float, window: float) -> float:
+    """Seconds a collective of `comm` seconds adds when `window` seconds of compute run beside
+    it: what sticks out, plus the contention cost of the part hidden."""
+    return max(0.0, comm - window) + CONTENTION * min(comm, window)
+
+
 def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
                 params: int) -> float:
-    """Seconds of data-parallel communication per step that compute does not hide."""
+    """Seconds of data-parallel communication per step that compute does not hide.
+
+    FSDP2 (`parallel/fsdp.py`, one unit per block) prefetches one block ahead: in forward the
+    all-gather of block i+1 runs during block i's forward; in backward the all-gather of the
+    next block and the reduce-scatter of the previous one run during a block's backward (and
+    its recomputed forward). Each block's exposed time is what its own compute cannot cover;
+    the first gather and the last reduce-scatter are never covered. DDP's bucketed all-reduce
+    runs during the last micro-batch's backward (no sync before it); ZeRO-1's gather of the
+    updated weights runs after the optimizer step, exposed.
+    """
     lay = plan.layout
     d = lay.dims
     gpn = fabric.gpus_per_node
@@ -176,12 +255,9 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
         ag = fabric.time("all_gather", gather, n, k)
         rs = fabric.time("reduce_scatter", grad_wire * params / layers, n, k)
         fwd = compute / (3 * m * layers)  # one block's forward of one micro-batch
-        bwd = 2 * fwd
-        if not lay.blocks_stay_gathered:  # ZeRO-3: gathered again in backward
-            per_mb = (layers * max(0.0, ag - fwd) + ag
-                      + layers * max(0.0, ag + rs - bwd) + rs)
-        else:  # ZeRO-2 (or ZeRO-3 under zero bubble): gathered once, kept until backward
-            per_mb = layers * max(0.0, ag - fwd) + ag + layers * max(0.0, rs - bwd) + rs
+        bwd = compute / (m * layers) - fwd  # its backward (and recomputed forward)
+        backward_ag = ag if not lay.blocks_stay_gathered else 0.0  # ZeRO-3 gathers again
+        per_mb = (layers * (_overlap(ag, fwd) + _overlap(backward_ag + rs, bwd)) + ag + rs)
         exposed = m * per_mb
         if d.dp_replicate > 1:  # HSDP: shards all-reduced across replicas, after backward
             kr = per_node(d.tp * n, d.dp_replicate, gpn)
@@ -196,7 +272,7 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     bucket = grad_wire * params / buckets
     all_reduce = buckets * fabric.time("all_reduce", bucket, n, k)
     backward = 2 / 3 * compute / m  # the last micro-batch's backward (no sync before it)
-    exposed = max(0.0, all_reduce - backward) + all_reduce / buckets
+    exposed = _overlap(all_reduce, backward) + all_reduce / buckets
     if lay.zero == 1:  # each owner broadcasts its updated parameters
         exposed += fabric.time("all_gather", 4.0 * params, n, k)
     return exposed
@@ -207,24 +283,32 @@ def _divisors(n: int) -> list[int]:
 
 
 def _model_parallel_ladder(args: ModelArgs, cluster: Cluster) -> list[tuple[int, int]]:
-    """(tp, pp) pairs in the practitioners' order: tensor parallel grows inside a node first;
-    pipeline parallel (across nodes) only once tensor parallel fills the node."""
+    """(tp, pp) pairs: tensor parallel inside a node (1, 2, 4, 8: the divisors of the node's
+    GPUs that divide the heads) combined with every pipeline degree that divides the rest and
+    leaves each stage a layer (BLOOM's TP 4 x PP 12 as well as Megatron's TP 8 x PP n)."""
     n = cluster.gpus
     tps = [t for t in _divisors(cluster.gpus_per_node) if n % t == 0
            and args.n_heads % t == 0 and args.kv_heads % t == 0]
-    out = [(t, 1) for t in tps]
-    top = tps[-1]
-    out += [(top, p) for p in _divisors(n // top) if 1 < p <= args.n_layers]
-    return out
+    return [(t, p) for t in tps for p in _divisors(n // t) if p <= args.n_layers]
+
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+RECOMPUTE_BY_MEMORY = ("full", "partial", "none")
+"""Recomputation from the least memory to the most: once one does not fit, the next won't."""
 
 
 def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                base: Layout | None = None, max_cp: int = 32,
-               max_zero: int = 3, model: str = "MODEL") -> list[Candidate]:
-    """Every layout the search considers, evaluated (fitting or not).
+               max_zero: int = 3, model: str = "MODEL",
+               refused: dict[str, int] | None = None) -> list[Candidate]:
+    """Every layout the search evaluates, fitting or not: TP x PP x virtual stages x CP x EP x
+    ZeRO stage x recomputation x micro-batch, pruned by memory before the step time is ranked
+    (the micro-batches of a layout stop at the first that does not fit even with full
+    recomputation; lighter recomputation is tried only while the heavier one fits).
 
     Context parallel is added (2, 4, ... up to `max_cp`) only when no layout without it fits:
-    it is the tool for sequences whose activations do not fit otherwise.
+    it is the tool for sequences whose activations do not fit otherwise. `refused` (if given)
+    counts the layouts the trainer refuses, by reason.
     """
     if gbs_tokens % seq_len:
         raise PlanError(f"--gbs-tokens ({gbs_tokens}) must be a multiple of --seq-len "
@@ -241,13 +325,22 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
             dp = cluster.gpus // (tp * pp * cp)
             if gbs % dp:
                 continue
-            for zero, recompute, mbs, vpp, ep in itertools.product(
-                    range(max_zero + 1), ("none", "partial", "full"), (1, 2, 4, 8, 16),
-                    (1, 2, 4), _ep_degrees(args, dp)):
-                cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp, zero,
-                                 recompute, mbs, vpp, model, ep)
-                if cand is not None:
-                    out.append(cand)
+            for zero, vpp, ep in itertools.product(range(max_zero + 1), (1, 2, 4),
+                                                   _ep_degrees(args, dp)):
+                for mbs in MICRO_BATCHES:
+                    evaluated = fitted = False
+                    for recompute in RECOMPUTE_BY_MEMORY:
+                        cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp,
+                                         zero, recompute, mbs, vpp, model, ep, refused)
+                        if cand is None:
+                            continue
+                        out.append(cand)
+                        evaluated = True
+                        if not cand.fits:
+                            break
+                        fitted = True
+                    if evaluated and not fitted:
+                        break  # a larger micro-batch holds more still
         if any(c.fits for c in out):
             break
     return out
@@ -255,7 +348,8 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 
 def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tokens: int,
               tp: int, cp: int, pp: int, dp: int, zero: int, recompute: str, mbs: int,
-              vpp: int, model: str = "MODEL", ep: int = 1) -> Candidate | None:
+              vpp: int, model: str = "MODEL", ep: int = 1,
+              refused: dict[str, int] | None = None) -> Candidate | None:
     if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp) or (ep > 1 and zero < 2):
         return None
     ga = gbs // (mbs * dp)
@@ -271,15 +365,23 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
                        sequence_parallel=base.sequence_parallel and args.arch == "llama",
                        fsdp_param_dtype=fsdp_dtype,
                        schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
-    if layout_problems(args, lay) or trainer_problems(args, lay):
-        return None  # never propose what the trainer refuses
+    if layout_problems(args, lay):
+        return None
+    problems = trainer_problems(args, lay)
+    if problems:  # never propose what the trainer refuses
+        if refused is not None:
+            for problem in problems:
+                refused[problem] = refused.get(problem, 0) + 1
+        return None
     plan = estimate(args, lay)
+    fits = plan.peak_bytes <= cluster.usable_bytes
+    if not fits:  # pruned by memory: no step time needed
+        return Candidate(plan, False, math.inf, 0.0, {}, model, cluster.gpus,
+                         cluster.gpus_per_node)
     t, times = step_time(plan, cluster, gbs_tokens)
     peak = cluster.device.peak_tflops[lay.precision] * 1e12
     mfu = plan.flops_per_token * gbs_tokens / (t * cluster.gpus * peak)
-    return Candidate(plan, plan.peak_bytes <= cluster.usable_bytes, t, mfu, times,
-                     command=train_command(model, args, lay, cluster.gpus,
-                                           cluster.gpus_per_node))
+    return Candidate(plan, True, t, mfu, times, model, cluster.gpus, cluster.gpus_per_node)
 
 
 def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:
@@ -302,13 +404,14 @@ def rank_key(c: Candidate) -> tuple:
 
 
 def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
-           base: Layout | None = None, max_zero: int = 3,
-           model: str = "MODEL") -> tuple[list[Candidate], list[Candidate]]:
+           base: Layout | None = None, max_zero: int = 3, model: str = "MODEL",
+           refused: dict[str, int] | None = None) -> tuple[list[Candidate], list[Candidate]]:
     """(fitting layouts best first, all evaluated layouts). `max_zero` 1 restricts the search to
     replicated weights (DDP, ZeRO-1). Only layouts the trainer runs are evaluated; `model` is
     the name (preset or Hugging Face config path) the commands train."""
     base = (base or Layout()).replace(seq_len=seq_len)
-    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model)
+    every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model,
+                       refused=refused)
     fitting = sorted((c for c in every if c.fits), key=rank_key)
     return fitting, every
 
@@ -323,6 +426,8 @@ KNOBS = ("tp", "pp", "cp", "ep", "zero", "recompute", "mbs", "vpp")
 
 def knob(c: Candidate, name: str) -> object:
     lay = c.layout
+    if name == "zero":
+        return c.zero_label
     return getattr(lay.dims, name) if name in ("tp", "pp", "cp", "ep") else getattr(lay, name)
 
 
@@ -353,4 +458,6 @@ def why_lost(best: Candidate, alt: Candidate, usable_bytes: float) -> str:
     deltas = {k: alt.times[k] - best.times.get(k, 0.0) for k in alt.times}
     worst = max(deltas, key=deltas.get)  # type: ignore[arg-type]
     slower = alt.step_time_s / best.step_time_s - 1
-    return f"{slower:.0%} slower, mostly {worst.replace('_', ' ')} (+{deltas[worst]:.2f} s)"
+    extra = deltas[worst]
+    amount = f"{extra:.2f} s" if extra >= 0.1 else f"{extra * 1e3:.3g} ms"
+    return f"{slower:.0%} slower, mostly {worst.replace('_', ' ')} (+{amount})"

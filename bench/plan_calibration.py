@@ -1,0 +1,83 @@
+"""Predicted against published TFLOP/s per GPU for every row of the calibration table, and where
+the search ranks each published layout among the layouts it evaluates.
+
+    python bench/plan_calibration.py [--rank] [--untied] [--json OUT.json]
+
+`--rank` runs the layout search for each run's model, cluster and batch and prints the rank the
+published layout's predicted step time would take among the fitting layouts (1 = the search's
+first choice), the search's own rank of its best layout with the published degrees (tp, pp,
+dp), how many layouts fit, whether the search itself evaluated the published layout (`yes`),
+and the search's seconds. `--untied` plans the GPT-style rows with untied embeddings (a planner or
+trainer that refuses tied embeddings under PP can then rank them; one embedding matrix more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from scaletrain.plan.calibration import BAND, load_runs, predict
+from scaletrain.plan.estimate import Layout
+from scaletrain.plan.search import search
+
+
+def search_rank(pred, untied: bool) -> tuple[int, int | None, int, bool, float]:
+    """(rank of the published layout among the fitting layouts, the search's rank of its best
+    layout with the published degrees (tp, pp, dp), how many fit, whether the search evaluated
+    the published layout itself, search seconds)."""
+    run = pred.run
+    args = run.model_args()
+    if untied:
+        args = args.replace(tie_embeddings=False)
+    t0 = time.perf_counter()
+    fitting, every = search(args, run.cluster(), run.seq_len, run.gbs * run.seq_len,
+                            Layout(precision="bf16"))
+    elapsed = time.perf_counter() - t0
+    faster = sum(1 for c in fitting if c.step_time_s < pred.step_time_s * 0.995)
+    want = (run.tp, run.pp, run.dp, run.mbs, run.recompute, run.zero if run.dp > 1 else None)
+    seen = any((c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp, c.layout.mbs,
+                c.layout.recompute, c.layout.zero if run.dp > 1 else None) == want
+               for c in every)
+    degrees = next((i + 1 for i, c in enumerate(fitting)
+                    if (c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp)
+                    == (run.tp, run.pp, run.dp)), None)
+    return faster + 1, degrees, len(fitting), seen, elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", action="store_true")
+    p.add_argument("--untied", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    rows = []
+    print(f"band {BAND[0]}-{BAND[1]}")
+    print(f"{'run':<44} {'gpu':<15} {'meas':>6} {'pred':>6} {'ratio':>6}"
+          + ("   rank degrees   fit eval search" if a.rank else ""))
+    for run in load_runs():
+        if a.untied and isinstance(run.model, dict):
+            run = dataclasses.replace(run, model={**run.model, "tie_embeddings": False})
+        pred = predict(run)
+        row = {"name": run.name, "gpu": run.gpu, "gpus": run.gpus, "measured": pred.measured_tflops,
+               "predicted": round(pred.predicted_tflops, 1), "ratio": round(pred.ratio, 3),
+               "flops": run.flops, "source": run.source,
+               "times_s": {k: round(v, 4) for k, v in pred.times.items()}}
+        line = (f"{run.name:<44} {run.gpu:<15} {pred.measured_tflops:>6.0f} "
+                f"{pred.predicted_tflops:>6.0f} {pred.ratio:>6.2f}")
+        if a.rank:
+            rank, degrees, fit, seen, secs = search_rank(pred, a.untied)
+            row.update(rank=rank, degrees_rank=degrees, fitting=fit, evaluated=seen,
+                       search_s=round(secs, 2))
+            line += (f"  {rank:>5} {degrees or '-':>7} {fit:>5} {'yes' if seen else 'no':>4} "
+                     f"{secs:5.1f}s")
+        print(line, flush=True)
+        rows.append(row)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Published measured training runs (`published_runs.toml`) and the planner's prediction of each.
+
+`load_runs()` reads the table; `predict(run)` builds the run's model and layout and returns the
+TFLOP/s per GPU the step-time model of `plan.search` predicts, counted as the source counts
+them (model FLOPs, or hardware FLOPs with the recomputed forward). `tests/test_plan_calibration.py`
+keeps predicted / measured inside `BAND` for every row and the measured order of the layouts of
+one group; `bench/plan_calibration.py` prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scaletrain.models.args import ModelArgs, get_preset
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.plan.estimate import Layout, Plan, estimate
+from scaletrain.plan.flops import flops_per_token
+from scaletrain.plan.hardware import get_device
+from scaletrain.plan.search import Cluster, step_time
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+TABLE = Path(__file__).with_name("published_runs.toml")
+BAND = (0.75, 1.33)
+"""predicted / measured stays inside this band for every row (tested)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published measurement with its layout (fields as documented in the TOML)."""
+
+    name: str
+    source: str
+    model: str | dict[str, Any]
+    gpu: str
+    gpus: int
+    mbs: int
+    gbs: int
+    flops: str
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    zero: int = 0
+    seq_len: int = 2048
+    recompute: str = "none"
+    measured_tflops: float | None = None
+    measured_tokens_per_s: float | None = None
+    gpus_per_node: int = 8
+    inter_node_gbs: float | None = None
+    memory_gib: float | None = None
+    sequence_parallel: bool = False
+    group: str | None = None
+    assumed: list[str] = field(default_factory=list)
+    outside_band: str | None = None
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    def model_args(self) -> ModelArgs:
+        if isinstance(self.model, str):
+            args = get_preset(self.model)
+        else:
+            fields = dict(self.model)
+            if fields.get("arch") == "gpt2":
+                fields.setdefault("tie_embeddings", True)
+                fields.setdefault("ffn_dim", 4 * fields["dim"])
+            args = ModelArgs(**fields)
+        return args.replace(max_seq_len=max(args.max_seq_len, self.seq_len))
+
+    def layout(self) -> Layout:
+        dims = ParallelDims(pp=self.pp, dp_replicate=self.dp if self.zero == 0 else 1,
+                            dp_shard=1 if self.zero == 0 else self.dp, cp=self.cp, tp=self.tp)
+        return Layout(dims=dims, mbs=self.mbs, seq_len=self.seq_len, gbs=self.gbs,
+                      zero=self.zero, recompute=self.recompute,  # type: ignore[arg-type]
+                      vpp=self.vpp, schedule="Interleaved1F1B" if self.vpp > 1 else "1F1B",
+                      sequence_parallel=self.sequence_parallel, precision="bf16",
+                      fsdp_param_dtype="bf16")
+
+    def cluster(self) -> Cluster:
+        dev = get_device(self.gpu)
+        if self.inter_node_gbs is not None:
+            dev = dataclasses.replace(dev, inter_node_gbs=self.inter_node_gbs)
+        if self.memory_gib is not None:
+            dev = dataclasses.replace(dev, memory_gib=self.memory_gib)
+        return Cluster(dev, self.gpus, self.gpus_per_node)
+
+    def flops_per_token(self, plan: Plan) -> float:
+        return plan.hardware_flops_per_token if self.flops == "hardware" \
+            else plan.flops_per_token
+
+    def measured(self) -> float:
+        """Measured TFLOP/s per GPU (tokens/s converted with the planner's FLOPs per token)."""
+        if self.measured_tflops is not None:
+            return self.measured_tflops
+        assert self.measured_tokens_per_s is not None
+        args = self.model_args()
+        per_token = flops_per_token(args, self.seq_len)
+        if self.flops == "hardware":
+            per_token = estimate(args, self.layout()).hardware_flops_per_token
+        return self.measured_tokens_per_s * per_token / 1e12
+
+
+def load_runs(path: Path = TABLE) -> list[Run]:
+    with path.open("rb") as f:
+        rows = tomllib.load(f)["run"]
+    return [Run(**row) for row in rows]
+
+
+@dataclass
+class Prediction:
+    run: Run
+    plan: Plan
+    step_time_s: float
+    times: dict[str, float]
+    predicted_tflops: float
+    measured_tflops: float
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_tflops / self.measured_tflops
+
+
+def predict(run: Run) -> Prediction:
+    """The step-time model's TFLOP/s per GPU for `run`'s published layout."""
+    args, lay, cluster = run.model_args(), run.layout(), run.cluster()
+    plan = estimate(args, lay)
+    tokens = run.gbs * run.seq_len
+    t, times = step_time(plan, cluster, tokens)
+    tflops = run.flops_per_token(plan) * tokens / (t * run.gpus) / 1e12
+    return Prediction(run, plan, t, times, tflops, run.measured())

@@ -160,3 +160,18 @@ def test_the_budget_stops_the_rounds(tmp_path: Path) -> None:
     assert len(runs.ran) == 1
     assert tuner.not_run
     assert correlation(tuner.trials)["pairs"] == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2"], "runs its trials on this node only"),
+    (["--budget-minutes", "0"], "--budget-minutes must be positive"),
+    (["--stop-ratio", "0.5"], "--stop-ratio must be above 1"),
+    (["--budget-minute", "3"], "unknown option --budget-minute"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture) -> None:
+    from scaletrain.cli import main
+
+    assert main(["tune", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -17,13 +17,15 @@ GIB = 2**30
 STATUS_COLORS = {"ok": "#2e7d32", "stopped": "#ef6c00"}
 
 
-def measured_ok(trials: list[Trial]) -> list[Trial]:
-    return [t for t in trials if t.result.status == "ok"]
+def measured(trials: list[Trial]) -> list[Trial]:
+    """Trials with a measured step time: those that ran to the end, and those stopped early
+    (the fastest of their warm steps before the stop)."""
+    return [t for t in trials if t.result.status in STATUS_COLORS and t.result.step_time_s]
 
 
 def correlation(trials: list[Trial]) -> dict[str, Any]:
-    """The search's order vs the measured order of the trials that ran to the end."""
-    both = [t for t in measured_ok(trials) if t.spec.predicted_step_s is not None]
+    """The search's order vs the measured order of the measured trials."""
+    both = [t for t in measured(trials) if t.spec.predicted_step_s is not None]
     by_pred = sorted(both, key=lambda t: t.spec.predicted_step_s)
     by_meas = sorted(both, key=lambda t: t.result.step_time_s)
     rho = spearman([t.spec.predicted_step_s for t in both],
@@ -45,7 +47,7 @@ def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:
 
 
 def table(trials: list[Trial]) -> str:
-    head = (f"{'#':>2} {'trial':<10} {'layout':<16} {'variant':<44} {'pred s':>7} {'meas s':>7} "
+    head = (f"{'#':>2} {'trial':<10} {'layout':<20} {'variant':<50} {'pred s':>7} {'meas s':>7} "
             f"{'tok/s/dev':>9} {'MFU':>6} {'GiB meas/plan':>13}  {'status':<8} verdict; first "
             "remedy")
     lines = [head]
@@ -59,7 +61,7 @@ def table(trials: list[Trial]) -> str:
             note = r.message or s.skip_reason or ""
         if t.reused:
             note = "(earlier run) " + note
-        lines.append(f"{i:>2} {s.id:<10} {s.layout[:16]:<16} {s.variant[:44]:<44} "
+        lines.append(f"{i:>2} {s.id:<10} {s.layout[:20]:<20} {s.variant[:50]:<50} "
                      f"{_f(s.predicted_step_s, '.3f'):>7} {_f(r.step_time_s, '.3f'):>7} "
                      f"{_f(r.tokens_per_s_per_device, '.0f'):>9} {_f(r.mfu, '.1%'):>6} "
                      f"{mem:>13}  {r.status:<8} {note}")
@@ -77,7 +79,7 @@ def summary(tuner: Tuner, winner_files: tuple[Path, str] | None) -> str:
         rho = "n/a (fewer than 3 measured trials)" if c["spearman"] is None \
             else f"{c['spearman']:+.2f}"
         out.append(f"rank correlation (Spearman) of predicted and measured step time over "
-                   f"{c['pairs']} trials: {rho}")
+                   f"{c['pairs']} trials (stopped ones with their warm steps): {rho}")
     bad = [t for t in trials if t.result.status in ("oom", "failed", "skipped")]
     for t in bad:
         out.append(f"{t.result.status}: {t.spec.id} ({t.spec.layout}, {t.spec.variant}): "
@@ -137,9 +139,9 @@ def page(tuner: Tuner, text: str) -> str:
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>scaletrain tune</title>"
             f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>"
             "<h2>Predicted vs measured step time</h2>" + svg +
-            "<p>Each point is a trial (green: ran to the end, orange: stopped early at its "
-            "first warm step). On the diagonal the cost model is exact; above it the run is "
-            "slower than predicted.</p><h2>Summary</h2><pre>" + html.escape(text) +
+            "<p>Each point is a trial (green: ran to the end, orange: stopped early, at the "
+            "fastest of its warm steps). On the diagonal the cost model is exact; above it "
+            "the run is slower than predicted.</p><h2>Summary</h2><pre>" + html.escape(text) +
             "</pre></body></html>")
 
 

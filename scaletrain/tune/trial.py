@@ -4,8 +4,8 @@ steps measured, the traces diagnosed as `scaletrain profile` diagnoses them.
 Steps: 1 (cold: allocations, first collectives) + `measure` warm steps outside the profiler,
 whose median step time is the measured step time; then the profiler's warmup step and 2
 active steps, whose traces give the verdict. metrics.jsonl gets every step (log interval 1).
-A trial ends early (stopped) when its first warm step is already `stop_ratio` x slower than
-the best so far, and is killed at the budget's deadline.
+A trial ends early (stopped) when its first warm steps (two, or `measure` if fewer) are all
+`stop_ratio` x slower than the best so far, and is killed at the budget's deadline.
 """
 
 from __future__ import annotations
@@ -121,13 +121,7 @@ def run_trial(argv: list[str], out: Path, nproc: int, measure: int, deadline: fl
             if time.monotonic() > deadline:
                 ended = TrialResult("budget", message="killed at the end of the time budget")
             elif best_step_s is not None:
-                warm = [r["step_time_s"] for r in read_steps(metrics) if 2 <= r["step"]
-                        <= 1 + measure]
-                if warm and warm[0] > stop_ratio * best_step_s:
-                    ended = TrialResult(
-                        "stopped", step_time_s=warm[0], steps_measured=warm,
-                        message=f"stopped early: first warm step {warm[0]:.3f} s > "
-                                f"{stop_ratio:g} x the best so far ({best_step_s:.3f} s)")
+                ended = _too_slow(read_steps(metrics), measure, best_step_s, stop_ratio)
             if ended is not None:
                 _kill(proc)
                 ended.wall_s = time.monotonic() - start
@@ -141,6 +135,19 @@ def run_trial(argv: list[str], out: Path, nproc: int, measure: int, deadline: fl
     result.wall_s = wall
     result.verdict, result.remedy = diagnose(out)
     return result
+
+
+def _too_slow(rows: list[dict[str, Any]], measure: int, best_step_s: float,
+              stop_ratio: float) -> TrialResult | None:
+    """Stopped, when even the fastest of the first warm steps (two, or `measure` if fewer) is
+    `stop_ratio` x slower than the best so far: it cannot win (the fastest, so that one step
+    slowed by the host's other work does not stop a good layout)."""
+    warm = [r["step_time_s"] for r in rows if 2 <= r["step"] <= 1 + measure]
+    if len(warm) < min(2, measure) or min(warm) <= stop_ratio * best_step_s:
+        return None
+    return TrialResult("stopped", step_time_s=min(warm), steps_measured=warm,
+                       message=f"stopped early: its warm steps ({min(warm):.3f} s at best) are "
+                               f"over {stop_ratio:g} x the best so far ({best_step_s:.3f} s)")
 
 
 def _kill(proc: subprocess.Popen) -> None:

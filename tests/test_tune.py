@@ -128,9 +128,20 @@ def test_successive_halving_keeps_the_faster_layouts_and_survives_failures(
     saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert saved["winner"] == win.spec.id
     assert [t["id"] for t in saved["trials"]] == [t.spec.id for t in tuner.trials]
+    c = correlation(tuner.trials)
+    timed = [t for t in tuner.trials if t.result.status in ("ok", "stopped")]
+    assert c["pairs"] == len(timed) >= 3
+    assert c["search_order"] == [t.spec.id for t in sorted(timed, key=lambda t:
+                                                           t.spec.search_rank)]
+    assert c["measured_order"] == [t.spec.id for t in sorted(timed, key=lambda t:
+                                                             t.result.step_time_s)]
     text = summary(tuner, None)
     assert "oom:" in text and "skipped:" in text and "winner:" in text
     assert "<svg" in page(tuner, text)
+    stats = pytest.importorskip("scipy.stats")
+    ref = stats.spearmanr([t.spec.search_rank for t in timed],
+                          [t.result.step_time_s for t in timed]).statistic
+    assert c["spearman"] == pytest.approx(ref)
 
 
 def test_resume_runs_no_finished_trial_again(tmp_path: Path) -> None:

@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-steps", type=int, default=2,
                    help="warm steps measured per trial, after a cold first step (default 2)")
     p.add_argument("--stop-ratio", type=float, default=1.25,
-                   help="stop a trial whose first warm step is this much slower than the best")
+                   help="stop a trial whose first two warm steps are this much slower than "
+                        "the best so far")
     p.add_argument("--candidate", action="append", default=[], metavar='"FLAGS"',
                    help='also measure these train flags as given, e.g. --candidate='
                         '"--training.micro_batch_size 4" (repeatable; use the = form)')
@@ -133,7 +134,7 @@ def _tune(a: argparse.Namespace, train_argv: list[str], cfg, nproc: int,
         saved = earlier["header"]["hardware_device"]
         hw = Device(**{**saved, "aliases": tuple(saved.get("aliases", ()))})
     else:
-        hw = this_device(device, precision, nproc)
+        hw = this_device(device, precision, nproc, a.peak_tflops, a.memory_gib)
     hw = with_overrides(hw, precision, a.peak_tflops, a.memory_gib, a.intra_node_gbs)
     cluster = Cluster(hw, nproc, nproc, efficiency=a.efficiency)
     base = layout_from_config(cfg, device, nproc)

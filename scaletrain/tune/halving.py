@@ -4,10 +4,10 @@ Round 0 measures the best-predicted variant of each of the first `layouts` layou
 search's order; a variant the dry run refuses is recorded as skipped and the next one taken).
 Each later round keeps the faster half of the layouts that ran (at least one) and measures
 each survivor's next variant (micro-batch, recomputation, fused loss, in the search's order),
-up to `variants` per layout. A trial whose first warm step is `stop_ratio` x slower than the
-best so far is stopped; a trial that fails or runs out of memory is recorded and the rounds go
-on. Before each trial the time left must cover a typical trial (the median of those run);
-every trial is killed at the deadline, so the whole tuning ends inside the budget.
+up to `variants` per layout. A trial whose first warm steps are all `stop_ratio` x slower
+than the best so far is stopped; a trial that fails or runs out of memory is recorded and the
+rounds go on. Before each trial the time left must cover a typical trial (the median of those
+run); every trial is killed at the deadline, so the whole tuning ends inside the budget.
 
 Results go to `tune.json` after every trial (written atomically): `--resume` reuses every
 finished trial of the same settings instead of running it again, and takes the same decisions
@@ -113,7 +113,7 @@ class Tuner:
                 if self._variant(groups[name], tried, name, rnd):
                     ran_any = True
                 if self.out_of_time():
-                    self._note_unrun(groups, tried)
+                    self._note_unrun(groups, tried, alive)
                     return self.trials
             if not ran_any:
                 break
@@ -199,11 +199,13 @@ class Tuner:
         walls = [t.result.wall_s for t in self.trials if not t.reused and t.result.wall_s]
         return left <= (statistics.median(walls) if walls else 0.0)
 
-    def _note_unrun(self, groups: dict[str, list[TrialSpec]], tried: dict[str, int]) -> None:
-        for name, specs in groups.items():
-            if 0 < tried[name] < min(self.setup.variants, len(specs)) or (
-                    tried[name] == 0 and name in list(groups)[: self.setup.layouts]):
-                self.not_run.append(name)
+    def _note_unrun(self, groups: dict[str, list[TrialSpec]], tried: dict[str, int],
+                    alive: list[str]) -> None:
+        """The layouts still in the running, and how many of their variants were not tried."""
+        for name in alive:
+            left = min(self.setup.variants, len(groups[name])) - tried[name]
+            if left > 0:
+                self.not_run.append(f"{name} ({left} variant{'s' if left > 1 else ''})")
 
     def _load_previous(self) -> dict[str, dict[str, Any]]:
         path = self.setup.folder / "tune.json"

@@ -66,16 +66,19 @@ def cpu_device(precision: str, ranks_per_node: int) -> Device:
                   inter_latency_us=CPU_LOOPBACK_LATENCY_US)
 
 
-def this_device(device: torch.device, precision: str, ranks_per_node: int) -> Device:
-    """The Device of this machine for the search; a GPU missing from the table is an error
-    (never guess a peak)."""
+def this_device(device: torch.device, precision: str, ranks_per_node: int,
+                peak_tflops: float | None = None, memory_gib: float | None = None) -> Device:
+    """The Device of this machine for the search. A GPU missing from the table needs the
+    user's peak and memory (never guess a peak)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         known = match_device(name)
-        if known is None:
+        if known is not None:
+            return known
+        if peak_tflops is None or memory_gib is None:
             raise ValueError(f"'{name}' is not in the device table (scaletrain/plan/"
                              "hardware.py); pass --peak-tflops and --memory-gib to tune on it")
-        return known
+        return Device(name, memory_gib, {precision: peak_tflops}, gpus_per_node=ranks_per_node)
     return cpu_device(precision, ranks_per_node)
 
 

@@ -24,13 +24,17 @@ def measured(trials: list[Trial]) -> list[Trial]:
 
 
 def correlation(trials: list[Trial]) -> dict[str, Any]:
-    """The search's order vs the measured order of the measured trials."""
-    both = [t for t in measured(trials) if t.spec.predicted_step_s is not None]
-    by_pred = sorted(both, key=lambda t: t.spec.predicted_step_s)
+    """The search's order (its rank: step time, ties to the simpler layout) vs the measured
+    order of the measured trials; Spearman's rho of the two, and of the predicted and measured
+    step times (the cost model alone, equal predictions sharing a rank)."""
+    both = [t for t in measured(trials) if t.spec.search_rank is not None
+            and t.spec.predicted_step_s is not None]
+    by_search = sorted(both, key=lambda t: t.spec.search_rank)
     by_meas = sorted(both, key=lambda t: t.result.step_time_s)
-    rho = spearman([t.spec.predicted_step_s for t in both],
-                   [t.result.step_time_s for t in both])
-    return {"spearman": rho, "pairs": len(both), "search_order": [t.spec.id for t in by_pred],
+    meas = [t.result.step_time_s for t in both]
+    return {"spearman": spearman([t.spec.search_rank for t in both], meas),
+            "spearman_predicted_time": spearman([t.spec.predicted_step_s for t in both], meas),
+            "pairs": len(both), "search_order": [t.spec.id for t in by_search],
             "measured_order": [t.spec.id for t in by_meas]}
 
 
@@ -78,8 +82,11 @@ def summary(tuner: Tuner, winner_files: tuple[Path, str] | None) -> str:
         out.append("measured order: " + " < ".join(c["measured_order"]))
         rho = "n/a (fewer than 3 measured trials)" if c["spearman"] is None \
             else f"{c['spearman']:+.2f}"
-        out.append(f"rank correlation (Spearman) of predicted and measured step time over "
-                   f"{c['pairs']} trials (stopped ones with their warm steps): {rho}")
+        out.append(f"rank correlation (Spearman) of the search's order and the measured step "
+                   f"times over {c['pairs']} trials (stopped ones at their warm steps): {rho}")
+        if c["spearman_predicted_time"] is not None:
+            out.append(f"  (of the predicted and measured step times, equal predictions "
+                       f"sharing a rank: {c['spearman_predicted_time']:+.2f})")
     bad = [t for t in trials if t.result.status in ("oom", "failed", "skipped")]
     for t in bad:
         out.append(f"{t.result.status}: {t.spec.id} ({t.spec.layout}, {t.spec.variant}): "

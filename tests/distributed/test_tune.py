@@ -33,12 +33,13 @@ def _env() -> dict[str, str]:
 def _tune(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "scaletrain", "tune", "--nproc", "2", "--budget-minutes",
            str(BUDGET_MIN), "--layouts", "2", "--variants", "1", "--measure-steps", str(MEASURE),
-           # cannot run on a CPU host: its ranks fail at start
-           "--candidate=--training.device cuda",
+           # cannot run: no CUDA here, or no 100th GPU; its ranks fail at start
+           "--candidate=--training.device cuda:99",
            # planned far above the RAM: the dry run refuses it
            "--candidate=--training.micro_batch_size 100000",
            "--data.seq_len", "32", "--training.micro_batch_size", "2",
-           "--precision.dtype", "fp32", "--output", str(out), *extra]
+           "--precision.dtype", "fp32", "--training.device", "cpu", "--output", str(out),
+           *extra]
     start = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT,
                        timeout=scaled(BUDGET_MIN * 60 + 120))

@@ -186,3 +186,29 @@ def test_user_mistakes_are_one_line_and_exit_2(argv: list[str], message: str,
     assert main(["tune", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_trial_is_killed_at_the_deadline(tmp_path: Path) -> None:
+    import time
+
+    from scaletrain.tune.trial import run_trial
+
+    start = time.monotonic()
+    r = run_trial(USER, tmp_path / "t", 1, 1, deadline=start + 1.0, best_step_s=None,
+                  stop_ratio=1.25, peak_tflops=None)
+    assert r.status == "budget" and "time budget" in r.message
+    assert time.monotonic() - start < 15  # killed, not waited for (torchrun's own exit aside)
+    assert (tmp_path / "t" / "command.txt").read_text().split()[1:4] == [
+        "-m", "torch.distributed.run", "--standalone"]
+
+
+def test_a_trial_stops_only_when_its_fastest_warm_step_cannot_win() -> None:
+    from scaletrain.tune.trial import _too_slow
+
+    rows = [{"step": 1, "step_time_s": 9.0}, {"step": 2, "step_time_s": 3.0}]
+    assert _too_slow(rows, 2, best_step_s=1.0, stop_ratio=1.25) is None  # one warm step only
+    rows.append({"step": 3, "step_time_s": 1.2})
+    assert _too_slow(rows, 2, best_step_s=1.0, stop_ratio=1.25) is None  # 1.2 could still win
+    rows[2]["step_time_s"] = 1.3
+    stopped = _too_slow(rows, 2, best_step_s=1.0, stop_ratio=1.25)
+    assert stopped is not None and stopped.status == "stopped" and stopped.step_time_s == 1.3

@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
             wall = time.monotonic() - start
             cpu = platform.processor() or platform.machine()
             shown = " ".join(cmd[1:]).replace(tmp, "OUT")
-            head = (f"# {shown}\n# {cpu}, {os.cpu_count()} cores; exit {r.returncode}, "
-                    f"{wall:.0f} s wall\n")
+            load = os.getloadavg()[0]  # other jobs on a shared host move every figure
+            head = (f"# {shown}\n# {cpu}, {os.cpu_count()} cores, load average {load:.1f} at "
+                    f"the end; exit {r.returncode}, {wall:.0f} s wall\n")
             log = [ln for ln in r.stderr.splitlines() if ln.startswith(("tuning", "trial"))]
             text = head + "\n".join(log) + "\n\n" + r.stdout.replace(tmp, "OUT")
             (a.out / f"tune_cpu_{name}.txt").write_text(text)

@@ -13,6 +13,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scaletrain.config import Config
 
 log = logging.getLogger("scaletrain.tune")
 PROG = "scaletrain tune"
@@ -108,7 +112,7 @@ def main(argv: list[str]) -> int:
         return _fail(str(e))
 
 
-def _tune(a: argparse.Namespace, train_argv: list[str], cfg, nproc: int,
+def _tune(a: argparse.Namespace, train_argv: list[str], cfg: Config, nproc: int,
           started: float) -> int:
     import dataclasses
     import shlex

@@ -27,6 +27,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "launch": ("scaletrain.commands.launch", "write a Slurm sbatch script for a multi-node run"),
     "serve": ("scaletrain.commands.serve", "OpenAI-compatible HTTP endpoint over a checkpoint"),
     "eval": ("scaletrain.commands.eval", "lm-evaluation-harness tasks on a model, in-process"),
+    "tune": ("scaletrain.commands.tune", "measure the search's best layouts here; keep the "
+             "fastest"),
 }
 
 

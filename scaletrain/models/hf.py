@@ -53,6 +53,7 @@ from scaletrain.models.hf_moe import (
     moe_to_hf,
     refuse_other_moe,
 )
+from scaletrain.models.hf_slices import HFSlices
 from scaletrain.models.stored_shapes import (
     ManifestMismatch,
     check_layer_count,
@@ -379,6 +380,12 @@ def hf_model_args(directory: str | os.PathLike) -> ModelArgs:
     return args
 
 
+def hf_slices(directory: str | os.PathLike, args: ModelArgs) -> HFSlices:
+    """A reader of regions of our tensors from HF checkpoint `directory` (`models.hf_slices`),
+    through the one converter (`from_hf_state_dict`)."""
+    return HFSlices(directory, lambda sd: from_hf_state_dict(sd, args), _IGNORED_HF_KEYS)
+
+
 def load_hf_checkpoint(
     directory: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -387,19 +394,31 @@ def load_hf_checkpoint(
     """Load a HF safetensors checkpoint of a supported family (see `SUPPORTED_MODEL_TYPES`)
     into our model.
 
-    `dtype=None` keeps the dtype the weights are stored in.
+    `dtype=None` keeps the dtype the weights are stored in. Tensors are read one at a time from
+    the memory-mapped files straight into the model (cast on the way), so the peak host memory
+    is the model plus one tensor, not two copies of it.
     """
     directory = Path(directory)
-    args = hf_model_args(directory)
-    hf_sd = read_hf_weights(directory)
+    args = hf_model_args(directory)  # names and shapes checked against the stored ones
     try:
-        sd = from_hf_state_dict(hf_sd, args)
+        reader = hf_slices(directory, args)
     except KeyError as e:
         raise ValueError(f"{directory}: {e.args[0]}") from None
-    if dtype is None:
-        dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
-    model = empty_model(args, device=device, dtype=dtype)
-    load_state_dict_checked(model, sd, str(directory))
+    with reader:
+        if dtype is None:
+            dtype = reader.stored_dtype()
+        model = empty_model(args, device=device, dtype=dtype)
+        targets = model.state_dict()
+        missing = sorted(set(targets) - set(reader.shapes))
+        if missing:
+            raise ValueError(f"{directory}: missing tensor(s): {', '.join(missing[:5])}")
+        with torch.no_grad():
+            done: set[int] = set()
+            for name, target in targets.items():
+                if id(target) in done:
+                    continue  # a tied head
+                done.add(id(target))
+                target.copy_(reader.read(name, dtype=target.dtype))
     logger.info("loaded %s checkpoint %s (%s)", args.family, directory, dtype)
     return model, args
 
@@ -503,6 +522,6 @@ def _write_tokenizer_config(folder: Path, special_tokens: dict[str, str], max_le
 __all__ = [
     "model_args_from_hf_config", "hf_config_from_model_args", "to_hf_state_dict",
     "from_hf_state_dict", "load_state_dict_checked", "read_hf_config",
-    "read_hf_weights", "hf_model_args", "load_hf_checkpoint", "save_hf_checkpoint",
+    "read_hf_weights", "hf_model_args", "hf_slices", "load_hf_checkpoint", "save_hf_checkpoint",
     "SUPPORTED_MODEL_TYPES",
 ]

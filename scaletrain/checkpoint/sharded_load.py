@@ -90,6 +90,21 @@ def load_native_regions(targets: Mapping[str, torch.Tensor], directory: str | os
     check_finite({k: local_region(v)[0] for k, v in state["model"].items()}, directory)
 
 
+def read_native_tensors(directory: str | os.PathLike, shapes: Mapping[str, tuple[int, ...]],
+                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Whole tensors `shapes` (our names) of native checkpoint `directory`'s "model" entry, in
+    `dtype`, in one process; only those are read. The caller checked the checkpoint first
+    (`native_format.open_checkpoint`)."""
+    from scaletrain.checkpoint.native_format import check_finite
+    from scaletrain.checkpoint.safe_dcp import load_dcp
+
+    state = {"model": {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()}}
+    if state["model"]:
+        load_dcp(state, Path(directory), no_dist=True)
+        check_finite(state, directory)
+    return state["model"]
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far (`VmHWM`; ru_maxrss where /proc is
     absent)."""
@@ -150,5 +165,6 @@ class LoadTimer:
         return LoadReport(self.seconds, bytes_read, peak_rss_bytes())
 
 
-__all__ = ["local_region", "fill_regions", "load_native_regions", "peak_rss_bytes",
-           "current_rss_bytes", "reset_peak_rss", "LoadReport", "LoadTimer", "ReadRegion"]
+__all__ = ["local_region", "fill_regions", "load_native_regions", "read_native_tensors",
+           "peak_rss_bytes", "current_rss_bytes", "reset_peak_rss", "LoadReport", "LoadTimer",
+           "ReadRegion"]

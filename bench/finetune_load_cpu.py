@@ -99,6 +99,15 @@ def base_sizes(directory: Path, dtype: torch.dtype) -> dict[str, int]:
             "largest_tensor_bytes": max(numels) * size}
 
 
+def plan_peak(directory: Path, world: int) -> int:
+    """What `scaletrain plan --method lora --dp WORLD --zero 3` states for this base's load
+    (`plan.finetune_host`; fp32 shards + the largest tensor read in bf16 and cast)."""
+    from scaletrain.models.hf import hf_model_args
+    from scaletrain.plan.finetune_host import host_load_bytes
+
+    return int(host_load_bytes(hf_model_args(directory), "lora", world)["peak"])
+
+
 def _rank_main(rank: int, world: int, port: int, directory: str, dtype: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -147,18 +156,19 @@ def main(argv: list[str] | None = None) -> int:
           f"MiB in {a.dtype}, largest tensor {sizes['largest_tensor_bytes'] / 2**20:,.0f} MiB")
     rows = []
     print(f"{'ranks':>5} {'load s (max)':>12} {'peak RSS rise MiB (max)':>24} "
-          f"{'base/N + largest MiB':>21} {'read MiB/rank':>14}")
+          f"{'base/N + largest MiB':>21} {'plan MiB':>9} {'read MiB/rank':>14}")
     for world in a.ranks:
         results = run(a.base, world, a.dtype)
         bound = sizes["base_bytes"] / world + sizes["largest_tensor_bytes"]
+        planned = plan_peak(a.base, world)
         row = {"ranks": world, "per_rank": results,
                "load_seconds_max": max(r["seconds"] for r in results),
                "peak_rss_rise_max": max(r["peak_rise"] for r in results),
-               "base_over_n_plus_largest": bound}
+               "base_over_n_plus_largest": bound, "plan_host_peak": planned}
         rows.append(row)
         print(f"{world:>5} {row['load_seconds_max']:>12.2f} "
               f"{row['peak_rss_rise_max'] / 2**20:>24.0f} {bound / 2**20:>21.0f} "
-              f"{max(r['bytes_read'] for r in results) / 2**20:>14.0f}")
+              f"{planned / 2**20:>9.0f} {max(r['bytes_read'] for r in results) / 2**20:>14.0f}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"base": str(a.base), "dtype": a.dtype, **sizes,

@@ -71,7 +71,10 @@ def materialize(model: nn.Module, backbone: Transformer, base: LoadedModel,
         if (directory / CONFIG_NAME).is_file():
             with hf_slices(directory, base.args) as reader:
                 nbytes = fill_regions(targets, reader.read)
-        else:
+        else:  # the persistent buffers too (MoE routing biases; HF files store none)
+            persistent = set(backbone.state_dict())
+            targets.update({checkpoint_name(n): b for n, b in backbone.named_buffers()
+                            if n in persistent})
             load_native_regions(targets, directory, dist.is_initialized())
             nbytes = sum(local_region(p)[0].numel() * local_region(p)[0].element_size()
                          for p in targets.values())

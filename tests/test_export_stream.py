@@ -49,6 +49,8 @@ def test_export_streams_hf_shards_within_a_fraction_of_the_model(tmp_path: Path)
     group = 2 * 8192 * 512 * 4 + sizes["base_bytes"] // 20
     bound = 2 * shard + 2 * group + 16 * 2**20  # the shard's bytes copy; a group in the making
     assert bound < 0.7 * sizes["base_bytes"]
+    print(f"export peak RSS rise {rise / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB, model "
+          f"{sizes['base_bytes'] / 2**20:.0f} MiB")
     assert rise <= bound, (rise / 2**20, bound / 2**20, sizes["base_bytes"] / 2**20)
     index = json.loads((tmp_path / "dst" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

@@ -73,13 +73,14 @@ def fill_regions(targets: Mapping[str, torch.Tensor], read: ReadRegion) -> int:
 
 
 def load_native_regions(targets: Mapping[str, torch.Tensor], directory: str | os.PathLike,
-                        distributed: bool) -> None:
+                        distributed: bool, verify: bool | None = None) -> None:
     """Fill `targets` (our names -> parameters, plain or DTensor) from native checkpoint
-    `directory`'s "model" entry (verified, restricted unpickling: `checkpoint.safe_dcp`)."""
+    `directory`'s "model" entry (verified, restricted unpickling: `checkpoint.safe_dcp`;
+    `verify=False` skips the content hashes a caller already checked)."""
     from scaletrain.checkpoint.native_format import check_finite, open_checkpoint
     from scaletrain.checkpoint.safe_dcp import load_dcp
 
-    open_checkpoint(directory)
+    open_checkpoint(directory, verify)
     state: dict[str, dict[str, torch.Tensor]] = {"model": {}}
     seen: set[int] = set()
     for name, tensor in targets.items():

@@ -49,13 +49,14 @@ Reader = Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]]
 """{our name: shape} -> {our name: fp32 tensor}, read from the source checkpoint."""
 
 
-def _reader(kind: str, directory: Path, args: ModelArgs) -> Reader:
+def _reader(kind: str, directory: Path, args: ModelArgs, verified: bool) -> Reader:
+    """`verified`: the content hashes of native `directory` were checked already."""
     if kind == "hf":
         slices = hf_slices(directory, args)
         return lambda shapes: {n: slices.read(n, dtype=torch.float32) for n in shapes}
     from scaletrain.checkpoint.native_format import open_checkpoint
 
-    open_checkpoint(directory)  # hashes, meta and metadata checked once
+    open_checkpoint(directory, False if verified else None)  # checked once, not per block
     return lambda shapes: read_native_tensors(directory, shapes)
 
 
@@ -150,7 +151,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: torch.dtype
         check_base(meta, info.directory, src / FINETUNE_META)
         if meta.get("method") not in ("lora", "qlora"):  # trained weights: the run's own
             kind, directory = "native", find_checkpoint(src)[1]
-    read = _reader(kind, directory, args)
+    read = _reader(kind, directory, args, verified=directory == info.directory)
     if dtype is None:
         dtype = torch.float32 if meta is not None or kind == "native" \
             else hf_slices(directory, args).stored_dtype()

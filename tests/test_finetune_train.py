@@ -164,8 +164,11 @@ def test_peft_loads_our_adapter_and_merge_matches(bases: dict[str, Path], tmp_pa
     with torch.no_grad():
         got = peft_model(tokens).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    # `convert OUTPUT MERGED --to hf`: the merged weights give the base + adapter logits.
-    assert convert_cmd.main([str(out), str(tmp_path / "merged"), "--to", "hf"]) == 0
+    # `convert OUTPUT MERGED --to hf`: the merged weights give the base + adapter logits
+    # (written block by block into several shards, as transformers shards)
+    assert convert_cmd.main([str(out), str(tmp_path / "merged"), "--to", "hf",
+                             "--max-shard-size", "100KB"]) == 0
+    assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()
     merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged",
                                                            dtype=torch.float32).eval()
     with torch.no_grad():

@@ -54,6 +54,14 @@ def run(args: argparse.Namespace) -> Path:
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new output directory")
     dtype = _DTYPES[args.dtype] if args.dtype else None
+    from scaletrain.inference.loader import model_args_of
+
+    if args.to == "hf" and not model_args_of(args.src).is_moe:
+        # block by block, adapters merged on the way: never the whole model (MoE checkpoints,
+        # whose experts are stacked and adapted per expert, convert whole below)
+        from scaletrain.finetune.export import export_hf
+
+        return export_hf(args.src, dst, dtype, args.max_shard_size, _special_tokens)
     # a fine-tune: base + adapter merged, or its trained weights
     finetuned = (Path(args.src) / "finetune.json").is_file()
     loaded = load_model(args.src, dtype=dtype or torch.float32 if finetuned else dtype)

@@ -181,7 +181,18 @@ def _finetune_lines(plan: Plan) -> list[str]:
     rank = f" r={f['lora_rank']}" if f["lora_rank"] else ""
     return [f"fine-tuning {f['method']}{rank}: {f['trainable']:,} trainable of {f['total']:,} "
             f"({f['trainable'] / f['total']:.2%}); activations as for full training (an upper "
-            "bound when blocks are frozen)"]
+            "bound when blocks are frozen)", *_host_lines(f.get("host_load_bytes"))]
+
+
+def _host_lines(host: dict | None) -> list[str]:
+    """Host RAM per rank at the base's load (`plan.finetune_host`)."""
+    if not host:
+        return []
+    how = ("its shards of the fp32 base" if host["sharded"]
+           else "the whole fp32 base (one process, DDP or QLoRA)")
+    return [f"host RAM per rank while loading the base: {host['peak'] / GIB:.2f} GiB = {how} "
+            f"{host['weights'] / GIB:.2f} GiB + the largest tensor in flight "
+            f"{host['in_flight'] / GIB:.2f} GiB (read bf16, cast to fp32)"]
 
 
 def main(argv: list[str]) -> int:

@@ -30,10 +30,13 @@ def check_base_manifest(path: str | Path) -> None:
         raise FinetuneError(f"base model {path}: {e}") from None
 
 
-def load_base(path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
-    """Load the base model (fp32, train mode) and its tokenizer from any model directory."""
+def load_base(path: str | Path, device: torch.device | str = "cpu",
+              weights: bool = True) -> LoadedModel:
+    """Load the base model (fp32, train mode) and its tokenizer from any model directory.
+    `weights=False`: the model stays on the meta device, to be sharded, then filled by
+    `finetune.base_sharded.materialize` with the parts each rank owns."""
     try:
-        base = load_model(path, device=device, dtype=torch.float32)
+        base = load_model(path, device=device, dtype=torch.float32, weights=weights)
     except (OSError, ValueError, KeyError) as e:
         raise FinetuneError(f"base model {path}: {e}") from None
     if not isinstance(base.model, Transformer):

@@ -24,7 +24,8 @@ class SequenceClassifier(nn.Module):
         self.backbone = backbone
         dim = backbone.args.dim
         weight = backbone.tok_embeddings.weight
-        self.score = nn.Linear(dim, num_labels, bias=False, device=weight.device,
+        self.score = nn.Linear(dim, num_labels, bias=False,  # real even on a meta backbone
+                               device="cpu" if weight.is_meta else weight.device,
                                dtype=weight.dtype)
         nn.init.normal_(self.score.weight, std=dim**-0.5)
         if not backbone.args.tie_embeddings:  # unused: keep it out of the optimizer

@@ -86,8 +86,11 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         weight = base.weight
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        self.lora_A = nn.Linear(in_features, rank, bias=False, device=weight.device, dtype=dtype)
-        self.lora_B = nn.Linear(rank, out_features, bias=False, device=weight.device, dtype=dtype)
+        # A base on the meta device (a sharded load fills it later): the adapter is made for
+        # real, from the seed, as in one process
+        device = "cpu" if weight.is_meta else weight.device
+        self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.fused: str | None = None
         """`dense` or `nf4`: the base and adapter run as one node (`lora_fused.py`); None

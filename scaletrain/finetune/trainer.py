@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from scaletrain.checkpoint.integrity import verification
+from scaletrain.checkpoint.sharded_load import LoadTimer
 from scaletrain.config import Config, ConfigError
 from scaletrain.finetune import data as ftdata
 from scaletrain.finetune.base import FinetuneError, check_base_manifest, load_base
@@ -151,14 +152,29 @@ class FinetuneTrainer(Trainer):
         self.labels: list[str] | None = None
         check_base_manifest(ft.base)  # before the run directory is written
         super().__init__(cfg)
+        # Every rank's load (seconds, bytes read, peak RSS): logged, and kept in finetune.json
+        self.load_reports = [r.as_dict() for r in self.par.gather_objects(self.load_report)]
+        if self.is_main:
+            worst = max(self.load_reports, key=lambda r: r["peak_rss_bytes"])
+            log.info("base load: %.2f s (slowest rank), peak host RSS %.1f MiB (largest rank), "
+                     "%s", max(r["seconds"] for r in self.load_reports),
+                     worst["peak_rss_bytes"] / 2**20,
+                     "sharded: each rank read its shards" if self.sharded_load
+                     else "whole base on each process")
         if self.is_main:
             self._write_meta()
 
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ft = self.cfg, self.ft
-        with verification(cfg.checkpoint.verify):
-            self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device)
+        # Under FSDP each rank reads only the shards it will hold, after sharding (`base_sharded`)
+        self.sharded_load = (self.par.enabled and self.par.mode in ("zero2", "zero3")
+                             and ft.method != "qlora")
+        with verification(cfg.checkpoint.verify), LoadTimer() as timer:
+            self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device,
+                                  weights=not self.sharded_load)
+        self.load_report = None if self.sharded_load else timer.report(
+            sum(p.numel() * p.element_size() for p in self.base.model.parameters()))
         self._check_base_on_resume()
         seq_len = cfg.data.seq_len = fit_seq_len(cfg.data.seq_len, self.base.args.max_seq_len,
                                                   self.fit_seq_len)
@@ -271,6 +287,13 @@ class FinetuneTrainer(Trainer):
         apply_fsdp(model, self.par.mesh["dp_shard_cp"], layers=backbone.layers,
                    reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
+        if self.sharded_load:
+            from scaletrain.finetune.base_sharded import materialize
+
+            with verification(self.cfg.checkpoint.verify):
+                self.load_report = materialize(model, backbone, self.base,
+                                               torch.device("cpu") if cfg.cpu_offload
+                                               else self.device)
         return model
 
     def _write_meta(self) -> None:
@@ -285,6 +308,7 @@ class FinetuneTrainer(Trainer):
                 "targets": list(self.lora.targets), "train_norms": ft.train_norms},
             "params": {"trainable": self.params.trainable, "total": self.params.total},
             "memory_bytes": self.memory,
+            "base_load": self.load_reports,
         }
         tmp = self.output / (META_NAME + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2) + "\n")

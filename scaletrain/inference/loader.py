@@ -205,17 +205,24 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     merge: bool = True,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load any model directory (see the module docstring).
 
     `dtype=None` keeps a HF checkpoint's stored dtype and loads native checkpoints in float32.
     A fine-tuning run loads its base in float32, applies the adapter (merged into the weights
     when `merge`), head or trained weights, then casts to `dtype`.
+    `weights=False` (a checkpoint, not a fine-tune): everything but the weights; the model is
+    built on the meta device (a sharded load fills it later: `checkpoint.sharded_load`).
     """
     if (Path(path) / FINETUNE_META).is_file():
+        if not weights:
+            raise ValueError(f"{path} is a fine-tuning output; give its base checkpoint")
         return _load_finetuned(Path(path), device, dtype, merge)
     kind, directory = find_checkpoint(path)
-    if kind == "hf":
+    if not weights:
+        model, args, tok_path = _skeleton(kind, directory, dtype or torch.float32)
+    elif kind == "hf":
         model, args = load_hf_checkpoint(directory, device=device, dtype=dtype)
         tok_path: Path | None = directory / "tokenizer.json"
     else:
@@ -243,6 +250,23 @@ def load_model(
     return LoadedModel(model, args, directory, tokenizer, tok_path, eos, template, special,
                        {k: gen_cfg[k] for k in _GENERATION_KEYS if k in gen_cfg},
                        stop_ids=tuple(stops))
+
+
+def _skeleton(kind: str, directory: Path, dtype: torch.dtype
+              ) -> tuple[Transformer, ModelArgs, Path | None]:
+    """(model on the meta device, args checked against the stored shapes, tokenizer path)."""
+    from scaletrain.checkpoint.native_format import checked_model_args, open_checkpoint
+    from scaletrain.models.hf import hf_model_args
+
+    if kind == "hf":
+        args, tok_path = hf_model_args(directory), directory / "tokenizer.json"
+    else:
+        meta = open_checkpoint(directory)
+        args = checked_model_args(directory, meta)
+        tok_path = directory / meta["tokenizer"] if meta.get("tokenizer") else None
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    return model, args, tok_path
 
 
 def _load_finetuned(output: Path, device: torch.device | str, dtype: torch.dtype | None,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,6 @@ from scaletrain.models.hf_families import (
 )
 from scaletrain.models.hf_files import (
     CONFIG_NAME,
-    INDEX_NAME,
-    WEIGHTS_NAME,
     check_expert_count,
     config_layer_count,
     header_shapes,
@@ -53,6 +51,8 @@ from scaletrain.models.hf_moe import (
     moe_to_hf,
     refuse_other_moe,
 )
+from scaletrain.models.hf_save import PlannedTensor, write_shards
+from scaletrain.models.hf_slices import HFSlices
 from scaletrain.models.stored_shapes import (
     ManifestMismatch,
     check_layer_count,
@@ -379,6 +379,12 @@ def hf_model_args(directory: str | os.PathLike) -> ModelArgs:
     return args
 
 
+def hf_slices(directory: str | os.PathLike, args: ModelArgs) -> HFSlices:
+    """A reader of regions of our tensors from HF checkpoint `directory` (`models.hf_slices`),
+    through the one converter (`from_hf_state_dict`)."""
+    return HFSlices(directory, lambda sd: from_hf_state_dict(sd, args), _IGNORED_HF_KEYS)
+
+
 def load_hf_checkpoint(
     directory: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -387,38 +393,33 @@ def load_hf_checkpoint(
     """Load a HF safetensors checkpoint of a supported family (see `SUPPORTED_MODEL_TYPES`)
     into our model.
 
-    `dtype=None` keeps the dtype the weights are stored in.
+    `dtype=None` keeps the dtype the weights are stored in. Tensors are read one at a time from
+    the memory-mapped files straight into the model (cast on the way), so the peak host memory
+    is the model plus one tensor, not two copies of it.
     """
     directory = Path(directory)
-    args = hf_model_args(directory)
-    hf_sd = read_hf_weights(directory)
+    args = hf_model_args(directory)  # names and shapes checked against the stored ones
     try:
-        sd = from_hf_state_dict(hf_sd, args)
+        reader = hf_slices(directory, args)
     except KeyError as e:
         raise ValueError(f"{directory}: {e.args[0]}") from None
-    if dtype is None:
-        dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
-    model = empty_model(args, device=device, dtype=dtype)
-    load_state_dict_checked(model, sd, str(directory))
+    with reader:
+        if dtype is None:
+            dtype = reader.stored_dtype()
+        model = empty_model(args, device=device, dtype=dtype)
+        targets = model.state_dict()
+        missing = sorted(set(targets) - set(reader.shapes))
+        if missing:
+            raise ValueError(f"{directory}: missing tensor(s): {', '.join(missing[:5])}")
+        with torch.no_grad():
+            done: set[int] = set()
+            for name, target in targets.items():
+                if id(target) in done:
+                    continue  # a tied head
+                done.add(id(target))
+                target.copy_(reader.read(name, dtype=target.dtype))
     logger.info("loaded %s checkpoint %s (%s)", args.family, directory, dtype)
     return model, args
-
-
-def _shards(
-    tensors: dict[str, torch.Tensor], max_shard_bytes: int | None
-) -> list[dict[str, torch.Tensor]]:
-    if max_shard_bytes is None:
-        return [tensors]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    return shards
 
 
 def save_hf_checkpoint(
@@ -443,14 +444,34 @@ def save_hf_checkpoint(
     Written to a temporary directory next to `directory`, then renamed into place, so a crash
     never leaves a complete-looking checkpoint. `directory` must not exist yet.
     """
-    from safetensors.torch import save_file
+    args: ModelArgs = model.args
+    tensors = {k: v.detach().cpu() for k, v in to_hf_state_dict(model.state_dict(), args).items()}
+    planned = [PlannedTensor(k, tuple(v.shape), v.dtype, 0) for k, v in tensors.items()]
+    return save_hf_stream(directory, args, model.tok_embeddings.weight.dtype, planned,
+                          lambda _: tensors, max_shard_bytes, bos_token_id=bos_token_id,
+                          eos_token_id=eos_token_id, tokenizer_file=tokenizer_file,
+                          special_tokens=special_tokens)
 
+
+def save_hf_stream(
+    directory: str | os.PathLike,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    planned: list[PlannedTensor],
+    produce: Callable[[Hashable], dict[str, torch.Tensor]],
+    max_shard_bytes: int | None = None,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    tokenizer_file: str | os.PathLike | None = None,
+    special_tokens: dict[str, str] | None = None,
+) -> Path:
+    """`save_hf_checkpoint` for weights made group by group (`models.hf_save.write_shards`):
+    `planned` names the HF tensors in file order, `produce(group)` makes a group's. Only one
+    shard and one group are in memory at a time."""
     directory = Path(directory)
     if directory.exists():
         raise FileExistsError(f"{directory} already exists; choose a new output directory")
-    args: ModelArgs = model.args
-    tensors = {k: v.detach().cpu() for k, v in to_hf_state_dict(model.state_dict(), args).items()}
-    dtype = model.tok_embeddings.weight.dtype
     tmp = make_output_dir(directory)
     try:
         cfg = hf_config_from_model_args(args, dtype, bos_token_id, eos_token_id)
@@ -458,20 +479,7 @@ def save_hf_checkpoint(
         if eos_token_id is not None or bos_token_id is not None:
             gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
             (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(gen, indent=2) + "\n")
-        shards = _shards(tensors, max_shard_bytes)
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_file(shards[0], tmp / WEIGHTS_NAME, metadata=meta)
-        else:
-            width = max(5, int(math.log10(len(shards))) + 1)
-            weight_map = {}
-            for n, shard in enumerate(shards, start=1):
-                name = f"model-{n:0{width}d}-of-{len(shards):0{width}d}.safetensors"
-                save_file(shard, tmp / name, metadata=meta)
-                weight_map.update(dict.fromkeys(shard, name))
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        files = write_shards(tmp, planned, produce, max_shard_bytes)
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
             # The tokenizer's companions (chat template, special tokens) travel with it.
@@ -486,7 +494,7 @@ def save_hf_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("saved %s checkpoint to %s (%d file(s))", args.family, directory, len(shards))
+    logger.info("saved %s checkpoint to %s (%d file(s))", args.family, directory, files)
     return directory
 
 
@@ -503,6 +511,7 @@ def _write_tokenizer_config(folder: Path, special_tokens: dict[str, str], max_le
 __all__ = [
     "model_args_from_hf_config", "hf_config_from_model_args", "to_hf_state_dict",
     "from_hf_state_dict", "load_state_dict_checked", "read_hf_config",
-    "read_hf_weights", "hf_model_args", "load_hf_checkpoint", "save_hf_checkpoint",
+    "read_hf_weights", "hf_model_args", "hf_slices", "load_hf_checkpoint",
+    "save_hf_checkpoint", "save_hf_stream",
     "SUPPORTED_MODEL_TYPES",
 ]

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
+from scaletrain.plan.finetune_host import host_load_bytes
 from scaletrain.plan.memory import offload_states, state_bytes
 
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
@@ -68,7 +69,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     mem["peak"] = peak_bytes(mem, lay.grad_accum)
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None,
-            "options": options}
+            "options": options,
+            "host_load_bytes": host_load_bytes(plan.args, method, shard)}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
     share = ft.trainable / plan.params_per_rank

@@ -36,7 +36,8 @@ def _run(argv: list[str], steps: int = STEPS) -> dict[str, Any]:
         n.replace("_fsdp_wrapped_module.", ""): full_value(p.grad).detach().clone()
         for n, p in trainer.core.named_parameters() if p.grad is not None})
     sharded = any(isinstance(p, DTensor) for p in trainer.core.parameters())
-    out = {"losses": losses, "grads": grads, "sharded": sharded, "start": start}
+    out = {"losses": losses, "grads": grads, "sharded": sharded, "start": start,
+           "base_load": trainer.load_reports}
     if steps == STEPS:
         trainer.save_checkpoint()
         out["next"] = train_steps(trainer, 1, None)[0][0]
@@ -71,6 +72,10 @@ def test_fsdp_fine_tuning_matches_one_process(tmp_path: Path) -> None:
     for i, (method, _, _, _) in enumerate(cases):
         ref, got = refs[i], ranks[0][i]
         assert got["sharded"] and not ref["sharded"]  # FSDP's DTensors against one process
+        # each rank read only its shards of the base: together, the base once
+        assert len(got["base_load"]) == 2 and all(r["seconds"] > 0 for r in got["base_load"])
+        assert sum(r["bytes_read"] for r in got["base_load"]) == ref["base_load"][0]["bytes_read"]
+        assert max(r["bytes_read"] for r in got["base_load"]) < ref["base_load"][0]["bytes_read"]
         for a, b in zip(got["losses"], ref["losses"], strict=True):
             assert abs(a - b) <= TOL * abs(b), (method, got["losses"], ref["losses"])
         assert got["grads"].keys() == ref["grads"].keys() and ref["grads"]

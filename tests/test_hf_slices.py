@@ -1,0 +1,61 @@
+"""Regions of our tensors read straight from Hugging Face safetensors (`models.hf_slices`)
+equal the same regions of the whole converted checkpoint, bit for bit, for a plain rename
+(Llama), a fused projection split along its rows (Phi-3's qkv_proj / gate_up_proj) and a
+transposed, fused GPT-2 Conv1D; every such tensor is read as a slice (no whole-file fallback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain.models.hf import from_hf_state_dict, hf_model_args, hf_slices
+from scaletrain.models.hf_files import read_hf_weights
+from tests.family_helpers import hf_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128,
+                                  n_positions=96, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _regions(shape: tuple[int, ...], g: torch.Generator) -> list[tuple[slice, ...]]:
+    """The whole tensor, a block of rows, a block of columns, and a random box."""
+    def cut(n: int) -> slice:
+        a = int(torch.randint(0, n, (1,), generator=g))
+        return slice(a, int(torch.randint(a + 1, n + 1, (1,), generator=g)))
+
+    whole = tuple(slice(0, n) for n in shape)
+    out = [whole, tuple(cut(n) for n in shape)]
+    if len(shape) == 2:
+        out += [(cut(shape[0]), slice(0, shape[1])), (slice(0, shape[0]), cut(shape[1]))]
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gpt2"])
+def test_regions_equal_the_whole_conversion(tmp_path, family):
+    if family == "gpt2":
+        model = _gpt2()
+    elif family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    else:
+        model = hf_model(family)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    args = hf_model_args(tmp_path)
+    whole = from_hf_state_dict(read_hf_weights(tmp_path), args)
+    g = torch.Generator().manual_seed(0)
+    with hf_slices(tmp_path, args) as reader:
+        assert set(reader.shapes) == set(whole)
+        assert all(v is not None for v in reader.views.values()), reader.views
+        for name, full in whole.items():
+            for region in _regions(tuple(full.shape), g):
+                got = reader.read(name, region, torch.float32)
+                assert torch.equal(got, full[region].float()), (name, region)
+        # a dtype cast on the way
+        name = next(iter(whole))
+        assert reader.read(name, dtype=torch.bfloat16).dtype == torch.bfloat16

@@ -4,13 +4,12 @@ plan before the first step, and the reports sent to the run's trackers."""
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 from scaletrain.integrations.plan import plan_text
 from scaletrain.profiling import report
-from scaletrain.profiling.session import ProfileSession
+from scaletrain.profiling.session import ProfileSession, stream
 from scaletrain.profiling.summary import headline, scalars
 from scaletrain.train.run_reports import plan_scalars
 from scaletrain.train.trackers import Tracker
@@ -31,7 +30,7 @@ class Window:
     def __init__(self, output: str | Path | None = None, *, start_step: int = 0,
                  wait: int = 1, warmup: int = 1, active: int = 3, plan: bool = False,
                  seq_len: int | None = None, memory_timeline: bool = False,
-                 with_stack: bool = False, report: TextIO | None = sys.stdout) -> None:
+                 with_stack: bool = False, report: TextIO | str | None = "stdout") -> None:
         if start_step < 0:
             raise ValueError(f"ScaletrainCallback: start_step must not be negative "
                              f"(got {start_step})")
@@ -55,8 +54,9 @@ class Window:
             if layout.get("seq_len") is None:
                 layout["seq_len"] = self.seq_len or _max_positions(config)
             text, self.plan_json = plan_text(config, **layout)
-        if self.report is not None:
-            print(text, file=self.report)
+        out = stream(self.report)
+        if out is not None:
+            print(text, file=out)
         for t in trackers:
             t.text("plan", text, step)
             if self.plan_json:

@@ -43,6 +43,16 @@ def _default_device() -> torch.device:
         else torch.device("cpu")
 
 
+def stream(report: TextIO | str | None) -> TextIO | None:
+    """The stream a `report` option names: "stdout" is `sys.stdout` at the time of printing
+    (a default bound at import would outlive a redirected or captured stdout)."""
+    if isinstance(report, str):
+        if report != "stdout":
+            raise ValueError(f'report: a stream, "stdout" or None (got {report!r})')
+        return sys.stdout
+    return report
+
+
 def _dist() -> tuple[bool, int]:
     dist = torch.distributed
     on = dist.is_available() and dist.is_initialized()
@@ -52,7 +62,8 @@ def _dist() -> tuple[bool, int]:
 class ProfileSession:
     """torch.profiler over a wait/warmup/active window of a loop's steps, then the diagnosis.
 
-    `report`: where the verdict is printed when the window closes (None: nowhere; the result
+    `report`: where the verdict is printed when the window closes (a stream; "stdout", the
+    default: the `sys.stdout` of that moment; None: nowhere; the result
     is in `.result` and in `<output>/diagnosis.json` either way). Under torch.distributed every
     rank writes its trace and rank 0 diagnoses all of them (a barrier waits for the others)."""
 
@@ -60,7 +71,7 @@ class ProfileSession:
                  active: int = 3, repeat: int = 1, record_shapes: bool = True,
                  profile_memory: bool = True, with_stack: bool = False,
                  memory_timeline: bool = False, device: torch.device | str | None = None,
-                 report: TextIO | None = sys.stdout, html: bool = True) -> None:
+                 report: TextIO | str | None = "stdout", html: bool = True) -> None:
         if min(wait, warmup) < 0 or active < 1 or repeat < 1:
             raise ValueError("profile: need wait >= 0, warmup >= 0, active >= 1, repeat >= 1 "
                              f"(got wait={wait}, warmup={warmup}, active={active}, "
@@ -150,9 +161,10 @@ class ProfileSession:
         report.write_atomic(self.dir / "diagnosis.json", report.to_json(result))
         if self.html:
             report.write_atomic(self.dir / "report.html", report.to_html(result))
-        if self.report_to is not None:
-            print(report.terminal(result), file=self.report_to)
-            print(f"diagnosis: {self.dir / 'diagnosis.json'}", file=self.report_to)
+        out = stream(self.report_to)
+        if out is not None:
+            print(report.terminal(result), file=out)
+            print(f"diagnosis: {self.dir / 'diagnosis.json'}", file=out)
         log.info("profile: %s", headline(result))
         return result
 

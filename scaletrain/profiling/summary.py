@@ -4,7 +4,7 @@ Keys of `scalars` (all under `profile/`): `step_ms`, `breakdown/<category>` (com
 communication, memory, idle: shares of the device's span, or of the CPU step time on a
 CPU-only run), `scores/<category>` (each loss the verdict weighed), `phase_ms/<phase>`
 (forward, backward, optimizer, data, ... per step, CPU side), `peak_memory_gib`, and
-`verdict/<class>` = 1 for the verdict (trackers plot numbers; the verdict's name is also sent
+`verdict_is/<class>` = 1 for the verdict (trackers plot numbers; the verdict's name is also sent
 as text).
 """
 
@@ -42,6 +42,6 @@ def scalars(result: dict[str, Any], prefix: str = "profile/") -> dict[str, float
     if _finite(peak):
         out["peak_memory_gib"] = float(peak) / 2**30
     for v in VERDICTS:
-        out[f"verdict/{v.replace('/', '_').replace(' ', '_')}"] = float(
+        out[f"verdict_is/{v.replace('/', '_').replace(' ', '_')}"] = float(
             result.get("verdict") == v)
     return {prefix + k: v for k, v in out.items()}

@@ -160,12 +160,12 @@ def test_diagnose_reads_a_tensorboard_trace_handler_folder(reference: Path, tmp_
     folder = tmp_path / "log" / "run1"
     model, opt = _plain_model()
     for worker in ("rank0", "rank1"):
-        sched = torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=2)
+        sched = torch.profiler.schedule(wait=1, warmup=1, active=1, repeat=2)
         with torch.profiler.profile(
                 schedule=sched, record_shapes=True,
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(
                     str(folder), worker_name=worker, use_gzip=True)) as p:
-            for x in _batches(8):
+            for x in _batches(6):
                 _plain_step(model, opt, x)
                 p.step()
     files = sorted(folder.iterdir())

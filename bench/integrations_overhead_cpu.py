@@ -2,14 +2,15 @@
 window of `scaletrain.integrations.hf.ScaletrainCallback`.
 
 Two runs of the same Trainer on the same data and seed: without the callback, and with it
-(window after `--start` steps: wait 1, warmup 1, active 3). A step's time is the wall time
-from one `on_step_begin` to the next, so it includes every callback of that step (the trace
-export and the diagnosis at the window's end are charged to the step that closes it). The
-table gives the median step time by phase of the window and its ratio to the same steps of
-the run without the callback; the runs alternate `--repeats` times (the machine's load
-drifts).
+(window after `--start` steps: wait 1, warmup 1, active 3). A step's time runs from one
+`on_step_begin` to the next, so it includes every callback of that step (the trace export and
+the diagnosis at the window's end are charged to the step that closes it). Both the process's
+CPU time (all its threads: what the profiler adds is CPU work, and CPU time is what a machine
+shared with other jobs does not inflate) and the wall time are taken. The table gives the
+median by phase of the window and its ratio to the same steps of the run without the
+callback; the runs alternate `--repeats` times. One intra-op thread.
 
-    python bench/integrations_overhead_cpu.py [--steps 24] [--start 8] [--repeats 2]
+    python bench/integrations_overhead_cpu.py [--steps 18] [--start 6] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -36,27 +37,27 @@ from transformers import (  # noqa: E402
 
 from scaletrain.integrations.hf import ScaletrainCallback  # noqa: E402
 
-SEQ, MBS, VOCAB = 128, 4, 2048
+SEQ, MBS, VOCAB = 128, 2, 2048
 
 
 class StepClock(TrainerCallback):
     def __init__(self) -> None:
-        self.begins: list[float] = []
+        self.begins: list[tuple[float, float]] = []  # (process CPU time, wall time)
 
     def on_step_begin(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        self.begins.append(time.perf_counter())
+        self.begins.append((time.process_time(), time.perf_counter()))
 
     def on_train_end(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        self.begins.append(time.perf_counter())
+        self.begins.append((time.process_time(), time.perf_counter()))
 
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.begins, self.begins[1:])]
+    def step_times(self) -> list[tuple[float, float]]:
+        return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.begins, self.begins[1:])]
 
 
-def run(steps: int, callback: TrainerCallback | None, out: Path) -> list[float]:
+def run(steps: int, callback: TrainerCallback | None, out: Path) -> list[tuple[float, float]]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ))
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": x, "labels": x}
@@ -93,30 +94,36 @@ def phases(steps: int, start: int, wait: int = 1, warmup: int = 1,
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--start", type=int, default=8)
+    p.add_argument("--steps", type=int, default=18)
+    p.add_argument("--start", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args()
-    base: list[list[float]] = []
-    prof: list[list[float]] = []
+    torch.set_num_threads(1)
+    base: list[list[tuple[float, float]]] = []
+    prof: list[list[tuple[float, float]]] = []
     with TemporaryDirectory() as tmp:
         for r in range(a.repeats):
             base.append(run(a.steps, None, Path(tmp) / f"base{r}"))
             prof.append(run(a.steps, ScaletrainCallback(start_step=a.start, report=None),
                             Path(tmp) / f"prof{r}"))
     names = phases(a.steps, a.start)
-    print(f"HF Trainer step on CPU ({torch.get_num_threads()} threads; load average "
-          f"{os.getloadavg()[0]:.1f}): Llama 256x4 layers, vocab {VOCAB}, batch {MBS}x{SEQ}, "
-          f"fp32; {a.steps} steps, window after step {a.start} (wait 1, warmup 1, active 3), "
-          f"{a.repeats} alternating runs each; step 1 (warm-up) left out")
-    print(f"{'phase':<34}{'steps':>6}{'without ms':>12}{'with ms':>10}{'ratio':>8}")
+    print(f"HF Trainer step on CPU (1 intra-op thread; load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores at the end): Llama 256 x 2 layers, vocab {VOCAB}, batch "
+          f"{MBS} x {SEQ}, fp32; {a.steps} steps, window after step {a.start} (wait 1, warmup "
+          f"1, active 3), {a.repeats} alternating runs each; step 1 (warm-up) left out; "
+          "medians")
+    print(f"{'phase':<34}{'steps':>6}{'CPU ms without':>16}{'with':>8}{'ratio':>7}"
+          f"{'wall ms without':>17}{'with':>8}{'ratio':>7}")
     for phase in dict.fromkeys(names):
         idx = [i for i, n in enumerate(names) if n == phase and i > 0]
         if not idx:
             continue
-        b = statistics.median(t[i] for t in base for i in idx) * 1e3
-        w = statistics.median(t[i] for t in prof for i in idx) * 1e3
-        print(f"{phase:<34}{len(idx):>6}{b:>12.1f}{w:>10.1f}{w / b:>8.2f}")
+        row = f"{phase:<34}{len(idx):>6}"
+        for k, width in ((0, 16), (1, 17)):
+            b = statistics.median(t[i][k] for t in base for i in idx) * 1e3
+            w = statistics.median(t[i][k] for t in prof for i in idx) * 1e3
+            row += f"{b:>{width}.1f}{w:>8.1f}{w / b:>7.2f}"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise ImportError("scaletrain.integrations.hf needs transformers: pip install "
+                      "'scaletrain[hf]'") from e
 
 from scaletrain.integrations.plan import precision_name
 from scaletrain.integrations.window import Window

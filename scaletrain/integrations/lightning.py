@@ -21,7 +21,11 @@ from typing import Any
 try:
     import lightning.pytorch as pl
 except ImportError:  # the older package name
-    import pytorch_lightning as pl
+    try:
+        import pytorch_lightning as pl
+    except ImportError as e:
+        raise ImportError("scaletrain.integrations.lightning needs Lightning: pip install "
+                          "'scaletrain[integrations]'") from e
 
 from scaletrain.integrations.window import Window
 from scaletrain.train.trackers import MlflowTracker, TensorBoardTracker, Tracker, WandbTracker

@@ -19,6 +19,12 @@ def _active_note(args: ModelArgs) -> str:
             f"{args.n_experts} experts; FLOPs and MFU count these)")
 
 
+def _grads_label(lay: Layout) -> str:
+    """The gradient convention as the user reads it: `bf16` means 16-bit gradients, which are
+    fp16 under an fp16 run."""
+    return lay.stored_dtype if lay.grad_convention == "bf16" else lay.grad_convention
+
+
 def format_plan(plan: Plan, device: Device | None = None) -> str:
     """The human-readable plan."""
     lay, d = plan.layout, plan.layout.dims
@@ -28,7 +34,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         f"{f' ep={d.ep}' if d.ep > 1 else ''} "
         f"zero={lay.zero}  mbs={lay.mbs} ga={lay.grad_accum} seq={lay.seq_len}  "
         f"{lay.precision} (params {lay.stored_dtype}"
-        f"{', grads ' + lay.grad_convention if lay.stored_dtype != 'fp32' else ''})  "
+        f"{', grads ' + _grads_label(lay) if lay.stored_dtype != 'fp32' else ''})  "
         f"recompute={_recompute_label(lay)}",
         f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
         f"(pipeline stage {plan.stage})" + _active_note(plan.args),

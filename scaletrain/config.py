@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config_sections import (  # noqa: F401 - re-exported: the public config API
+    METRICS_LOGGERS,
     ActivationCheckpointConfig,
     CheckpointConfig,
     CompileConfig,
@@ -224,6 +225,10 @@ def validate(cfg: Config) -> list[str]:
         if not value > 0:
             errors.append(f"{name} must be positive (got {value})")
     errors.extend(signal_problems(cfg.checkpoint.signals))
+    for name in cfg.metrics.loggers:
+        if name not in METRICS_LOGGERS:
+            errors.append(f"metrics.loggers: unknown logger '{name}' (choose from "
+                          f"{', '.join(METRICS_LOGGERS)})")
     if t.grad_accum_steps is not None and t.grad_accum_steps <= 0:
         errors.append(f"training.grad_accum_steps must be positive (got {t.grad_accum_steps})")
     if t.global_batch_size is not None and t.global_batch_size <= 0:

@@ -271,14 +271,39 @@ class CheckpointConfig:
         self.signals = tuple(self.signals)  # TOML gives a list
 
 
+METRICS_LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class MetricsConfig:
     log_interval: int = 10
     """Print a metrics line every N steps (metrics.jsonl gets every step)."""
     tensorboard: bool = True
-    """Write TensorBoard event files under `<output>/tb` (needs the `tb` extra)."""
+    """Write TensorBoard event files under `<output>/tb` (needs the `tb` extra); false takes
+    `tensorboard` out of `loggers`."""
     progress_bar: bool = True
     """Show a progress bar on the terminal."""
+    loggers: tuple[str, ...] = ("tensorboard",)
+    """Experiment trackers that get every step's metrics, the plan and (with profiling) the
+    verdict: any of `tensorboard`, `wandb` (offline with WANDB_MODE=offline; files under
+    `<output>/wandb`), `mlflow` (a local store `<output>/mlruns` unless
+    `mlflow_tracking_uri`/MLFLOW_TRACKING_URI says otherwise). W&B and MLflow need the
+    `integrations` extra. See docs/integrations.md."""
+    wandb_project: str = "scaletrain"
+    """W&B project of the run (the run is named after `output`)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (a server, `sqlite:///file.db`, `file:/dir`); default the
+    MLFLOW_TRACKING_URI variable, else `<output>/mlruns`."""
+    mlflow_experiment: str = "scaletrain"
+    """MLflow experiment the run goes to."""
+
+    def __post_init__(self) -> None:
+        self.loggers = tuple(self.loggers)  # TOML gives a list
+
+    @property
+    def active_loggers(self) -> tuple[str, ...]:
+        """`loggers` less `tensorboard` when `tensorboard` is false."""
+        return tuple(n for n in self.loggers if n != "tensorboard" or self.tensorboard)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.profiling.analyze import latest_traces
+from scaletrain.profiling.folders import handler_traces, run_folders
 from scaletrain.profiling.trace import TraceError
 
 
@@ -34,17 +35,21 @@ _PATTERNS = ("*.pt.trace.json.gz", "*.pt.trace.json", "*.json.gz", "*.json", "*.
 
 
 def expand(paths: list[str]) -> list[str]:
-    """Files as given; a folder stands for the traces in it (a `scaletrain profile` folder: the
-    newest trace of each rank)."""
+    """Files as given; a folder stands for the traces in it: a `scaletrain profile` folder or a
+    `tensorboard_trace_handler` folder gives the newest trace of each rank (worker)."""
     out: list[str] = []
     for p in map(Path, paths):
         if not p.is_dir():
             out.append(str(p))
             continue
-        found = latest_traces(p.parent if p.name == "traces" else p)
+        found = latest_traces(p.parent if p.name == "traces" else p) or handler_traces(p)
         if not found:
             found = next((sorted(f for f in p.glob(g) if not f.name.startswith(
                 "memory_timeline")) for g in _PATTERNS if list(p.glob(g))), [])
+        if not found and run_folders(p):
+            runs = ", ".join(str(r) for r in run_folders(p))
+            raise TraceError(f"{p}: a TensorBoard logdir with several runs; pass one of them: "
+                             f"{runs}")
         if not found:
             raise TraceError(f"{p}: no trace files (.json, .json.gz, .sqlite) in this folder")
         out.extend(str(f) for f in found)

@@ -7,8 +7,6 @@ import json
 import sys
 
 from scaletrain.commands._plan_args import (
-    GB,
-    GIB,
     add_common_args,
     parse_device,
     parse_model,
@@ -16,10 +14,9 @@ from scaletrain.commands._plan_args import (
     resolve_precision,
     train_defaults,
 )
-from scaletrain.models.args import ModelArgs, count_active_params
-from scaletrain.plan.estimate import Layout, Plan, PlanError, check_dims, estimate, plan_json
+from scaletrain.plan.estimate import Layout, PlanError, check_dims, estimate, plan_json
 from scaletrain.plan.finetune import METHODS, finetune_plan
-from scaletrain.plan.hardware import Device
+from scaletrain.plan.text import format_plan
 
 
 def _estimate_main(argv: list[str]) -> int:
@@ -105,94 +102,6 @@ def _estimate_main(argv: list[str]) -> int:
 
             print("\n".join(advice_lines(plan, device.memory_bytes)))
     return 0
-
-
-def _active_note(args: ModelArgs) -> str:
-    """For Mixture-of-Experts models: the parameters one token goes through."""
-    if not args.is_moe:
-        return ""
-    return (f"; {count_active_params(args):,} active per token ({args.n_experts_per_token} of "
-            f"{args.n_experts} experts; FLOPs and MFU count these)")
-
-
-def _grads_label(lay) -> str:
-    """The gradient convention as the user reads it: `bf16` means 16-bit gradients, which are
-    fp16 under an fp16 run."""
-    return lay.stored_dtype if lay.grad_convention == "bf16" else lay.grad_convention
-
-
-def format_plan(plan: Plan, device: Device | None = None) -> str:
-    """The human-readable plan."""
-    lay, d = plan.layout, plan.layout.dims
-    lines = [
-        f"layout: pp={d.pp} (vpp={lay.vpp}) dp={d.dp} (replicate {d.dp_replicate} x shard "
-        f"{d.dp_shard}) cp={d.cp} tp={d.tp}{' +SP' if lay.sequence_parallel else ''}"
-        f"{f' ep={d.ep}' if d.ep > 1 else ''} "
-        f"zero={lay.zero}  mbs={lay.mbs} ga={lay.grad_accum} seq={lay.seq_len}  "
-        f"{lay.precision} (params {lay.stored_dtype}"
-        f"{', grads ' + _grads_label(lay) if lay.stored_dtype != 'fp32' else ''})  "
-        f"recompute={_recompute_label(lay)}",
-        f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
-        f"(pipeline stage {plan.stage})" + _active_note(plan.args),
-        *_finetune_lines(plan),
-        f"FLOPs per token: {plan.flops_per_token:.4g} model (6N + attention), "
-        f"{plan.hardware_flops_per_token:.4g} hardware (with recomputation)",
-        f"pipeline bubble: {plan.bubble_fraction:.1%} of compute; activations of "
-        f"{plan.in_flight_microbatches:g} micro-batch(es) in flight",
-        "",
-        f"{'memory (most loaded rank)':<28}{'bytes':>18}{'GiB':>10}{'GB':>10}",
-    ]
-    for k, v in plan.memory_bytes.items():
-        if k == "total":
-            lines.append("-" * 66)
-        lines.append(f"{k:<28}{v:>18,}{v / GIB:>10.2f}{v / GB:>10.2f}")
-    if lay.zero == 3 and lay.blocks_stay_gathered:
-        lines.append(f"(ZeRO-3 under {lay.schedule}: the blocks stay gathered from forward to "
-                     "backward, as in ZeRO-2, for the split backward: gathered_weights)")
-    if plan.cpu_offload_bytes:
-        lines.append(f"{'(offloaded to CPU)':<28}{plan.cpu_offload_bytes:>18,}"
-                     f"{plan.cpu_offload_bytes / GIB:>10.2f}")
-    if device is not None:
-        fits = plan.peak_bytes <= device.memory_bytes
-        lines.append(f"device {device.name}: {device.memory_gib:.1f} GiB -> "
-                     f"{'fits' if fits else 'DOES NOT FIT'} "
-                     f"({plan.peak_bytes / device.memory_bytes:.0%} of memory)")
-    comm = ", ".join(f"{k} {v / GB:.3g} GB" for k, v in plan.comm_bytes_per_step.items() if v)
-    lines += ["", f"communication per step (this rank): {comm or 'none'}"]
-    if plan.trainer_problems:
-        lines += ["", "scaletrain train cannot run this layout:",
-                  *(f"  - {p}" for p in plan.trainer_problems)]
-    return "\n".join(lines)
-
-
-def _recompute_label(lay: Layout) -> str:
-    """`partial` recomputation in words: which blocks, whole or attention part."""
-    if lay.recompute != "partial":
-        return lay.recompute
-    what = "block" if lay.scope == "block" else "attention part of the block"
-    nth = {1: "every", 2: "every 2nd", 3: "every 3rd"}.get(lay.every, f"every {lay.every}th")
-    return f"partial ({what}, {nth} block)"
-
-
-def _finetune_lines(plan: Plan) -> list[str]:
-    if not plan.finetune:
-        return []
-    f = plan.finetune
-    rank = f" r={f['lora_rank']}" if f["lora_rank"] else ""
-    return [f"fine-tuning {f['method']}{rank}: {f['trainable']:,} trainable of {f['total']:,} "
-            f"({f['trainable'] / f['total']:.2%}); activations as for full training (an upper "
-            "bound when blocks are frozen)", *_host_lines(f.get("host_load_bytes"))]
-
-
-def _host_lines(host: dict | None) -> list[str]:
-    """Host RAM per rank at the base's load (`plan.finetune_host`)."""
-    if not host:
-        return []
-    how = ("its shards of the fp32 base" if host["sharded"]
-           else "the whole fp32 base (one process, DDP or QLoRA)")
-    return [f"host RAM per rank while loading the base: {host['peak'] / GIB:.2f} GiB = {how} "
-            f"{host['weights'] / GIB:.2f} GiB + the largest tensor in flight "
-            f"{host['in_flight'] / GIB:.2f} GiB (read bf16, cast to fp32)"]
 
 
 def main(argv: list[str]) -> int:

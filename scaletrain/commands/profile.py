@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
     from scaletrain.train.trainer import Trainer
 
     try:
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        trainer.train()
         analyse = _is_rank0()  # before the process group goes: waits for every rank's trace
     except (ConfigError, CheckpointError) as e:
         print(f"scaletrain profile: {e}", file=sys.stderr)
@@ -81,8 +82,9 @@ def main(argv: list[str]) -> int:
         return 1
     from scaletrain.commands.diagnose import timelines
 
-    try:
-        result = analyze(traces, memory_timeline=timelines([str(folder)]) or None, cfg=cfg)
+    try:  # the trainer diagnosed the window already (for the trackers); else do it here
+        result = trainer.diagnosis or analyze(
+            traces, memory_timeline=timelines([str(folder)]) or None, cfg=cfg)
     except TraceError as e:
         print(f"scaletrain profile: {e}", file=sys.stderr)
         return 1

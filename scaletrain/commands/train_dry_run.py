@@ -43,7 +43,7 @@ def dry_run(cfg: Config, as_json: bool = False) -> int:
 
 def report(plan: Plan, device: Device | None, as_json: bool, prog: str) -> int:
     """Print the plan (text with advice when it does not fit, or JSON); the exit code."""
-    from scaletrain.commands.plan import format_plan
+    from scaletrain.plan.text import format_plan
     from scaletrain.plan.advice import advice_lines
     from scaletrain.plan.estimate import plan_json
 

@@ -1,4 +1,5 @@
-"""Per-step metrics to the terminal (progress bar + log lines), metrics.jsonl and TensorBoard.
+"""Per-step metrics to the terminal (progress bar + log lines), metrics.jsonl and the experiment
+trackers of `metrics.loggers` (TensorBoard, W&B, MLflow: `trackers.py`).
 
 Convention (torchtitan's): `tokens_per_s` is the job's (every data-parallel rank's tokens);
 `tokens_per_s_per_device`, `tflops` and `mfu` are per device, i.e. the job's figures divided by
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from scaletrain.train.trackers import Tracker
 
 log = logging.getLogger("scaletrain.train")
 
@@ -141,15 +144,15 @@ def _open_truncated(path: Path, last_step: int) -> Any:
 
 
 class MetricsLogger:
-    def __init__(self, output: Path, total_steps: int, log_interval: int, tensorboard: bool,
-                 progress_bar: bool, start_step: int = 0) -> None:
+    def __init__(self, output: Path, total_steps: int, log_interval: int,
+                 trackers: list[Tracker], progress_bar: bool, start_step: int = 0) -> None:
         self.output = output
         self.log_interval = log_interval
         self.start_step, self.total_steps = start_step, total_steps
         # A resumed run drops lines past its checkpoint, so every step appears exactly once.
         self.jsonl = _open_truncated(output / "metrics.jsonl", start_step)
         self.eval_jsonl = _open_truncated(output / "eval.jsonl", start_step)
-        self.tb = self._tensorboard(output / "tb") if tensorboard else None
+        self.trackers = trackers
         self.progress = None
         if progress_bar and sys.stderr.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -161,15 +164,17 @@ class MetricsLogger:
                                                info="")
             self.progress.start()
 
-    @staticmethod
-    def _tensorboard(path: Path) -> Any:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            log.warning("tensorboard is not installed (pip install 'scaletrain[tb]'); "
-                        "metrics go to metrics.jsonl only")
-            return None
-        return SummaryWriter(str(path))
+    def _scalars(self, values: dict[str, float], step: int) -> None:
+        for t in self.trackers:
+            t.scalars(values, step)
+
+    def log_text(self, key: str, text: str, step: int,
+                 values: dict[str, float] | None = None) -> None:
+        """A report (the plan, the profiler's verdict) and its figures to every tracker."""
+        for t in self.trackers:
+            t.text(key, text, step)
+            if values:
+                t.scalars(values, step)
 
     def log_step(self, m: StepMetrics) -> None:
         row = asdict(m)
@@ -178,13 +183,12 @@ class MetricsLogger:
                 del row[key]
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in row.items():
-                if key not in ("step", "moe") and value is not None:
-                    self.tb.add_scalar(f"train/{key}", value, m.step)
-            for key, value in (m.moe or {}).items():
-                if key != "layers" and value is not None:
-                    self.tb.add_scalar(f"moe/{key}", value, m.step)
+        if self.trackers:
+            values = {f"train/{k}": v for k, v in row.items()
+                      if k not in ("step", "moe") and v is not None}
+            values.update({f"moe/{k}": v for k, v in (m.moe or {}).items()
+                           if k != "layers" and v is not None})
+            self._scalars(values, m.step)
         if self.progress is not None:
             self.progress.update(self.task, completed=m.step,
                                  info=f"loss {m.loss:.3f} {m.tokens_per_s:,.0f} tok/s")
@@ -202,14 +206,16 @@ class MetricsLogger:
     def log_eval(self, step: int, val_loss: float) -> None:
         self.eval_jsonl.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
         self.eval_jsonl.flush()
-        if self.tb is not None:
-            self.tb.add_scalar("val/loss", val_loss, step)
+        self._scalars({"val/loss": val_loss}, step)
         log.info("step %5d | validation loss %.4f", step, val_loss)
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        if self.tb is not None:
-            self.tb.close()
+        for t in self.trackers:
+            try:
+                t.close()
+            except Exception as e:  # a tracker's upload must not fail a finished run
+                log.warning("closing the %s logger failed: %s", t.name, e)
         self.jsonl.close()
         self.eval_jsonl.close()

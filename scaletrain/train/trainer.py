@@ -35,6 +35,7 @@ from scaletrain.train.lr_schedule import LRSchedule
 from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
 from scaletrain.train.moe_metrics import collect_moe_stats
 from scaletrain.train.optim import build_optimizer
+from scaletrain.train.run_reports import diagnose_window, log_plan, run_trackers
 from scaletrain.train.step import StepOutput, TrainStep
 
 log = logging.getLogger("scaletrain.train")
@@ -89,6 +90,7 @@ class Trainer:
         # Degrees from the config and torchrun's world size; checked before any collective.
         self.par = Parallelism(cfg.parallel, self.device, fp8=cfg.precision.fp8)
         self.is_main = self.par.is_main
+        self.diagnosis: dict[str, Any] | None = None  # of the profiled window (profiling.enabled)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
         self.output = Path(cfg.output)
         self.output.mkdir(parents=True, exist_ok=True)
@@ -501,8 +503,9 @@ class Trainer:
         if self.is_main:  # one rank writes metrics, logs and the progress bar
             clear_marker(self.output)
             metrics = MetricsLogger(self.output, cfg.training.steps, cfg.metrics.log_interval,
-                                    cfg.metrics.tensorboard, cfg.metrics.progress_bar,
+                                    run_trackers(cfg, self.output), cfg.metrics.progress_bar,
                                     start_step=self.step)
+            log_plan(metrics, cfg, self.device, self.step)
         pending = _Pending(time.perf_counter())
         prof = StepProfiler(cfg.profiling, self.output, self.device, start_step=self.step).start()
         try:
@@ -546,6 +549,8 @@ class Trainer:
                         write_marker(self.output, stop, self.step, result.checkpoint)
                     raise Preempted(stop, self.step, result.checkpoint)
             prof.stop()  # evaluation and the final checkpoint stay out of the trace
+            self.diagnosis = diagnose_window(prof, cfg, metrics, self.step, self.par.enabled,
+                                             self.is_main)
             self._where(heartbeat, "final evaluation")
             result.val_loss = self.evaluate()
             metrics.log_eval(self.step, result.val_loss)

@@ -3,8 +3,10 @@
 `scaletrain diagnose`, the HF Trainer and Lightning callbacks, and `metrics.loggers` sending
 the metrics, the plan and the verdict to TensorBoard, W&B (offline) and MLflow (a local store).
 
-Every profiled run does the same work: a small Llama (dim 128, 2 layers, vocabulary 512),
-batches of 2 x 64 tokens, fp32 on the CPU; each must get the verdict class that
+Every profiled run does the same work: a small Llama (dim 256, 2 layers, vocabulary 512),
+batches of 8 x 128 tokens (enough work per step that the HF Trainer's and Lightning's own
+per-step overhead stays well below the 15 % an overhead-bound verdict needs),
+fp32 on the CPU; each must get the verdict class that
 `scaletrain profile` gives on that work. A plain loop whose steps wait on their data must not.
 """
 
@@ -31,8 +33,8 @@ HAS_WANDB = importlib.util.find_spec("wandb") is not None
 HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
 HAS_HF = importlib.util.find_spec("transformers") is not None
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
-VOCAB, SEQ, MBS = 512, 64, 2
-DIMS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=VOCAB,
+VOCAB, SEQ, MBS = 512, 128, 8
+DIMS = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=VOCAB,
                  max_seq_len=1024)
 WORK = ["--model.dim", str(DIMS.dim), "--model.n_layers", str(DIMS.n_layers),
         "--model.n_heads", str(DIMS.n_heads), "--model.n_kv_heads", str(DIMS.n_kv_heads),

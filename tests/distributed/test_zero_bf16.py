@@ -1,0 +1,175 @@
+"""16-bit parameters with sharded fp32 master weights across processes (Megatron's distributed
+optimizer, DeepSpeed's ZeRO-1/2 with bf16 weights): `precision.param_dtype bf16` with ZeRO-0/1
+(the partitioned optimizer's fp32 masters, `train/zero1.py`), alone and with TP or PP, and with
+ZeRO-2/3 (FSDP's mixed precision: its fp32 shards are the masters). Each run matches one
+process running the same recipe (bf16 parameters, fp32 masters and gradient sums, bf16
+autocast) within bf16 noise, with clipping on and accumulation > 1, and holds per rank the
+parameter, gradient, master and optimizer bytes the planner states for the layout."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.distributed.compare import rel_max
+from tests.distributed.worker import run_trainer, train_steps
+from tests.proc_helpers import run_ranks
+
+STEPS = 3
+LOW_TOL = 2e-2  # bf16 rounding noise (test_parity.py's tolerance for bf16/fp16 layouts)
+BF16 = ["--precision.dtype", "bf16", "--precision.param_dtype", "bf16"]
+STATES = ("weights", "gradients", "master_weights", "optimizer")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def held_bytes(trainer: Any) -> dict[str, int]:
+    """What this rank holds of each model state (just before an optimizer step, for the
+    gradients; the optimizer's state exists from the first step on): parameters, fp32
+    gradients (the partitioned optimizer's buffers, or FSDP's sharded gradients), fp32
+    masters and optimizer state (tensors, not step counters). FSDP's fp32 shards are its
+    masters: there the parameters count as master weights and the weights as 0."""
+    opt = trainer.optimizer
+    params = list(trainer.model.parameters())
+    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.ndim > 0)
+    if trainer.par.fsdp:
+        return {"weights": 0, "master_weights": sum(_nbytes(p) for p in params),
+                "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": state}
+    masters = getattr(opt, "master", {})
+    return {"weights": sum(_nbytes(p) for p in params),
+            "master_weights": sum(_nbytes(m) for m in masters.values()),
+            "gradients": sum(_nbytes(h.grad) for h in opt.sync_params() if h.grad is not None),
+            "optimizer": state}
+
+
+def planned_bytes(trainer: Any, zero: int) -> dict[str, int]:
+    """The planner's per-rank model-state bytes for this run's layout and recipe."""
+    from scaletrain.plan.estimate import Layout, estimate
+
+    cfg = trainer.cfg
+    lay = Layout(dims=trainer.par.dims, mbs=cfg.training.micro_batch_size,
+                 seq_len=cfg.data.seq_len, zero=zero, precision="bf16", param_dtype="bf16",
+                 kernels="cpu", schedule=cfg.parallel.pp_schedule)
+    plan = estimate(trainer.model_args, lay)
+    assert not plan.trainer_problems, plan.trainer_problems
+    return {k: plan.memory_bytes[k] for k in STATES}
+
+
+def _entry(rank: int, world: int, jobs: list[tuple], out_dir: str) -> None:
+    from scaletrain.train.trainer import Trainer
+    from tests.distributed.worker import BASE, MODEL
+    from tests.trainer_helpers import tiny_config
+
+    results: dict[str, Any] = {}
+    try:
+        for name, argv, zero in jobs:
+            cfg = tiny_config(Path(argv[0]), Path(argv[1]), *MODEL, *BASE, *argv[2:],
+                              "--training.steps", str(STEPS))
+            trainer = Trainer(cfg)
+            norms: list[float] = []
+            # `train_steps` asks for the gradients just before the first optimizer step: the
+            # moment every state is held; the bytes travel as a tensor of the four counts
+            losses, got = train_steps(trainer, STEPS, lambda t=trainer: {
+                k: torch.tensor(v) for k, v in held_bytes(t).items()}, norms)
+            held = {k: int(v) for k, v in got.items()}
+            held["optimizer"] = held_bytes(trainer)["optimizer"]  # created by the first step
+            dtypes = {str(p.dtype) for p in trainer.model.parameters()}
+            results[name] = {"losses": losses, "norms": norms, "val": trainer.evaluate(),
+                             "held": held, "planned": planned_bytes(trainer, zero),
+                             "dtypes": dtypes, "pp_rank": trainer.par.pp_rank}
+            dist.barrier()
+    except Exception:
+        results["error"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+# name, flags, data-parallel degree, ZeRO stage (for the plan), GA
+LAYOUTS_2 = [
+    ("zero1", ["--parallel.data_parallel", "zero1"], 2, 1, 2),
+    ("ddp", ["--parallel.data_parallel", "ddp"], 2, 0, 2),
+    ("zero2-fsdp", ["--parallel.data_parallel", "zero2"], 2, 2, 2),
+    ("zero3-fsdp", ["--parallel.data_parallel", "zero3"], 2, 3, 2),
+]
+LAYOUTS_4 = [
+    ("zero1-x-tp2", ["--parallel.data_parallel", "zero1", "--parallel.tp", "2"], 2, 1, 2),
+    ("zero1-x-pp2", ["--parallel.data_parallel", "zero1", "--parallel.pp", "2"], 2, 1, 2),
+    ("zero2-x-pp2", ["--parallel.data_parallel", "zero2", "--parallel.pp", "2"], 2, 2, 2),
+]
+
+
+def _run(tmp: Path, world: int, layouts: list) -> dict[str, Any]:
+    cache = tmp / "cache"
+    refs = {}
+    for dp, ga in sorted({(dp, ga) for _, _, dp, _, ga in layouts}):
+        out = run_trainer([str(tmp / f"ref-{dp}-{ga}"), str(cache), *BF16,
+                           "--training.micro_batch_size", str(4 * dp),
+                           "--training.grad_accum_steps", str(ga)], STEPS, capture=False)
+        out.pop("trainer")
+        refs[(dp, ga)] = out
+    jobs = [(name, [str(tmp / name), str(cache), *BF16, *flags, "--training.grad_accum_steps",
+                    str(ga)], zero) for name, flags, _, zero, ga in layouts]
+    run_ranks(_entry, world, jobs, str(tmp))
+    result = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    table = {}
+    for name, _, dp, _, ga in layouts:
+        ref = refs[(dp, ga)]
+        got = result[0][name]
+        table[name] = {
+            "loss": rel_max(got["losses"], ref["losses"]),
+            "norm": max(rel_max(r[name]["norms"], ref["norms"]) for r in result),
+            "val": abs(got["val"] - ref["val"]) / ref["val"],
+            "dtypes": got["dtypes"],
+            "ranks": [(r[name]["pp_rank"], r[name]["held"], r[name]["planned"])
+                      for r in result],
+        }
+    return table
+
+
+def _check(table: dict[str, Any], world: int) -> None:
+    for name, row in table.items():
+        print(f"| {name} | {world} | loss {row['loss']:.1e} | norm {row['norm']:.1e} | "
+              f"val {row['val']:.1e} |")
+        for pp_rank, held, planned in row["ranks"]:
+            print("   held", held, "planned", planned, "pp rank", pp_rank)
+        assert max(row["loss"], row["norm"], row["val"]) <= LOW_TOL, (name, row)
+        fsdp = "fsdp" in name
+        # bf16 weights (FSDP: fp32 shards, gathered in bf16)
+        assert row["dtypes"] == {"torch.float32" if fsdp else "torch.bfloat16"}, name
+        for pp_rank, held, planned in row["ranks"]:
+            if "pp" in name and pp_rank != row["ranks"][0][0]:
+                continue  # the plan is of the most loaded stage; compare ranks of that one
+            for key in ("weights", "gradients"):
+                assert held[key] == planned[key], (name, key, held, planned)
+            for key in ("master_weights", "optimizer"):
+                # ZeRO-1 owns whole parameters (greedy, largest first): a rank's share is
+                # within 5 % of the plan's even split
+                assert abs(held[key] - planned[key]) <= 0.05 * planned[key], (name, key)
+
+
+@pytest.mark.distributed
+def test_bf16_params_sharded_masters_two_ranks(tmp_path: Path) -> None:
+    table = _run(tmp_path, 2, LAYOUTS_2)
+    _check(table, 2)
+    # ZeRO-1 halves masters + optimizer state against ZeRO-0, which keeps them whole
+    z1 = table["zero1"]["ranks"]
+    z0 = table["ddp"]["ranks"]
+    assert sum(h["master_weights"] for _, h, _ in z1) == z0[0][1]["master_weights"]
+    assert sum(h["optimizer"] for _, h, _ in z1) == z0[0][1]["optimizer"]
+
+
+@pytest.mark.distributed
+def test_bf16_params_sharded_masters_with_tp_and_pp(tmp_path: Path) -> None:
+    _check(_run(tmp_path, 4, LAYOUTS_4), 4)

@@ -132,9 +132,10 @@ class Trainer:
             self.par.attach_pipeline(self.model, step_loss, self.ga,
                                      lambda: precision.autocast(self.device, self.dtype),
                                      hidden=cfg.training.fused_loss)
-        if self.par.master_weights:  # (FSDP keeps fp32 shards and computes in bf16 itself)
-            for p in self.model.parameters():  # buffers (RoPE frequencies) stay fp32
-                p.data = p.data.to(torch.bfloat16)
+        if self.par.master_weights and not self.par.enabled:  # one process: bf16 weights
+            # (with several processes the partitioned optimizer casts them, and FSDP keeps fp32
+            # shards and computes in bf16 itself); buffers (RoPE frequencies) stay fp32
+            precision.cast_params_(list(self.model.parameters()), torch.bfloat16)
         self.schedule = LRSchedule(self.optimizer, cfg.lr_schedule, cfg.optimizer.lr,
                                    cfg.training.steps)
         self.scaler = precision.grad_scaler(

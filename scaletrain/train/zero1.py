@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.config import OptimizerConfig
 from scaletrain.parallel.parallelize import clean_name
 from scaletrain.train.optim import create_state, make_optimizer, param_groups
+from scaletrain.train.precision import cast_params_
 
 _AMP_ATTRS = ("found_inf", "grad_scale")
 
@@ -104,9 +105,9 @@ class PartitionedOptimizer:
         owners = (assign_owners([_local(p).numel() for p in self.params], self.ranks) if shard
                   else [self.rank] * len(self.params))
         owner = {id(p): r for p, r in zip(self.params, owners, strict=True)}
-        # With masters: the fp32 copy of each owned parameter (taken before the trainer casts
-        # the model to 16 bit), which also holds that parameter's fp32 gradient; a holder for
-        # every other one.
+        # With masters: the fp32 copy of each owned parameter (then the model is cast to
+        # bf16), which also holds that parameter's fp32 gradient; a holder for every other
+        # one.
         self.master: dict[int, torch.Tensor] = {}
         self.holders: dict[int, Any] = {}
         if masters:
@@ -116,6 +117,7 @@ class PartitionedOptimizer:
                     self.master[id(p)] = self.holders[id(p)] = m
                 else:
                     self.holders[id(p)] = GradHolder()
+            cast_params_(self.params, torch.bfloat16)  # the masters hold the fp32 values
             self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate)
                            for p in self.params]
         inner_groups = [{**g, "params": [self.master.get(id(p), p) for p in g["params"]
@@ -139,6 +141,10 @@ class PartitionedOptimizer:
         g = p.grad
         if g is None or p.dtype == torch.float32:
             return
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            # the embedding's gradient comes back whole (replicated or partial) under TP: keep
+            # only this rank's shard, as the parameter is sharded
+            g = g.redistribute(p.device_mesh, p.placements)
         holder = self.holders[id(p)]
         if holder.grad is None:
             holder.grad = g.to(torch.float32, copy=True)

@@ -59,11 +59,12 @@ def planned_bytes(trainer: Any, zero: int) -> dict[str, int]:
 
     cfg = trainer.cfg
     lay = Layout(dims=trainer.par.dims, mbs=cfg.training.micro_batch_size,
-                 seq_len=cfg.data.seq_len, zero=zero, precision="bf16", param_dtype="bf16",
+                 seq_len=cfg.data.seq_len, gbs=trainer.global_batch, zero=zero,
+                 precision="bf16", param_dtype="bf16",
                  kernels="cpu", schedule=cfg.parallel.pp_schedule)
     plan = estimate(trainer.model_args, lay)
     assert not plan.trainer_problems, plan.trainer_problems
-    return {k: plan.memory_bytes[k] for k in STATES}
+    return {**{k: plan.memory_bytes[k] for k in STATES}, "stage": plan.stage}
 
 
 def _entry(rank: int, world: int, jobs: list[tuple], out_dir: str) -> None:
@@ -106,7 +107,7 @@ LAYOUTS_2 = [
 LAYOUTS_4 = [
     ("zero1-x-tp2", ["--parallel.data_parallel", "zero1", "--parallel.tp", "2"], 2, 1, 2),
     ("zero1-x-pp2", ["--parallel.data_parallel", "zero1", "--parallel.pp", "2"], 2, 1, 2),
-    ("zero2-x-pp2", ["--parallel.data_parallel", "zero2", "--parallel.pp", "2"], 2, 2, 2),
+    ("zero2-fsdp-x-pp2", ["--parallel.data_parallel", "zero2", "--parallel.pp", "2"], 2, 2, 2),
 ]
 
 
@@ -149,7 +150,7 @@ def _check(table: dict[str, Any], world: int) -> None:
         # bf16 weights (FSDP: fp32 shards, gathered in bf16)
         assert row["dtypes"] == {"torch.float32" if fsdp else "torch.bfloat16"}, name
         for pp_rank, held, planned in row["ranks"]:
-            if "pp" in name and pp_rank != row["ranks"][0][0]:
+            if pp_rank != planned["stage"]:
                 continue  # the plan is of the most loaded stage; compare ranks of that one
             for key in ("weights", "gradients"):
                 assert held[key] == planned[key], (name, key, held, planned)

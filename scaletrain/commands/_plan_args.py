@@ -69,10 +69,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="autocast dtype (default auto: what train's precision.dtype picks on "
                         "--gpu, or on this machine without it)")
     p.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype parameters are stored in (default: 16-bit with fp32 masters "
-                        "for 16-bit precision)")
+                   help="dtype parameters are stored in (default: bf16 with fp32 masters for "
+                        "bf16 precision, else fp32: what the trainer runs)")
     p.add_argument("--grad-convention", choices=["playbook", "megatron", "bf16"],
-                   default="playbook", help="gradient bytes under mixed precision: 2+4, 4 or 2")
+                   default="megatron", help="gradient bytes of 16-bit parameters: 2+4, 4 "
+                   "(default: the trainer's fp32 sums) or 2")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "adamw8bit"], default="adamw")
     p.add_argument("--kernels", choices=["cuda", "cpu"], default="cuda",
                    help="whose saved tensors to model (CPU keeps one more tensor per RMSNorm)")

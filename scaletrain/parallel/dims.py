@@ -134,9 +134,6 @@ class ParallelDims:
         if self.pp > 1 and args.n_layers < stages:
             out.append(f"model.n_layers ({args.n_layers}) must be at least parallel.pp x "
                        f"virtual stages ({stages}): every pipeline stage needs a layer")
-        if self.pp > 1 and args.tie_embeddings:
-            out.append("model.tie_embeddings is not supported with pipeline parallelism yet "
-                       "(embedding and head sit on different stages); use an untied model")
         return out
 
 

@@ -71,7 +71,9 @@ class RunLayout:
     precision: str = "fp32"
     """The autocast dtype: fp32, bf16 or fp16."""
     param_dtype: str = "fp32"
-    """`precision.param_dtype` (single-process 16-bit parameters)."""
+    """`precision.param_dtype`: bf16 parameters with fp32 master weights (with several
+    processes sharded like the optimizer state: ZeRO-1's partitioned optimizer, FSDP's fp32
+    shards under ZeRO-2/3)."""
     optimizer_offload: bool = False
     """`optimizer.offload` (single-process master weights and state in host memory)."""
     fp8: str = "none"
@@ -160,24 +162,30 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
     if d.pp > 1:
         micro = lay.pp_microbatches or lay.grad_accum
         out += schedule_problems(lay.pp_schedule, d.pp, lay.pp_virtual_stages, micro)
+        fsdp = lay.mode in ("zero2", "zero3") and d.dp_replicate * d.dp_shard * d.cp > 1
+        if args.tie_embeddings and lay.pp_schedule == "ZBVZeroBubble" and fsdp:
+            out.append("a tied head (model.tie_embeddings) under ZBVZeroBubble puts the "
+                       "embedding and the head on one rank in two FSDP roots, which cannot share "
+                       "the weight; use another pipeline schedule, data_parallel ddp/zero1, or "
+                       "an untied model")
         if micro != lay.grad_accum:
             out.append(f"parallel.pp_microbatches ({micro}) must equal the accumulation steps "
                        f"({lay.grad_accum}): the micro-batches of a step are the pipeline's")
     out += fp8_problems(lay)
     if lay.cpu_offload and lay.mode not in ("zero2", "zero3"):
         out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")
+    if lay.param_dtype not in ("fp32", "bf16"):
+        out.append(f"precision.param_dtype {lay.param_dtype} is not supported (plan: "
+                   "--param-dtype); use bf16 (fp32 master weights) or fp32 (autocast)")
+    if lay.param_dtype == "bf16" and lay.precision == "fp16":
+        out.append("precision.param_dtype bf16 cannot be combined with fp16 autocast; use "
+                   "precision.dtype bf16")
     if d.world_size > 1:  # fp16 runs in every layout (the step's sharded loss scaler)
-        if lay.param_dtype != "fp32" or lay.optimizer_offload:
-            out.append("16-bit parameters with fp32 master weights (precision.param_dtype; "
-                       "plan: --param-dtype) and optimizer.offload (plan: --offload) are "
-                       "single-process options; with several processes keep fp32 parameters "
-                       "(autocast) and use parallel.fsdp_param_dtype bf16 and "
-                       "parallel.cpu_offload (plan: --fsdp-param-dtype, --cpu-offload)")
-    else:
-        if lay.optimizer_offload and lay.precision == "fp16":
-            out.append("optimizer.offload does not support fp16 loss scaling; use "
-                       "precision.dtype bf16 or fp32")
-        if lay.param_dtype == "bf16" and lay.precision == "fp16":
-            out.append("precision.param_dtype bf16 cannot be combined with fp16 autocast; use "
-                       "precision.dtype bf16")
+        if lay.optimizer_offload:
+            out.append("optimizer.offload (plan: --offload) is a single-process option; with "
+                       "several processes use parallel.cpu_offload with zero2/zero3 (plan: "
+                       "--cpu-offload)")
+    elif lay.optimizer_offload and lay.precision == "fp16":
+        out.append("optimizer.offload does not support fp16 loss scaling; use "
+                   "precision.dtype bf16 or fp32")
     return out

@@ -123,11 +123,16 @@ def total_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup 
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None,
                    pp_group: dist.ProcessGroup | None = None,
-                   device: torch.device | None = None) -> torch.Tensor:
+                   device: torch.device | None = None,
+                   copies: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm` (None or 0: no clipping);
-    return the norm before clipping, as a device tensor (no host synchronization)."""
+    return the norm before clipping, as a device tensor (no host synchronization).
+
+    `copies`: tensors of `params` that repeat another stage's (a tied head on the last
+    pipeline stage): clipped, but not counted in the norm."""
     params = [p for p in params if p.grad is not None]
-    norm = total_grad_norm(params, pp_group, device)
+    skip = {id(t) for t in copies}
+    norm = total_grad_norm([p for p in params if id(p) not in skip], pp_group, device)
     if not max_norm:
         return norm
     coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)

@@ -44,7 +44,9 @@ from scaletrain.parallel.mesh import ParallelMesh, env_world, init_process_group
 from scaletrain.parallel.pp import (
     StageModule,
     build_schedule,
+    embedding_group_ranks,
     prune_for_stages,
+    tied_stage_ranks,
 )
 from scaletrain.parallel.tp import apply_tp
 
@@ -81,10 +83,15 @@ class Parallelism:
     """Resolved layout + mesh + the per-step distributed operations."""
 
     def __init__(self, cfg: ParallelConfig, device: torch.device,
-                 world_size: int | None = None, fp8: str = "none") -> None:
+                 world_size: int | None = None, fp8: str = "none",
+                 param_dtype: str = "fp32") -> None:
         self.cfg, self.device = cfg, device
         self.fp8 = fp8
         """`precision.fp8`: the linears become torchao float8 linears before any wrapping."""
+        self.param_dtype = param_dtype
+        """`precision.param_dtype`: with several processes, 16-bit parameters are FSDP's
+        mixed precision under ZeRO-2/3 (its fp32 shards are the master weights) and the
+        partitioned optimizer's fp32 masters otherwise (`train/zero1.py`)."""
         self.rank, world, _ = env_world()
         world = world_size or world
         self.dims = ParallelDims.resolve(world, pp=cfg.pp, dp_replicate=cfg.dp_replicate,
@@ -99,6 +106,13 @@ class Parallelism:
         self.stage_specs: list = []
         self.stage_modules: list[nn.Module] = []
         self.grad_sync_group: dist.ProcessGroup | None = None
+        self.tied_group: dist.ProcessGroup | None = None
+        """Pipeline parallelism with a tied head: this rank's embedding group (the ranks of
+        its pipeline's first and last stage), None where the rank holds neither end."""
+        self.tied_copy = False
+        """This rank holds the tied head's second copy (the last stage, not the first): its
+        gradient is left out of the gradient norm, which sums the stages."""
+        self._tied_model: nn.Module | None = None
         self.fp8_all_gather = False
         """FSDP all-gathers fp8 weights: their scales are precomputed after each optimizer
         step (`precompute_fp8_scales`)."""
@@ -112,7 +126,8 @@ class Parallelism:
             dims=self.dims, mode=self.mode, seq_len=seq_len, grad_accum=grad_accum,
             pp_schedule=cfg.pp_schedule, pp_virtual_stages=cfg.pp_virtual_stages,
             pp_microbatches=cfg.pp_microbatches, cpu_offload=cfg.cpu_offload,
-            sequence_parallel=cfg.sequence_parallel, fp8=self.fp8))
+            sequence_parallel=cfg.sequence_parallel, fp8=self.fp8,
+            param_dtype=self.param_dtype))
 
     def validate(self, args: ModelArgs, seq_len: int, grad_accum: int) -> None:
         problems = self.problems(args, seq_len, grad_accum)
@@ -177,7 +192,9 @@ class Parallelism:
         if d.pp > 1:
             self.stage_specs = prune_for_stages(model, self.pp_rank, d.pp, cfg.pp_virtual_stages,
                                                 cfg.pp_schedule)
-        fsdp = self.mode in ("zero2", "zero3") and d.dp_replicate * d.dp_shard * d.cp > 1
+            if args.tie_embeddings:
+                self._embedding_group(model)
+        fsdp = self.fsdp
         # Float8 linears replace the plain ones on the meta model, before TP and FSDP wrap them.
         # FSDP alone all-gathers tensorwise-scaled weights in fp8; with TP it gathers them in
         # full precision (torchao's fp8 gather would scale each TP shard by its own amax).
@@ -221,17 +238,77 @@ class Parallelism:
                          "forward to backward (the split backward needs them)", cfg.pp_schedule)
             for root in self.stage_modules or [model]:
                 apply_fsdp(root, fsdp_mesh, reshard_after_forward=reshard,
-                           param_dtype=cfg.fsdp_param_dtype,
+                           param_dtype=self.fsdp_param_dtype,
                            reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload,
                            expert_parallel=d.ep > 1, expert_mesh=self._expert_fsdp_mesh())
         self._materialize(model, args, seed)
         self._set_balance_group(model)
         return model
 
+    def _embedding_group(self, model: nn.Module) -> None:
+        """Create the embedding groups (every rank takes part in creating each one) and keep
+        this rank's."""
+        assert self.mesh is not None
+        cfg, root = self.cfg, self.mesh.root
+        pp_dim = root.mesh_dim_names.index("pp")
+        me = dist.get_rank()
+        for ranks in embedding_group_ranks(root.mesh, pp_dim, self.dims.pp,
+                                           cfg.pp_virtual_stages, cfg.pp_schedule):
+            group = dist.new_group(ranks)
+            if me in ranks:
+                self.tied_group = group
+        first, last = tied_stage_ranks(self.dims.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
+        self.tied_copy = self.pp_rank == last and first != last
+        self._tied_model = model
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """The tied embedding weight on a rank of the embedding group (else nothing)."""
+        if self.tied_group is None or self._tied_model is None:
+            return []
+        return [self._tied_model.tok_embeddings.weight]
+
+    @torch.no_grad()
+    def reduce_tied_gradients(self, holder_of: Callable[[torch.Tensor], Any]) -> None:
+        """Pipeline parallelism with a tied head: sum the embedding's and the head's gradients
+        over the first and last stage, so both copies take the same update. `holder_of(p)`:
+        what holds p's gradient in `.grad` (p, or an optimizer's fp32 buffer). A DTensor
+        gradient is first given its parameter's placements (the embedding's can come back
+        replicated or partial under TP), so both ends hold shards of the same shape."""
+        for p in self.tied_parameters():
+            holder = holder_of(p)
+            g = holder.grad
+            if g is None:  # no gradient on one end would desynchronize the copies
+                raise RuntimeError("the tied embedding has no gradient on this pipeline rank")
+            if isinstance(g, DTensor) and isinstance(p, DTensor) \
+                    and tuple(g.placements) != tuple(p.placements):
+                g = holder.grad = g.redistribute(p.device_mesh, p.placements)
+            dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g,
+                            group=self.tied_group)
+
     @property
     def ddp_wrapped(self) -> bool:
-        """DDP/ZeRO-1 of the whole model (no tensor or pipeline parallelism): torch's DDP."""
-        return self.mode in ("ddp", "zero1") and self.dims.tp == 1 and self.dims.pp == 1
+        """DDP/ZeRO-1 of the whole model (no tensor or pipeline parallelism) with fp32
+        parameters: torch's DDP. 16-bit parameters take the replicas' path (their fp32
+        gradient buffers are reduced by the step)."""
+        return self.mode in ("ddp", "zero1") and self.dims.tp == 1 and self.dims.pp == 1 \
+            and self.param_dtype == "fp32"
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards the model: ZeRO-2/3 over more than one data-parallel rank."""
+        d = self.dims
+        return self.mode in ("zero2", "zero3") and d.dp_replicate * d.dp_shard * d.cp > 1
+
+    @property
+    def fsdp_param_dtype(self) -> str:
+        """The dtype FSDP gathers (computes with): `parallel.fsdp_param_dtype`, or bf16 for
+        16-bit parameters (`precision.param_dtype bf16`: the fp32 shards are the masters)."""
+        return "bf16" if self.param_dtype == "bf16" else self.cfg.fsdp_param_dtype
+
+    @property
+    def master_weights(self) -> bool:
+        """The trainer keeps 16-bit parameters with fp32 master weights itself (not FSDP)."""
+        return self.param_dtype != "fp32" and not (self.enabled and self.fsdp)
 
     def precompute_fp8_scales(self, model: nn.Module) -> None:
         """After the optimizer step: the fp8 all-gather's weight scales for the next step (a
@@ -281,6 +358,11 @@ class Parallelism:
         full parameter, never the whole model) and keeps its slices."""
         target = "cpu" if self.cfg.cpu_offload else self.device
         model.to_empty(device=target)
+        if args.tie_embeddings and model.output is not None and model.tok_embeddings is not None \
+                and model.output.weight is not model.tok_embeddings.weight:
+            # `to_empty` gave each name of a plain (not FSDP or TP) shared parameter its own
+            # tensor: the pipeline's last stage ties its head to the embedding again
+            model.output.weight = model.tok_embeddings.weight
         local = {clean_name(name): p for name, p in model.named_parameters()}
         with torch.no_grad():
             for name, full in init_values(args, seed):

@@ -5,6 +5,13 @@ Stage `s` of `S = pp x virtual_stages` holds a contiguous, balanced run of layer
 holds the embedding, stage S-1 the final norm and head. A rank keeps one copy of the model with
 every other part removed (parameter names stay those of the full model, so checkpoints reshard
 across layouts), and each of its stages is a thin view over that copy.
+
+A tied head (`model.tie_embeddings`) is held by both ends, as Megatron does: the rank of the
+last stage keeps the embedding module too (unused in its forward), so its head shares that
+weight under the same name as in one process; after backward the two copies' gradients are
+summed over the embedding group (`embedding_group_ranks`, `Parallelism.reduce_tied_gradients`)
+and both ranks take the same update, so the copies stay equal. A checkpoint holds the tensor
+once (both ranks write it under `tok_embeddings.weight`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,26 @@ def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     return [pp_rank + i * pp for i in range(virtual)]
 
 
+def tied_stage_ranks(pp: int, virtual: int, schedule: str) -> tuple[int, int]:
+    """The pipeline ranks holding the first stage (the embedding) and the last one (the
+    head)."""
+    last = pp * virtual - 1
+    owner = next(r for r in range(pp) if last in stage_ids(r, pp, virtual, schedule))
+    return 0, owner
+
+
+def embedding_group_ranks(mesh_ranks: torch.Tensor, pp_dim: int, pp: int, virtual: int,
+                          schedule: str) -> list[list[int]]:
+    """For each pipeline (every coordinate of the other mesh dimensions), the global ranks of
+    its first and last stage: the groups that sum a tied embedding's gradients (Megatron's
+    embedding group). Empty when one rank holds both ends."""
+    first, last = tied_stage_ranks(pp, virtual, schedule)
+    if first == last:
+        return []
+    rows = mesh_ranks.movedim(pp_dim, -1).reshape(-1, pp)
+    return [[int(row[first]), int(row[last])] for row in rows]
+
+
 def split_layers(layer_ids: list[str], n_stages: int) -> list[list[str]]:
     """Contiguous runs of layers, sizes differing by at most one (earlier stages get more)."""
     base, extra = divmod(len(layer_ids), n_stages)
@@ -80,7 +107,8 @@ def prune_for_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int,
     for name in list(model.layers.keys()):
         if name not in keep:
             del model.layers[name]
-    if not any(spec.embed for spec in specs):
+    tied_head = model.args.tie_embeddings and any(spec.head for spec in specs)
+    if not any(spec.embed for spec in specs) and not tied_head:
         model.tok_embeddings = None
     if not any(spec.head for spec in specs):
         model.norm = None
@@ -113,6 +141,10 @@ class StageModule(nn.Module):
             self.tok_embeddings = model.tok_embeddings
         if spec.head:
             self.norm, self.output = model.norm, model.output
+            if model.args.tie_embeddings and not spec.embed:
+                # the head's weight is the embedding's: FSDP sees both names of the shared
+                # parameter in this stage (the module is never called here)
+                self.tok_embeddings = model.tok_embeddings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq_len = x.shape[1] * (1 if self.spec.embed else self.seq_shards)

@@ -58,7 +58,7 @@ def _changes(lay: Layout, finetune: bool) -> Iterator[tuple[str, Layout]]:
                        lay.replace(zero=zero, dims=dims))
     if not lay.fused_loss and not finetune:  # fine-tuning refuses the fused loss
         yield "--training.fused_loss true", lay.replace(fused_loss=True)
-    if lay.fsdp and lay.fsdp_param_dtype == "fp32" and lay.precision == "bf16":
+    if lay.fsdp and lay.gather_dtype == "fp32" and lay.precision == "bf16":
         yield "--parallel.fsdp_param_dtype bf16", lay.replace(fsdp_param_dtype="bf16")
     if lay.fsdp and not lay.cpu_offload:
         yield "--parallel.cpu_offload true", lay.replace(cpu_offload=True)

@@ -64,7 +64,7 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
             v = {"all_reduce": 2 * _ring(n) * stage_params * grad_wire,
                  "all_gather": _ring(n) * stage_params * w_bytes}
         else:
-            gather = DTYPE_BYTES[lay.fsdp_param_dtype]
+            gather = DTYPE_BYTES[lay.gather_dtype]
             k = lay.shard_group  # HSDP: gathers inside the shard group only
             # Expert parallelism: a rank gathers only its own experts (1/ep of them) and only
             # over the dp_shard / ep ranks that hold the same ones (with TP, of the 1/tp of

@@ -52,9 +52,11 @@ class Layout:
     schedule: Schedule = "1F1B"
     precision: str = "bf16"
     param_dtype: str | None = None
-    """Dtype the parameters are stored in; None: 16-bit with fp32 masters for a 16-bit
-    precision, fp32 otherwise."""
-    grad_convention: GradConvention = "playbook"
+    """Dtype the parameters are stored in; None: bf16 with fp32 masters for bf16 precision,
+    fp32 otherwise (the trainer runs no fp16 parameters)."""
+    grad_convention: GradConvention = "megatron"
+    """Gradient bytes of 16-bit parameters; `megatron` (fp32 sums only) is what the trainer
+    keeps."""
     optimizer: str = "adamw"
     offload: bool = False
     """Optimizer state and master weights in host memory (one process: `optimizer.offload`)."""
@@ -80,7 +82,13 @@ class Layout:
     def stored_dtype(self) -> str:
         if self.param_dtype is not None:
             return self.param_dtype
-        return "fp32" if self.precision == "fp32" else self.precision
+        return "bf16" if self.precision == "bf16" else "fp32"
+
+    @property
+    def gather_dtype(self) -> str:
+        """The dtype FSDP gathers in: `fsdp_param_dtype`, or the 16-bit parameter dtype (the
+        trainer's FSDP computes 16-bit parameters from its fp32 shards)."""
+        return self.fsdp_param_dtype if self.stored_dtype == "fp32" else self.stored_dtype
 
     @property
     def grad_accum(self) -> int:
@@ -326,6 +334,10 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         # FSDP2 (the trainer's ZeRO-2 and ZeRO-3) keeps the weights sharded at rest too.
         zero = 3 if lay.fsdp else lay.zero
         states = sharded_state(per_param, sp.total, zero, lay.shard_group)
+        if lay.fsdp and lay.stored_dtype != "fp32":
+            # 16-bit parameters under FSDP: its fp32 shards are the master weights and the
+            # 16-bit weights exist only gathered (`gathered_weights`, `comm_buffers`)
+            states["weights"] = 0.0
         offloaded = offload_states(states, lay.offload)
         if lay.cpu_offload and lay.fsdp:  # FSDP's offload: every sharded state to the host
             offloaded += int(sum(states.values()))
@@ -339,7 +351,7 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         mem["activations"] = activations
         mem["logits_loss"] = logits_buffer_bytes(args, spec) if stage == dims.pp - 1 else 0
         w = per_param.weights
-        gathered = DTYPE_BYTES[lay.fsdp_param_dtype] if lay.fsdp else w
+        gathered = DTYPE_BYTES[lay.gather_dtype] if lay.fsdp else w
         # Autocast keeps a 16-bit copy of every fp32 weight it used until backward; FSDP
         # gathering in bf16 hands it 16-bit weights already.
         cast = lay.stored_dtype == "fp32" and c < 4 and gathered == 4

@@ -58,10 +58,11 @@ def _grad_convention(cfg: Config) -> GradConvention:
     fp32 buffer and freed at once, so the device holds the fp32 sums, 4 B per parameter
     (Megatron's main_grad); with `optimizer.offload` those sums live in host memory with the
     master weights, and the device holds only 16-bit gradients in flight (at most 2 B). With
-    fp32 parameters the convention does not count; the planner's default is kept."""
-    if cfg.precision.param_dtype == "fp32":
-        return "playbook"
-    return "bf16" if cfg.optimizer.offload else "megatron"
+    fp32 parameters the convention does not count; the planner's default (`megatron`) is
+    kept. With several processes the partitioned optimizer keeps the same fp32 sums
+    (`train/zero1.py`) and FSDP its fp32 gradient shards."""
+    return "bf16" if cfg.optimizer.offload and cfg.precision.param_dtype != "fp32" \
+        else "megatron"
 
 
 def device_for(device: torch.device) -> Device | None:

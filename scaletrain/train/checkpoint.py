@@ -99,6 +99,18 @@ def _agree(check: Callable[[], None]) -> None:
             msg)
 
 
+def _name_tied_weight(optim_sd: dict[str, Any], args: ModelArgs) -> None:
+    """Under pipeline parallelism DCP writes the parameter-group name lists of one rank, maybe
+    a middle stage's, without the tied embedding; a loader then leaves that weight out of its
+    group (`get_state_dict` keeps a shared parameter only where the saved lists name it). Every
+    rank names it (in the group of matrices, the first)."""
+    name = "tok_embeddings.weight"
+    groups = optim_sd.get("param_groups") or []
+    if args.tie_embeddings and _distributed() and groups \
+            and not any(name in g["params"] for g in groups):
+        groups[0]["params"].append(name)
+
+
 class Checkpointer:
     def __init__(self, folder: str | Path, keep_last: int, model_args: ModelArgs,
                  tokenizer_file: str | Path | None = None, verify: bool | None = None,
@@ -154,6 +166,7 @@ class Checkpointer:
     def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
         if isinstance(optimizer, torch.optim.Optimizer):
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            _name_tied_weight(optim_sd, self.model_args)
         elif isinstance(optimizer, PartitionedOptimizer):  # name-keyed, owned entries only
             model_sd, optim_sd = get_model_state_dict(model), optimizer.state_dict()
         else:  # MasterWeightOptimizer keeps its own name-keyed state

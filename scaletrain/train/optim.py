@@ -130,6 +130,11 @@ class MasterWeightOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
+    @property
+    def state(self) -> dict[Any, Any]:
+        """The inner optimizer's state (of the fp32 masters)."""
+        return self.inner.state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, m in zip(self.params, self.masters):
             p.grad = None

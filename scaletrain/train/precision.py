@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.runtime import cpu_has_fast_bf16, resolve_dtype
 
-__all__ = ["DTYPES", "autocast", "cpu_has_fast_bf16", "grad_scaler", "resolve_dtype"]
+__all__ = ["DTYPES", "autocast", "cast_params_", "cpu_has_fast_bf16", "grad_scaler",
+           "resolve_dtype"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -19,6 +20,21 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
     if dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+
+
+@torch.no_grad()
+def cast_params_(params: list[torch.nn.Parameter], dtype: torch.dtype) -> None:
+    """Store `params` in `dtype`, in place (the modules keep the same parameter objects). A
+    DTensor's contents are swapped whole: assigning `.data` would change its dtype but not its
+    local shard's. Hooks registered on a DTensor parameter before the swap do not follow it."""
+    for p in params:
+        if p.dtype == dtype:
+            continue
+        if isinstance(p, DTensor):
+            torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(dtype),
+                                                           requires_grad=p.requires_grad))
+        else:
+            p.data = p.data.to(dtype)
 
 
 def grad_scaler(device: torch.device, dtype: str,

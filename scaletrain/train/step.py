@@ -93,12 +93,15 @@ class TrainStep:
             else:
                 loss_sum = self._micro_batches(batches, n_valid)
         loss = par.reduce_loss(loss_sum) / n_valid
-        par.sync_gradients(self.model.parameters())  # ZeRO-0/1 with TP/PP only
+        par.reduce_tied_gradients(self._holder)  # a tied head under PP only
+        par.sync_gradients(self._sync_params())  # ZeRO-0/1 with TP/PP only
         with phase("optimizer"):
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             params = [p for p in self._grad_params() if p.grad is not None]
-            grad_norm = clip_grad_norm(params, self.max_grad_norm, par.pp_group, self.device)
+            copies = [self._holder(p) for p in par.tied_parameters()] if par.tied_copy else []
+            grad_norm = clip_grad_norm(params, self.max_grad_norm, par.pp_group, self.device,
+                                       copies)
             bad = ~torch.isfinite(loss)
             if self.scaler is None:  # the scaler skips inf/NaN gradients itself
                 bad = bad | ~torch.isfinite(grad_norm)
@@ -108,6 +111,17 @@ class TrainStep:
             if self.has_moe:  # auxiliary-loss-free balancing (no-op unless configured)
                 update_expert_bias(self.model, lambda t: par.all_reduce(t, "dp_cp"))
         return StepOutput(loss.detach(), grad_norm, bad)
+
+    def _holder(self, p: torch.Tensor) -> Any:
+        """What holds parameter p's gradient in `.grad`: p, or the fp32 buffer an optimizer
+        with master weights accumulates it in."""
+        holder = getattr(self.optimizer, "grad_holder", None)
+        return p if holder is None else holder(p)
+
+    def _sync_params(self) -> list[Any]:
+        """The gradient holders the data-parallel reduction of ZeRO-0/1 with TP/PP sums."""
+        holders = getattr(self.optimizer, "sync_params", None)
+        return list(self.model.parameters()) if holders is None else holders()
 
     def _grad_params(self) -> list[torch.Tensor]:
         """What holds the step's gradients: the model's parameters, or, for an optimizer that

@@ -88,7 +88,8 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
         # Degrees from the config and torchrun's world size; checked before any collective.
-        self.par = Parallelism(cfg.parallel, self.device, fp8=cfg.precision.fp8)
+        self.par = Parallelism(cfg.parallel, self.device, fp8=cfg.precision.fp8,
+                               param_dtype=cfg.precision.param_dtype)
         self.is_main = self.par.is_main
         self.diagnosis: dict[str, Any] | None = None  # of the profiled window (profiling.enabled)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
@@ -133,9 +134,10 @@ class Trainer:
             self.par.attach_pipeline(self.model, step_loss, self.ga,
                                      lambda: precision.autocast(self.device, self.dtype),
                                      hidden=cfg.training.fused_loss)
-        if cfg.precision.param_dtype == "bf16":
-            for p in self.model.parameters():  # buffers (RoPE frequencies) stay fp32
-                p.data = p.data.to(torch.bfloat16)
+        if self.par.master_weights and not self.par.enabled:  # one process: bf16 weights
+            # (with several processes the partitioned optimizer casts them, and FSDP keeps fp32
+            # shards and computes in bf16 itself); buffers (RoPE frequencies) stay fp32
+            precision.cast_params_(list(self.model.parameters()), torch.bfloat16)
         self.schedule = LRSchedule(self.optimizer, cfg.lr_schedule, cfg.optimizer.lr,
                                    cfg.training.steps)
         self.scaler = precision.grad_scaler(
@@ -168,22 +170,27 @@ class Trainer:
     # --- construction -----------------------------------------------------------------------
     def _check_distributed(self) -> None:
         """Layout problems as one message, then the process group and the mesh."""
-        if self.cfg.precision.param_dtype == "bf16" or self.cfg.optimizer.offload:
-            raise ConfigError("precision.param_dtype bf16 and optimizer.offload are single-"
-                              "process options; with several processes use "
-                              "parallel.fsdp_param_dtype bf16 and parallel.cpu_offload")
+        if self.cfg.optimizer.offload:
+            raise ConfigError("optimizer.offload is a single-process option; with several "
+                              "processes use parallel.cpu_offload (zero2/zero3)")
         self.par.validate(self.resolved_model_args, self.cfg.data.seq_len, self.ga)
         self.par.start()
         self.is_main = self.par.is_main
 
     def _build_optimizer(self) -> Any:
         cfg = self.cfg
-        if self.par.mode == "zero1" and self.par.enabled:
+        par = self.par
+        masters = par.enabled and par.master_weights  # 16-bit parameters, several processes
+        if par.enabled and (par.mode == "zero1" or masters):
             from scaletrain.train.zero1 import PartitionedOptimizer
 
+            # ZeRO-1 partitions state (and fp32 masters) over the data-parallel ranks; 16-bit
+            # parameters in other layouts without FSDP keep whole masters on every rank.
             return PartitionedOptimizer(self.model, cfg.optimizer, self.device,
-                                        self.par.mesh.group("dp_cp"), cfg.parallel.bucket_cap_mb)
-        return build_optimizer(self.model, cfg.optimizer, self.device, cfg.precision.param_dtype)
+                                        par.mesh.group("dp_cp"), cfg.parallel.bucket_cap_mb,
+                                        masters=masters, shard=par.mode == "zero1")
+        param_dtype = cfg.precision.param_dtype if par.master_weights else "fp32"
+        return build_optimizer(self.model, cfg.optimizer, self.device, param_dtype)
 
     def _build_data(self) -> None:
         from scaletrain.data.loader import build_train_val

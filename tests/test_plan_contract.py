@@ -48,7 +48,9 @@ def test_dry_run_json_is_the_plan_of_each_data_parallel_mode(
         zero: int) -> None:
     rc, dry, _ = _dry_run(capsys, monkeypatch, 8, "--parallel.dp_shard", "8",
                           "--parallel.data_parallel", mode)
-    assert rc == 0 and dry["layout"]["data_parallel"] == mode and dry["layout"]["zero"] == zero
+    # 0 fits this host, 3 does not (8 ranks of a 1B model share its RAM): the JSON is the plan
+    assert rc in (0, 3) and dry["layout"]["data_parallel"] == mode
+    assert dry["layout"]["zero"] == zero
     rc, out, _ = _run(capsys, *PLAN, "--zero", str(zero), "--dp-replicate", "1")
     plan = json.loads(out)
     dry.pop("device")

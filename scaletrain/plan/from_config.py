@@ -12,6 +12,7 @@ from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
 from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate, plan_json
 from scaletrain.plan.hardware import Device, match_device
+from scaletrain.plan.host_memory import HostProcess
 from scaletrain.plan.memory import GradConvention
 
 
@@ -48,8 +49,15 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
         fsdp_param_dtype=par.fsdp_param_dtype, recompute=ac.mode, every=ac.every,
         scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
         fused_loss=cfg.training.fused_loss, loss_chunk=cfg.training.loss_chunk_tokens,
-        fp8=cfg.precision.fp8,
+        fp8=cfg.precision.fp8, bucket_cap_mb=par.bucket_cap_mb,
+        host=_host(cfg) if device.type == "cpu" else None,
     )
+
+
+def _host(cfg: Config) -> HostProcess:
+    """A CPU run's own memory counts: the device is the host's RAM."""
+    return HostProcess(loader_workers=cfg.data.num_workers,
+                       prefetch_factor=cfg.data.prefetch_factor)
 
 
 def _grad_convention(cfg: Config) -> GradConvention:

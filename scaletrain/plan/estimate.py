@@ -21,7 +21,6 @@ from scaletrain.plan.flops import attention_forward_flops, flops_per_token
 from scaletrain.plan.host_memory import RUNTIME_BYTES, HostProcess, batch_bytes
 from scaletrain.plan.memory import (
     GradConvention,
-    ddp_bucket_count,
     grad_sync_bucket_bytes,
     layer_range,
     offload_states,
@@ -233,9 +232,11 @@ class Plan:
             "bubble_fraction": self.bubble_fraction,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_bytes_by_dim": self.comm_bytes_by_dim,
-            **({"ddp_buckets": {
-                "count": ddp_bucket_count(self.memory_bytes["gradients"], lay.bucket_cap_mb),
-                "bytes": self.memory_bytes["gradients"]}} if lay.ddp_wrapped else {}),
+            # torch's DDP: its buckets are the gradients (views into them), filled in order
+            # until one reaches the cap (the first: 1 MiB); they add no bytes of their own.
+            **({"ddp_buckets": {"bytes": self.memory_bytes["gradients"],
+                                "bucket_cap_bytes": int(lay.bucket_cap_mb * 2**20)}}
+               if lay.ddp_wrapped else {}),
             **({"finetune": self.finetune} if self.finetune else {}),
         }
 
@@ -369,7 +370,8 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
             mem["comm_buffers"] = int((sp.per_layer - not_local) * (2 * gathered + gathered))
         elif (dims.dp > 1 or dims.cp > 1) and not lay.ddp_wrapped:
             # TP/PP next to data parallelism: one flat bucket at a time, before the step.
-            largest = max(sp.embedding, sp.head, args.hidden_dim * args.dim // dims.tp)
+            counts = count_params(args)  # the largest gradient: embedding, head, MLP matrix
+            largest = max(counts.embedding, counts.head, args.hidden_dim * args.dim) // dims.tp
             mem["comm_buffers"] = grad_sync_bucket_bytes(
                 states["gradients"], lay.bucket_cap_mb, largest * per_param.gradients)
         else:  # one process, or torch's DDP: its buckets are the gradients, reduced in place

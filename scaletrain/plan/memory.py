@@ -139,19 +139,6 @@ def model_state_bytes(n_params: float, precision: str, param_dtype: str, optimiz
     return n_params * state_bytes(precision, param_dtype, optimizer, grad_convention).total
 
 
-def ddp_bucket_count(grad_bytes: float, bucket_cap_mb: float) -> int:
-    """How many gradient buckets torch's DDP makes for `grad_bytes` of gradients: the first
-    bucket holds at most 1 MiB (`dist._DEFAULT_FIRST_BUCKET_BYTES`), the others
-    `bucket_cap_mb` each. Their memory is the gradients' own: the trainer builds DDP with
-    `gradient_as_bucket_view=True` (`parallel/ddp.py`), so each gradient is a view into its
-    bucket and the buckets stay allocated between steps (`zero_grad(set_to_none=True)` drops
-    the views, not the buckets); the all-reduce runs in place."""
-    if grad_bytes <= 0:
-        return 0
-    first = min(float(2**20), grad_bytes)
-    return 1 + math.ceil(max(0.0, grad_bytes - first) / max(1.0, bucket_cap_mb * 2**20))
-
-
 def grad_sync_bucket_bytes(grad_bytes: float, bucket_cap_mb: float,
                            largest_grad_bytes: float) -> int:
     """The flat copy `Parallelism.sync_gradients` all-reduces at a time (data parallelism next

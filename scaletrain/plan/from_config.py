@@ -73,14 +73,19 @@ def _grad_convention(cfg: Config) -> GradConvention:
 
 
 def device_for(device: torch.device) -> Device | None:
-    """The table entry of the CUDA device, or the host's RAM for a CPU run."""
+    """The table entry of the CUDA device, or for a CPU run the host's RAM, each rank's share
+    of it: the ranks on one host (`LOCAL_WORLD_SIZE` under torchrun, else `WORLD_SIZE` as
+    `--dry-run` is given it) add their peaks up in the same RAM."""
     if device.type == "cuda":
         return match_device(torch.cuda.get_device_name(device))
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-    return Device("cpu (host RAM)", ram / 2**30)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+    if ranks == 1:
+        return Device("cpu (host RAM)", ram / 2**30)
+    return Device(f"cpu (host RAM / {ranks} ranks)", ram / 2**30 / ranks)
 
 
 def plan_config(cfg: Config, device: torch.device) -> tuple[Plan, Device | None]:

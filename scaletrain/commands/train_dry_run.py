@@ -54,7 +54,7 @@ def report(plan: Plan, device: Device | None, as_json: bool, prog: str) -> int:
         print(format_plan(plan, device))
         if plan.layout.host is not None:
             print("host RAM: the peak is what the trainer allocates per process (host_runtime: "
-                  "torch's own memory); glibc's heap fragmentation comes on top, 9-23 % on the "
+                  "torch's own memory); glibc's heap fragmentation comes on top, 9-26 % on the "
                   "debug model (docs/plan.md, 'A CPU run: what the peak contains')")
         if device is None:
             print("device: not in the device table; cannot say whether it fits")

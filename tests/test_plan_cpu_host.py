@@ -7,7 +7,7 @@ from __future__ import annotations
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.plan.estimate import Layout, estimate
-from scaletrain.plan.host_memory import RUNTIME_BYTES, HostProcess
+from scaletrain.plan.host_memory import LOADER_WORKER_BYTES, RUNTIME_BYTES, HostProcess
 from scaletrain.plan.memory import grad_sync_bucket_bytes
 
 ARGS = get_preset("debug")
@@ -22,8 +22,9 @@ def test_host_terms_only_when_the_device_is_the_host() -> None:
     assert cpu["host_runtime"] == RUNTIME_BYTES
     # int64 ids and targets: the step's 2 micro-batches and 2 x 3 batches the workers hold
     assert cpu["batches"] == 2 * 8 * 8 * 256 * (2 + 2 * 3)
+    assert cpu["loader_workers"] == 2 * LOADER_WORKER_BYTES
     assert cpu["peak"] == estimate(ARGS, BASE.replace(gbs=16)).memory_bytes["peak"] \
-        + RUNTIME_BYTES + cpu["batches"]
+        + RUNTIME_BYTES + cpu["batches"] + cpu["loader_workers"]
 
 
 def test_ddp_adds_its_gradients_to_the_forward_peak_and_no_fixed_buffer() -> None:

@@ -18,7 +18,12 @@ from scaletrain.plan.activations import (
 )
 from scaletrain.plan.comm import comm_bytes, expert_params
 from scaletrain.plan.flops import attention_forward_flops, flops_per_token
-from scaletrain.plan.host_memory import RUNTIME_BYTES, HostProcess, batch_bytes
+from scaletrain.plan.host_memory import (
+    LOADER_WORKER_BYTES,
+    RUNTIME_BYTES,
+    HostProcess,
+    batch_bytes,
+)
 from scaletrain.plan.memory import (
     GradConvention,
     grad_sync_bucket_bytes,
@@ -253,7 +258,8 @@ def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = Fals
     - the optimizer step: every gradient, no activations; with `comm_at_step_only` the
       communication buffers exist only here (the flat gradient buckets of `sync_gradients`).
 
-    A CPU run adds the process's own memory (`host_runtime`, `batches`) to both.
+    A CPU run adds the process's own memory and its loader's (`host_runtime`, `batches`,
+    `loader_workers`) to both.
 
     Measured on an H200 (bench/plan_gpu.py): within 5 % for llama3.2-1b without and with
     partial recomputation (then named selective), +10 % with full recomputation; `total` was
@@ -261,7 +267,8 @@ def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = Fals
     """
     comm = mem["comm_buffers"]
     states = (mem["weights"] + mem["master_weights"] + mem["optimizer"]
-              + mem.get("host_runtime", 0) + mem.get("batches", 0))
+              + mem.get("host_runtime", 0) + mem.get("batches", 0)
+              + mem.get("loader_workers", 0))
     forward = (states + mem["activations"] + mem["logits_loss"] + mem["cast_weights"]
                + mem.get("gathered_weights", 0) + (0 if comm_at_step_only else comm)
                + (mem["gradients"] if grad_accum > 1 or grads_resident else 0))
@@ -379,6 +386,7 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         if lay.host is not None:
             mem["host_runtime"] = RUNTIME_BYTES
             mem["batches"] = batch_bytes(lay.host, lay.mbs, lay.seq_len, m)
+            mem["loader_workers"] = lay.host.loader_workers * LOADER_WORKER_BYTES
         mem["total"] = sum(mem.values())
         mem["peak"] = peak_bytes(mem, m, grads_resident=lay.ddp_wrapped,
                                  comm_at_step_only=not lay.fsdp)

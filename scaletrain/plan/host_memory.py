@@ -16,6 +16,11 @@ its memory baseline, taken after the data is loaded and before the model is buil
 - `batches`: the micro-batches of one step as the data loader hands them over (int64 token
   ids and targets), and with loader workers the batches they prefetch into shared memory,
   which the training process maps.
+- `loader_workers` (`data.num_workers` > 0): each DataLoader worker is a forked process whose
+  pages are shared with the trainer until written; what it holds of its own (its unique set
+  size, USS) was 8-13 MiB per worker on the debug preset (two runs, `/proc/PID/smaps_rollup`
+  sampled while training): `LOADER_WORKER_BYTES` is 12 MiB. It is host RAM the rank's share
+  must hold, but not in the trainer's `peak_mem_gib`, which is this process's own.
 
 Not counted: glibc's heap fragmentation. With its dynamic mmap threshold glibc serves blocks
 up to 32 MiB from its heap and keeps freed ones resident where later blocks do not fit, which
@@ -29,6 +34,8 @@ from dataclasses import dataclass
 
 RUNTIME_BYTES = 32 * 2**20
 """`host_runtime`: one training process's own memory above its baseline (module docstring)."""
+LOADER_WORKER_BYTES = 12 * 2**20
+"""`loader_workers`: the private memory of one DataLoader worker process (module docstring)."""
 
 
 @dataclass(frozen=True)

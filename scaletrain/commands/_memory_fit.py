@@ -37,7 +37,7 @@ _OOM_TEXT = re.compile(r"can't allocate memory|DefaultCPUAllocator|CUDA out of m
 _TRIED = re.compile(r"tried to allocate (\d+ bytes|[\d.]+ ?[KMGT]i?B)", re.IGNORECASE)
 
 PlanFn = Callable[[], "Plan"]
-_CUT = "lowers the planned peak by a quarter"
+_CUT = "lowers the planned peak by a quarter of what the layout decides"
 
 
 class RunOutOfMemory(RuntimeError):
@@ -123,7 +123,10 @@ def describe(plan: Plan, device: torch.device, ran_out: BaseException | None = N
         tail = ""
         if plan.peak_bytes <= budget:  # the plan says it fits: ask for a clear cut
             head += " (the estimate is below it: the run needs more than planned)"
-            return f"{head}; {cheapest_fix(plan, 0.75 * plan.peak_bytes, _CUT)}"
+            # A CPU process's own memory (`host_runtime`) is the same for every layout.
+            fixed = plan.memory_bytes.get("host_runtime", 0)
+            target = fixed + 0.75 * (plan.peak_bytes - fixed)
+            return f"{head}; {cheapest_fix(plan, target, _CUT)}"
     return f"{head}; {cheapest_fix(plan, budget)}{tail}"
 
 

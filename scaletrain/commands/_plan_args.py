@@ -76,7 +76,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    "(default: the trainer's fp32 sums) or 2")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "adamw8bit"], default="adamw")
     p.add_argument("--kernels", choices=["cuda", "cpu"], default="cuda",
-                   help="whose saved tensors to model (CPU keeps one more tensor per RMSNorm)")
+                   help="whose saved tensors to model (CPU keeps one more tensor per RMSNorm); "
+                        "cpu without --gpu plans a CPU run, which also counts the process's own "
+                        "memory and its batches (as train --dry-run on a CPU does)")
     p.add_argument("--gpu", default=None, help="device name (A100-40GB, A100-80GB, H100, H200, "
                                                "B200, ...)")
     p.add_argument("--gpu-mem", type=float, default=None, help="override device memory (GiB)")

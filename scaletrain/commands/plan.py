@@ -16,6 +16,7 @@ from scaletrain.commands._plan_args import (
 )
 from scaletrain.plan.estimate import Layout, PlanError, check_dims, estimate, plan_json
 from scaletrain.plan.finetune import METHODS, finetune_plan
+from scaletrain.plan.host_memory import HostProcess
 from scaletrain.plan.text import format_plan
 
 
@@ -87,7 +88,8 @@ def _estimate_main(argv: list[str]) -> int:
                  param_dtype=a.param_dtype, grad_convention=a.grad_convention,
                  optimizer=a.optimizer, offload=a.offload, recompute=a.recompute,
                  fused_loss=a.fused_loss, loss_chunk=a.loss_chunk,
-                 every=a.every, scope=a.scope, kernels=a.kernels)
+                 every=a.every, scope=a.scope, kernels=a.kernels,
+                 host=HostProcess() if a.kernels == "cpu" and device is None else None)
     plan = estimate(args, lay)
     if a.method != "pretrain":
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,

@@ -43,15 +43,19 @@ def dry_run(cfg: Config, as_json: bool = False) -> int:
 
 def report(plan: Plan, device: Device | None, as_json: bool, prog: str) -> int:
     """Print the plan (text with advice when it does not fit, or JSON); the exit code."""
-    from scaletrain.plan.text import format_plan
     from scaletrain.plan.advice import advice_lines
     from scaletrain.plan.estimate import plan_json
+    from scaletrain.plan.text import format_plan
 
     fits = device is None or plan.peak_bytes <= device.memory_bytes
     if as_json:
         print(json.dumps(plan_json(plan, device), indent=2))
     else:
         print(format_plan(plan, device))
+        if plan.layout.host is not None:
+            print("host RAM: the peak is what the trainer allocates per process (host_runtime: "
+                  "torch's own memory); glibc's heap fragmentation comes on top, 9-26 % on the "
+                  "debug model (docs/plan.md, 'A CPU run: what the peak contains')")
         if device is None:
             print("device: not in the device table; cannot say whether it fits")
         elif not fits:

@@ -280,11 +280,15 @@ def activation_bytes(args: ModelArgs, spec: ActivationSpec, layer_indices: range
 
 def logits_buffer_bytes(args: ModelArgs, spec: ActivationSpec) -> int:
     """Transient loss memory beyond the saved log-softmax: the logits themselves (c bytes, alive
-    through backward) and two fp32 gradient buffers of logits size in the loss backward. The
-    fused loss holds one chunk at a time: its fp32 logits, the fp32 softmax-minus-one-hot and
-    that gradient's copy in the compute dtype."""
+    through backward) and two fp32 gradient buffers of logits size in the loss backward. Under
+    tensor parallelism the loss is vocabulary-parallel (DTensor's `loss_parallel`, the
+    trainer's default), whose backward holds three: the scattered one-hot, exp(log-softmax)
+    and their sum (`torch.distributed.tensor.parallel.loss`). The fused loss holds one chunk
+    at a time: its fp32 logits, the fp32 softmax-minus-one-hot and that gradient's copy in the
+    compute dtype."""
     c = DTYPE_BYTES[spec.compute_dtype]
     vocab = args.vocab_size // spec.tp
     if spec.fused_loss:
         return (8 + (c if c < 4 else 0)) * min(spec.loss_chunk, spec.tokens) * vocab
-    return (c + 8) * spec.tokens * vocab
+    grads = 12 if spec.tp > 1 else 8
+    return (c + grads) * spec.tokens * vocab

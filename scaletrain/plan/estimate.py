@@ -19,8 +19,15 @@ from scaletrain.plan.activations import (
 )
 from scaletrain.plan.comm import comm_bytes, expert_params
 from scaletrain.plan.flops import attention_forward_flops, flops_per_token
+from scaletrain.plan.host_memory import (
+    LOADER_WORKER_BYTES,
+    RUNTIME_BYTES,
+    HostProcess,
+    batch_bytes,
+)
 from scaletrain.plan.memory import (
     GradConvention,
+    grad_sync_bucket_bytes,
     layer_range,
     offload_states,
     sharded_state,
@@ -77,6 +84,12 @@ class Layout:
     fp8: str = "none"
     """`precision.fp8` (carried for the trainer's layout check; memory and time are estimated
     as for `precision`)."""
+    bucket_cap_mb: float = 25.0
+    """`parallel.bucket_cap_mb`: DDP's gradient buckets (their count; their bytes are the
+    gradients'), and the flat buckets data parallelism all-reduces next to TP/PP."""
+    host: HostProcess | None = None
+    """Set when the device is this host's RAM (a CPU run): the process's own memory and the
+    data loader's batches count too (`plan/host_memory.py`)."""
 
     @property
     def stored_dtype(self) -> str:
@@ -118,6 +131,13 @@ class Layout:
         the gathered weights; `parallel.feasibility.reshards_after_forward`)."""
         return self.fsdp and not reshards_after_forward(self.data_parallel, self.dims.pp,
                                                         self.schedule)
+
+    @property
+    def ddp_wrapped(self) -> bool:
+        """torch's DDP holds the model (ZeRO-0/1 without TP or PP: the trainer's
+        `Parallelism.ddp_wrapped`); with TP or PP the step all-reduces flat buckets."""
+        return (self.zero <= 1 and self.dims.tp == 1 and self.dims.pp == 1
+                and self.dims.dp * self.dims.cp > 1)
 
     @property
     def data_parallel(self) -> str:
@@ -230,28 +250,42 @@ class Plan:
             "bubble_fraction": self.bubble_fraction,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm_bytes_by_dim": self.comm_bytes_by_dim,
+            # torch's DDP: its buckets are the gradients (views into them), filled in order
+            # until one reaches the cap (the first: 1 MiB); they add no bytes of their own.
+            **({"ddp_buckets": {"bytes": self.memory_bytes["gradients"],
+                                "bucket_cap_bytes": int(lay.bucket_cap_mb * 2**20)}}
+               if lay.ddp_wrapped else {}),
             **({"finetune": self.finetune} if self.finetune else {}),
         }
 
 
-def peak_bytes(mem: dict[str, int], grad_accum: int) -> int:
+def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = False,
+               comm_at_step_only: bool = False) -> int:
     """The larger of the two moments of a step that hold the most (`total`, every component
     at once, is an upper bound that never happens):
 
     - the end of a forward pass: activations, logits/loss buffers and 16-bit weight copies
       live; gradients only when an earlier micro-batch of the same step left them
-      (`zero_grad(set_to_none=True)` frees them after each optimizer step);
-    - the optimizer step: every gradient, no activations.
+      (`zero_grad(set_to_none=True)` frees them after each optimizer step) or when they live
+      in buckets that outlast the step (`grads_resident`: torch's DDP);
+    - the optimizer step: every gradient, no activations; with `comm_at_step_only` the
+      communication buffers exist only here (the flat gradient buckets of `sync_gradients`).
+
+    A CPU run adds the process's own memory and its loader's (`host_runtime`, `batches`,
+    `loader_workers`) to both.
 
     Measured on an H200 (bench/plan_gpu.py): within 5 % for llama3.2-1b without and with
     partial recomputation (then named selective), +10 % with full recomputation; `total` was
-    15-31 % high.
+    15-31 % high. On CPU: bench/cpu_peak_vs_plan.py.
     """
-    states = mem["weights"] + mem["master_weights"] + mem["optimizer"] + mem["comm_buffers"]
+    comm = mem["comm_buffers"]
+    states = (mem["weights"] + mem["master_weights"] + mem["optimizer"]
+              + mem.get("host_runtime", 0) + mem.get("batches", 0)
+              + mem.get("loader_workers", 0))
     forward = (states + mem["activations"] + mem["logits_loss"] + mem["cast_weights"]
-               + mem.get("gathered_weights", 0)
-               + (mem["gradients"] if grad_accum > 1 else 0))
-    return max(forward, states + mem["gradients"])
+               + mem.get("gathered_weights", 0) + (0 if comm_at_step_only else comm)
+               + (mem["gradients"] if grad_accum > 1 or grads_resident else 0))
+    return max(forward, states + comm + mem["gradients"])
 
 
 def bubble_fraction(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1F1B") -> float:
@@ -367,12 +401,21 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
             # The unsharded block being computed and the prefetched next one, plus the
             # unsharded gradients of one block before its reduce-scatter.
             mem["comm_buffers"] = int((sp.per_layer - not_local) * (2 * gathered + gathered))
-        elif dims.dp > 1 or dims.cp > 1:
-            mem["comm_buffers"] = 2 * DDP_BUCKET_BYTES
-        else:
+        elif (dims.dp > 1 or dims.cp > 1) and not lay.ddp_wrapped:
+            # TP/PP next to data parallelism: one flat bucket at a time, before the step.
+            counts = count_params(args)  # the largest gradient: embedding, head, MLP matrix
+            largest = max(counts.embedding, counts.head, args.hidden_dim * args.dim) // dims.tp
+            mem["comm_buffers"] = grad_sync_bucket_bytes(
+                states["gradients"], lay.bucket_cap_mb, largest * per_param.gradients)
+        else:  # one process, or torch's DDP: its buckets are the gradients, reduced in place
             mem["comm_buffers"] = 0
+        if lay.host is not None:
+            mem["host_runtime"] = RUNTIME_BYTES
+            mem["batches"] = batch_bytes(lay.host, lay.mbs, lay.seq_len, m)
+            mem["loader_workers"] = lay.host.loader_workers * LOADER_WORKER_BYTES
         mem["total"] = sum(mem.values())
-        mem["peak"] = peak_bytes(mem, m)
+        mem["peak"] = peak_bytes(mem, m, grads_resident=lay.ddp_wrapped,
+                                 comm_at_step_only=not lay.fsdp)
         plan = Plan(
             args=args, layout=lay, params=count_params(args).total, params_per_rank=sp.total,
             stage=stage, flops_per_token=flops_per_token(args, lay.seq_len),

@@ -66,7 +66,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                "freeze_embeddings": freeze_embeddings, "lora_dropout": lora_dropout}
     breakdown = _activations(plan, method, options, mem)
     mem["total"] = sum(mem.values())
-    mem["peak"] = peak_bytes(mem, lay.grad_accum)
+    mem["peak"] = peak_bytes(mem, lay.grad_accum, grads_resident=lay.ddp_wrapped,
+                             comm_at_step_only=not lay.fsdp)
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None,
             "options": options,

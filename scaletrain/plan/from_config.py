@@ -12,6 +12,7 @@ from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
 from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate, plan_json
 from scaletrain.plan.hardware import Device, match_device
+from scaletrain.plan.host_memory import HostProcess
 from scaletrain.plan.memory import GradConvention
 
 
@@ -48,8 +49,15 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
         fsdp_param_dtype=par.fsdp_param_dtype, recompute=ac.mode, every=ac.every,
         scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
         fused_loss=cfg.training.fused_loss, loss_chunk=cfg.training.loss_chunk_tokens,
-        fp8=cfg.precision.fp8,
+        fp8=cfg.precision.fp8, bucket_cap_mb=par.bucket_cap_mb,
+        host=_host(cfg) if device.type == "cpu" else None,
     )
+
+
+def _host(cfg: Config) -> HostProcess:
+    """A CPU run's own memory counts: the device is the host's RAM."""
+    return HostProcess(loader_workers=cfg.data.num_workers,
+                       prefetch_factor=cfg.data.prefetch_factor)
 
 
 def _grad_convention(cfg: Config) -> GradConvention:
@@ -66,14 +74,19 @@ def _grad_convention(cfg: Config) -> GradConvention:
 
 
 def device_for(device: torch.device) -> Device | None:
-    """The table entry of the CUDA device, or the host's RAM for a CPU run."""
+    """The table entry of the CUDA device, or for a CPU run the host's RAM, each rank's share
+    of it: the ranks on one host (`LOCAL_WORLD_SIZE` under torchrun, else `WORLD_SIZE` as
+    `--dry-run` is given it) add their peaks up in the same RAM."""
     if device.type == "cuda":
         return match_device(torch.cuda.get_device_name(device))
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-    return Device("cpu (host RAM)", ram / 2**30)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+    if ranks == 1:
+        return Device("cpu (host RAM)", ram / 2**30)
+    return Device(f"cpu (host RAM / {ranks} ranks)", ram / 2**30 / ranks)
 
 
 def plan_config(cfg: Config, device: torch.device) -> tuple[Plan, Device | None]:

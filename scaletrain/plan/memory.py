@@ -137,3 +137,14 @@ def model_state_bytes(n_params: float, precision: str, param_dtype: str, optimiz
                       grad_convention: GradConvention = "playbook") -> float:
     """Total model-state bytes of `n_params` parameters without sharding (the Playbook table)."""
     return n_params * state_bytes(precision, param_dtype, optimizer, grad_convention).total
+
+
+def grad_sync_bucket_bytes(grad_bytes: float, bucket_cap_mb: float,
+                           largest_grad_bytes: float) -> int:
+    """The flat copy `Parallelism.sync_gradients` all-reduces at a time (data parallelism next
+    to tensor or pipeline parallelism): gradients are concatenated until a bucket reaches
+    `bucket_cap_mb`, so one bucket holds at most the cap plus one more gradient, and never more
+    than the gradients. It lives only while gradients are synchronized, before the optimizer
+    step."""
+    cap = bucket_cap_mb * 2**20
+    return int(min(grad_bytes, cap + largest_grad_bytes))

@@ -1,0 +1,56 @@
+"""What a CPU training process holds besides its tensors, when the device is this host's RAM.
+
+The trainer reports a CPU run's peak as the resident set size's high-water mark (VmHWM) above
+its memory baseline, taken after the data is loaded and before the model is built
+(`train/metrics.py`). Above the tensors the plan counts, that peak holds:
+
+- `host_runtime`: the process's own memory that training adds after the baseline: pages of
+  torch's libraries the first forward, backward and optimizer step map in (their kernels, the
+  autograd engine, the optimizer), the allocator's per-thread state and the Python objects of
+  the model and optimizer; with several processes also gloo's process groups (their threads and
+  transport buffers) and the DeviceMesh, DTensor and FSDP code. Measured with the tiny model
+  of `bench/cpu_peak_vs_plan.py` (dim 64, 2 layers, 32 tokens: its tensors plan at 3-6 MiB)
+  as its peak less those: 31.7 MiB for one process, 29.9 (DDP), 32.5 (ZeRO-3) and 35.1 MiB
+  (TP 2 x DP 2) per rank; `RUNTIME_BYTES` is 32 MiB for every layout (torch 2.13 CPU, one
+  OpenMP thread per rank as torchrun sets it).
+- `batches`: the micro-batches of one step as the data loader hands them over (int64 token
+  ids and targets), and with loader workers the batches they prefetch into shared memory,
+  which the training process maps.
+- `loader_workers` (`data.num_workers` > 0): each DataLoader worker is a forked process whose
+  pages are shared with the trainer until written; what it holds of its own (its unique set
+  size, USS) was 8-13 MiB per worker on the debug preset (two runs, `/proc/PID/smaps_rollup`
+  sampled while training): `LOADER_WORKER_BYTES` is 12 MiB. It is host RAM the rank's share
+  must hold, but not in the trainer's `peak_mem_gib`, which is this process's own.
+
+Not counted: glibc's heap fragmentation. With its dynamic mmap threshold glibc serves blocks
+up to 32 MiB from its heap and keeps freed ones resident where later blocks do not fit, which
+added 9-26 % on the debug model (`bench/cpu_peak_vs_plan.py`, docs/plan.md). With the threshold
+pinned (`MALLOC_MMAP_THRESHOLD_=131072`) the measured peak is the plan's within 1.3 %.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RUNTIME_BYTES = 32 * 2**20
+"""`host_runtime`: one training process's own memory above its baseline (module docstring)."""
+LOADER_WORKER_BYTES = 12 * 2**20
+"""`loader_workers`: the private memory of one DataLoader worker process (module docstring)."""
+
+
+@dataclass(frozen=True)
+class HostProcess:
+    """A CPU run: the device is the host's RAM and the process's own memory counts."""
+
+    loader_workers: int = 0
+    """`data.num_workers`: DataLoader worker processes (their batches reach this process)."""
+    prefetch_factor: int = 2
+    """`data.prefetch_factor`: batches each worker loads ahead."""
+
+
+def batch_bytes(host: HostProcess, mbs: int, seq_len: int, grad_accum: int) -> int:
+    """Token ids and targets (int64) of a step's micro-batches, plus those the loader workers
+    hold ahead (`num_workers x prefetch_factor` batches) in shared memory."""
+    per_batch = 2 * 8 * mbs * seq_len
+    ahead = host.loader_workers * host.prefetch_factor
+    return per_batch * (grad_accum + ahead)

@@ -1,0 +1,57 @@
+"""The host's own terms of a CPU plan and the data-parallel buffers sized from the gradients
+(`plan/host_memory.py`, `plan/memory.py`; measured against the trainer in
+tests/distributed/test_cpu_peak.py)."""
+
+from __future__ import annotations
+
+from scaletrain.models.args import get_preset
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.host_memory import LOADER_WORKER_BYTES, RUNTIME_BYTES, HostProcess
+from scaletrain.plan.memory import grad_sync_bucket_bytes
+
+ARGS = get_preset("debug")
+BASE = Layout(mbs=8, seq_len=256, precision="bf16", param_dtype="fp32", kernels="cpu")
+
+
+def test_host_terms_only_when_the_device_is_the_host() -> None:
+    gpu = estimate(ARGS, BASE).memory_bytes
+    assert "host_runtime" not in gpu and "batches" not in gpu
+    host = HostProcess(loader_workers=2, prefetch_factor=3)
+    cpu = estimate(ARGS, BASE.replace(host=host, gbs=16)).memory_bytes
+    assert cpu["host_runtime"] == RUNTIME_BYTES
+    # int64 ids and targets: the step's 2 micro-batches and 2 x 3 batches the workers hold
+    assert cpu["batches"] == 2 * 8 * 8 * 256 * (2 + 2 * 3)
+    assert cpu["loader_workers"] == 2 * LOADER_WORKER_BYTES
+    assert cpu["peak"] == estimate(ARGS, BASE.replace(gbs=16)).memory_bytes["peak"] \
+        + RUNTIME_BYTES + cpu["batches"] + cpu["loader_workers"]
+
+
+def test_ddp_adds_its_gradients_to_the_forward_peak_and_no_fixed_buffer() -> None:
+    one = estimate(ARGS, BASE).memory_bytes
+    ddp = estimate(ARGS, BASE.replace(dims=ParallelDims(dp_replicate=2)))
+    mem = ddp.memory_bytes
+    assert mem["comm_buffers"] == 0
+    # the end of the forward pass is the peak here; DDP's buckets hold the gradients through it
+    assert mem["peak"] == one["peak"] + mem["gradients"]
+    json = ddp.to_json()["ddp_buckets"]
+    assert json == {"bytes": mem["gradients"], "bucket_cap_bytes": 25 * 2**20}
+    # the cap sets how many all-reduces, not how much memory
+    small = estimate(ARGS, BASE.replace(dims=ParallelDims(dp_replicate=2), bucket_cap_mb=1))
+    assert small.memory_bytes == mem
+
+
+def test_tp_data_parallel_bucket_is_sized_from_the_gradients() -> None:
+    lay = BASE.replace(dims=ParallelDims(dp_replicate=2, tp=2))
+    mem = estimate(ARGS, lay).memory_bytes
+    assert mem["comm_buffers"] == mem["gradients"]  # 14 MiB of gradients under a 25 MiB cap
+    capped = estimate(ARGS, lay.replace(bucket_cap_mb=1)).memory_bytes
+    largest = ARGS.vocab_size * ARGS.dim // 2 * 4  # a rank's half of the embedding, fp32
+    assert capped["comm_buffers"] == 2**20 + largest < mem["gradients"]
+    # only before the optimizer step: the forward moment does not hold it
+    assert capped["peak"] == mem["peak"]
+
+
+def test_grad_sync_bucket_never_exceeds_the_gradients() -> None:
+    assert grad_sync_bucket_bytes(1000, 25, 400) == 1000
+    assert grad_sync_bucket_bytes(100 * 2**20, 25, 2**20) == 26 * 2**20

@@ -9,6 +9,7 @@ LoRA/QLoRA `adapter/` in PEFT's format.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 from pathlib import Path
@@ -36,6 +37,7 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
+from scaletrain.plan.finetune import finetune_layout_problem
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.loss import cross_entropy_sum
@@ -213,6 +215,14 @@ class FinetuneTrainer(Trainer):
                 raise FinetuneError(f"the label set {self.labels} does not match the head this run "
                                     f"was started with ({saved}); resume with the same labels")
 
+    @functools.cached_property
+    def resolved_model_args(self) -> ModelArgs:
+        """The base's dimensions, from its config (the layout is checked against them before
+        the weights are read)."""
+        from scaletrain.inference.loader import model_args_of
+
+        return model_args_of(self.ft.base)
+
     def _model_args(self) -> ModelArgs:
         return self.base.args
 
@@ -248,26 +258,44 @@ class FinetuneTrainer(Trainer):
         return self._data_parallel(model) if self.par.enabled else model
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
-        """Fine-tuning under torchrun: DDP over every rank (frozen parameters are not
-        reduced), or FSDP's ZeRO-2/3 with `parallel.data_parallel zero2|zero3` (each block a
-        unit; frozen parameters are sharded too and get no gradient)."""
+        """Fine-tuning under torchrun: tensor parallel over `parallel.tp` ranks (the blocks
+        split as in pre-training, LoRA adapters with them: `lora_tp.py`), then DDP over the
+        data-parallel ranks (frozen parameters are not reduced), or FSDP's ZeRO-2/3 with
+        `parallel.data_parallel zero2|zero3` (each block a unit; frozen parameters are sharded
+        too and get no gradient; QLoRA's NF4 codes and scales as well: `qlora_shard.py`)."""
         d, cfg = self.par.dims, self.cfg.parallel
         mode = self.par.mode
-        if d.tp > 1 or d.pp > 1 or d.cp > 1 or d.ep > 1 or mode not in FINETUNE_MODES:
-            raise ConfigError("fine-tuning runs data parallel only (DDP, or FSDP with "
-                              "parallel.data_parallel zero2/zero3): drop parallel.tp/pp/cp/ep "
-                              "and set parallel.data_parallel ddp, zero2 or zero3")
+        problem = finetune_layout_problem(
+            self.ft.method, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep,
+            data_parallel=mode if mode in FINETUNE_MODES else "zero1",
+            classification=self.ft.task == "classification")
+        if problem:
+            raise ConfigError(problem)
         if self.ft.method == "qlora":
-            raise ConfigError("--method qlora runs on one process (its 4-bit weights can be "
-                              "neither broadcast nor sharded); use lora for data-parallel "
-                              "fine-tuning")
-        if mode == "ddp":
-            from scaletrain.parallel.ddp import apply_ddp
+            from scaletrain.finetune.qlora_shard import shardable_nf4
 
-            return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
+            shardable_nf4(model)
+        backbone = model.backbone if isinstance(model, SequenceClassifier) else model
+        if d.tp > 1:
+            from scaletrain.finetune.lora_tp import adapter_plan
+            from scaletrain.parallel.tp import apply_tp
+
+            frozen = {n for n, p in backbone.named_parameters() if not p.requires_grad}
+            apply_tp(backbone, self.par.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
+                     loss_parallel=cfg.loss_parallel, block_plan=adapter_plan)
+            for name, p in backbone.named_parameters():  # DTensor parameters are made anew
+                p.requires_grad_(name not in frozen)
+        dp = d.dp_replicate * d.dp_shard
+        if mode == "ddp":
+            if d.tp == 1:
+                from scaletrain.parallel.ddp import apply_ddp
+
+                return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
+            if dp > 1:  # replicas of the TP-sharded model: the step sums their gradients
+                self.par.grad_sync_group = self.par.mesh.group("dp_cp")
+            return model
         from scaletrain.parallel.fsdp import apply_fsdp
 
-        backbone = model.backbone if isinstance(model, SequenceClassifier) else model
         apply_fsdp(model, self.par.mesh["dp_shard_cp"], layers=backbone.layers,
                    reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)

@@ -13,6 +13,27 @@ from scaletrain.plan.memory import offload_states, state_bytes
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 
 
+def finetune_layout_problem(method: str, *, tp: int, pp: int, cp: int, ep: int,
+                            data_parallel: str, classification: bool = False) -> str | None:
+    """Why fine-tuning cannot run in this layout, or None: the one answer of the trainer,
+    `finetune --dry-run` and `plan --method`. Fine-tuning runs DDP or FSDP (ZeRO-2/3) over
+    the data-parallel ranks, composed with tensor parallelism for `full`, `freeze` and `lora`."""
+    if pp > 1 or cp > 1 or ep > 1:
+        return ("fine-tuning runs data parallel (DDP, FSDP ZeRO-2/3) and tensor parallel only: "
+                "pipeline, context and expert parallel fine-tuning are not implemented; drop "
+                "parallel.pp/cp/ep (plan: --pp/--cp/--ep)")
+    if data_parallel not in ("ddp", "zero2", "zero3"):
+        return ("fine-tuning's data parallelism is DDP or FSDP: set parallel.data_parallel "
+                "ddp, zero2 or zero3 (plan: --zero 0, 2 or 3)")
+    if tp > 1 and method == "qlora":
+        return ("--method qlora shards its 4-bit base with FSDP (parallel.data_parallel "
+                "zero2/zero3), not tensor parallel: drop parallel.tp, or use --method lora")
+    if tp > 1 and classification:
+        return ("classification under tensor parallelism is not implemented: drop parallel.tp "
+                "(FSDP shards the base as well), or fine-tune with --task sft")
+    return None
+
+
 def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | None = None,
                   freeze_first: int = 0, num_labels: int | None = None,
                   targets: tuple[str, ...] | None = None, train_norms: bool = False,
@@ -37,12 +58,12 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     lay = plan.layout
     d = lay.dims
     if d.world_size > 1:
-        if d.tp * d.pp * d.cp * d.ep > 1 or lay.zero == 1:
-            raise PlanError("fine-tuning runs data parallel only, with DDP or FSDP: plan it "
-                            "with --dp and --zero 0, 2 or 3, without --tp/--pp/--cp/--ep")
-        if method == "qlora":
-            raise PlanError("qlora runs on one device (its 4-bit weights can be neither "
-                            "broadcast nor sharded); plan lora for data-parallel fine-tuning")
+        problem = finetune_layout_problem(
+            method, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep,
+            data_parallel="zero1" if lay.zero == 1 else "ddp" if not lay.fsdp else "zero3",
+            classification=num_labels is not None)
+        if problem:
+            raise PlanError(problem)
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,

@@ -38,6 +38,7 @@ from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
 from scaletrain.plan.finetune import finetune_layout_problem
+from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.loss import cross_entropy_sum
@@ -153,8 +154,21 @@ class FinetuneTrainer(Trainer):
         self.labels: list[str] | None = None
         check_base_manifest(ft.base)  # before the run directory is written
         super().__init__(cfg)
+        self.flops_per_token = self._flops_per_token()
         if self.is_main:
             self._write_meta()
+
+    def _flops_per_token(self) -> float:
+        """The matmuls this method runs per token (`plan/finetune_flops.py`): the TFLOP/s and
+        MFU of the logs, as `finetune --dry-run` and `plan --method` count them."""
+        ft = self.ft
+        lora = ft.method in ("lora", "qlora")
+        return finetune_flops_per_token(
+            self.model_args, self.cfg.data.seq_len, ft.method, rank=ft.lora_rank,
+            targets=self.lora.targets if lora else None, train_last=ft.train_last,
+            freeze_first=ft.freeze_first, freeze_embeddings=ft.freeze_embeddings,
+            train_norms=ft.train_norms and lora,
+            num_labels=len(self.labels) if ft.task == "classification" else None)
 
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:

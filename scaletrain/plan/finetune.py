@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
+from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.plan.memory import offload_states, state_bytes
 
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
@@ -52,8 +53,9 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2,
     fused loss) keep the pretraining activations, an upper bound.
     """
+    from scaletrain.models.args import count_params
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
-    from scaletrain.plan.finetune_estimate import estimate
+    from scaletrain.plan.finetune_estimate import estimate, lora_params_per_rank
 
     lay = plan.layout
     d = lay.dims
@@ -72,12 +74,22 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                       freeze_embeddings=freeze_embeddings, weight_bytes=int(per.weights))
     except ValueError as e:
         raise PlanError(str(e)) from None
-    # FSDP (ZeRO-2/3) shards every weight, frozen ones too, and the trainable states.
+    # Tensor parallelism splits the weights as in pre-training (the embedding, head and block
+    # projections; norms whole) and LoRA adapters with their base (`finetune/lora_tp.py`);
+    # FSDP (ZeRO-2/3) then shards every weight, frozen ones too, and the trainable states.
+    tp_share = plan.params_per_rank / count_params(plan.args).total
+    trainable = ft.trainable
+    if d.tp > 1:
+        trainable = int(ft.trainable * tp_share)
+        if method in ("lora", "qlora"):
+            trainable = lora_params_per_rank(plan.args, rank, targets or tuple(TARGETS), d.tp)
+            trainable += ft.trainable - lora_params_per_rank(plan.args, rank,
+                                                             targets or tuple(TARGETS), 1)
     shard = lay.shard_group if lay.fsdp else 1
-    states = {"weights": ft.weight_bytes // shard,
-              "gradients": int(ft.trainable * per.gradients / shard),
-              "master_weights": int(ft.trainable * per.master_weights / shard),
-              "optimizer": int(ft.trainable * per.optimizer / shard)}
+    states = {"weights": int(ft.weight_bytes * tp_share) // shard,
+              "gradients": int(trainable * per.gradients / shard),
+              "master_weights": int(trainable * per.master_weights / shard),
+              "optimizer": int(trainable * per.optimizer / shard)}
     offloaded = offload_states(states, lay.offload)
     mem = {k: v for k, v in plan.memory_bytes.items() if k not in ("total", "peak")}
     mem.update(states)
@@ -92,12 +104,20 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             "options": options}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
-    share = ft.trainable / plan.params_per_rank
+    share = trainable / plan.params_per_rank
     comm = {k: int(v if k == "all_gather" else v * share)
             for k, v in plan.comm_bytes_per_step.items()}
     ratio = sum(comm.values()) / max(sum(plan.comm_bytes_per_step.values()), 1)
     by_dim = {k: int(v * ratio) for k, v in plan.comm_bytes_by_dim.items()}
-    return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,
+    flops = finetune_flops_per_token(plan.args, lay.seq_len, method, rank=rank,
+                                     targets=targets, train_last=train_last,
+                                     freeze_first=freeze_first,
+                                     freeze_embeddings=freeze_embeddings,
+                                     train_norms=train_norms, num_labels=num_labels)
+    recompute = plan.hardware_flops_per_token - plan.flops_per_token
+    return dataclasses.replace(plan, memory_bytes=mem, params=ft.total,
+                               params_per_rank=int(ft.total * tp_share),
+                               flops_per_token=flops, hardware_flops_per_token=flops + recompute,
                                cpu_offload_bytes=offloaded, finetune=info,
                                activation_breakdown=breakdown,
                                comm_bytes_per_step=comm, comm_bytes_by_dim=by_dim)

@@ -1,5 +1,5 @@
 """Fine-tuning in the layouts past plain data parallelism, against one process on the same
-global batches (3 steps of 2 micro-batches, clipping at 1.0, fp32):
+global batches (2 steps of 2 micro-batches, clipping at 1.0, fp32), on a Hugging Face Llama:
 
 - QLoRA under FSDP (ZeRO-3 on 2 ranks, ZeRO-2 on 4): the NF4 codes and scales sharded with
   the rest (`finetune/qlora_shard.py`). Every rank quantizes the same whole weight, so the
@@ -7,7 +7,7 @@ global batches (3 steps of 2 micro-batches, clipping at 1.0, fp32):
   one QLoRA process as closely as LoRA's do (1e-5 relative), not merely within quantization
   noise (which would be ~1e-2 here: NF4's step is ~1/8 of a block's absmax).
 - LoRA and full fine-tuning under tensor parallelism (TP 2, sequence and loss parallel on),
-  alone on 2 ranks and composed with FSDP (ZeRO-3) or DDP on 4 ranks.
+  alone on 2 ranks and composed with FSDP on 4 ranks (LoRA ZeRO-3, full ZeRO-2).
 
 Gradients of the first step are compared whole (DTensors gathered) to 2e-6 relative to their
 largest value.
@@ -23,16 +23,32 @@ import torch
 
 from scaletrain.config import load_config
 from scaletrain.train.step import full_value
-from scaletrain.train.trainer import Trainer
 from tests.distributed.test_finetune_ddp import _argv
 from tests.distributed.worker import train_steps
-from tests.finetune_helpers import qa_records, write_jsonl
+from tests.finetune_helpers import qa_records, word_tokenizer, write_jsonl
 from tests.proc_helpers import run_ranks
-from tests.trainer_helpers import tiny_config
 
 TOL = 1e-5
-STEPS = 3
-GLOBAL_ROWS = 16  # micro-batch x data-parallel ranks
+STEPS = 2
+GLOBAL_ROWS = 8  # micro-batch x data-parallel ranks (x 2 accumulation steps)
+
+
+def _hf_llama(path: Path) -> Path:
+    """A Hugging Face Llama folder with random weights: dims that divide by 2 for tensor
+    parallelism and whose linear inputs are multiples of 64 (QLoRA on CPU)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.family_helpers import randomize
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    randomize(model, 0)
+    model.save_pretrained(path)
+    word_tokenizer(path / "tokenizer.json")
+    return path
 
 
 def _run(argv: list[str]) -> dict[str, Any]:
@@ -51,22 +67,21 @@ def _entry(rank: int, world: int, jobs: list[list[str]], out_dir: str) -> None:
 
 def _case(tmp: Path, base: Path, data: Path, name: str, method: str, dp: int,
           *layout: str) -> list[str]:
-    argv = _argv(tmp / name, base, data, method, "sft", GLOBAL_ROWS // 2 // dp)
+    argv = _argv(tmp / name, base, data, method, "sft", GLOBAL_ROWS // dp)
     argv[argv.index("--parallel.data_parallel") + 1] = "ddp"
     return [*argv, "--finetune.quant_compute_dtype", "fp32", "--training.steps", str(STEPS),
-            *layout]
+            "--data.seq_len", "32", *layout]
 
 
 @pytest.mark.distributed
 def test_qlora_fsdp_and_tensor_parallel_fine_tuning_match_one_process(tmp_path: Path) -> None:
-    base = tmp_path / "base"
-    Trainer(tiny_config(base, tmp_path / "cache", "--training.steps", "2")).train()
-    data = write_jsonl(tmp_path / "sft.jsonl", qa_records(112))
+    base = _hf_llama(tmp_path / "base")
+    data = write_jsonl(tmp_path / "sft.jsonl", qa_records(40))
     tp, zero = ["--parallel.tp", "2"], ["--parallel.data_parallel"]
     worlds = {
         2: [("qlora", 2, [*zero, "zero3"]), ("lora", 1, tp), ("full", 1, tp)],
         4: [("qlora", 4, [*zero, "zero2"]), ("lora", 2, [*tp, *zero, "zero3"]),
-            ("full", 2, [*tp, *zero, "ddp"])],
+            ("full", 2, [*tp, *zero, "zero2"])],
     }
     refs = {m: _run(_case(tmp_path, base, data, f"ref-{m}", m, 1))
             for m in ("qlora", "lora", "full")}

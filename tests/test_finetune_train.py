@@ -330,8 +330,11 @@ def test_dry_run_refuses_what_the_run_refuses(bases: dict[str, Path], tmp_path: 
     assert finetune_cmd.main([*argv, "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert 0 < plan["comm_bytes_per_step"]["all_reduce"] <= 2 * plan["finetune"]["trainable"] * 4
-    assert finetune_cmd.main([*argv, "--parallel.tp", "2", "--dry-run"]) == 2
-    assert "DDP or FSDP" in capsys.readouterr().err
+    assert finetune_cmd.main([*argv, "--parallel.tp", "2", "--dry-run", "--json"]) == 0
+    tp = json.loads(capsys.readouterr().out)  # tensor parallel: the weights split over 2
+    assert tp["layout"]["tp"] == 2 and tp["params_per_rank"] < 0.6 * plan["params_per_rank"]
+    assert finetune_cmd.main([*argv, "--parallel.cp", "2", "--dry-run"]) == 2
+    assert "pipeline, context and expert parallel fine-tuning" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 

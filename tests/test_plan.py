@@ -223,7 +223,9 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     for bad, message in ((("--method", "lora", "--cp", "2"), "pipeline, context and expert"),
                          (("--method", "lora", "--dp", "2", "--zero", "1"), "DDP or FSDP"),
                          (("--method", "qlora", "--dp", "2", "--tp", "2"),
-                          "qlora shards its 4-bit base with FSDP")):
+                          "qlora shards its 4-bit base with FSDP"),
+                         (("--method", "lora", "--tp", "2", "--num-labels", "3"),
+                          "classification under tensor parallelism")):
         rc, _, err = _run(capsys, *base, *bad)
         assert rc == 2 and message in err
 

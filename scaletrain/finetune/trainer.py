@@ -229,6 +229,18 @@ class FinetuneTrainer(Trainer):
                 raise FinetuneError(f"the label set {self.labels} does not match the head this run "
                                     f"was started with ({saved}); resume with the same labels")
 
+    def _check_distributed(self) -> None:
+        """The layouts fine-tuning runs (`plan.finetune.finetune_layout_problem`), refused
+        before the process group starts or the base is read; then the trainer's checks."""
+        d, mode = self.par.dims, self.par.mode
+        problem = finetune_layout_problem(
+            self.ft.method, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep,
+            data_parallel=mode if mode in FINETUNE_MODES else "zero1",
+            classification=self.ft.task == "classification")
+        if problem:
+            raise ConfigError(problem)
+        super()._check_distributed()
+
     @functools.cached_property
     def resolved_model_args(self) -> ModelArgs:
         """The base's dimensions, from its config (the layout is checked against them before
@@ -279,12 +291,6 @@ class FinetuneTrainer(Trainer):
         too and get no gradient; QLoRA's NF4 codes and scales as well: `qlora_shard.py`)."""
         d, cfg = self.par.dims, self.cfg.parallel
         mode = self.par.mode
-        problem = finetune_layout_problem(
-            self.ft.method, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep,
-            data_parallel=mode if mode in FINETUNE_MODES else "zero1",
-            classification=self.ft.task == "classification")
-        if problem:
-            raise ConfigError(problem)
         if self.ft.method == "qlora":
             from scaletrain.finetune.qlora_shard import shardable_nf4
 

@@ -1,16 +1,17 @@
 """Fine-tuning in the layouts past plain data parallelism, against one process on the same
 global batches (2 steps of 2 micro-batches, clipping at 1.0, fp32), on a Hugging Face Llama:
 
-- QLoRA under FSDP (ZeRO-3 on 2 ranks, ZeRO-2 on 4): the NF4 codes and scales sharded with
-  the rest (`finetune/qlora_shard.py`). Every rank quantizes the same whole weight, so the
-  all-gathered codes dequantize to the very matrix one QLoRA process uses: the losses match
-  one QLoRA process as closely as LoRA's do (1e-5 relative), not merely within quantization
-  noise (which would be ~1e-2 here: NF4's step is ~1/8 of a block's absmax).
+- QLoRA under FSDP (ZeRO-3 on 2 ranks, ZeRO-2 on 4) and DDP (2 ranks): the NF4 codes and
+  scales sharded with the rest (`finetune/qlora_shard.py`). Every rank quantizes the same
+  whole weight, so the all-gathered codes dequantize to the very matrix one QLoRA process
+  uses: the losses match one QLoRA process as closely as LoRA's do (1e-5 relative), not
+  merely within quantization noise (~1e-2 here: NF4's step is ~1/8 of a block's absmax).
 - LoRA and full fine-tuning under tensor parallelism (TP 2, sequence and loss parallel on),
   alone on 2 ranks and composed with FSDP on 4 ranks (LoRA ZeRO-3, full ZeRO-2).
 
 Gradients of the first step are compared whole (DTensors gathered) to 2e-6 relative to their
-largest value.
+largest value, and the PEFT adapter rank 0 writes (gathered from FSDP and TP shards) to the one
+process's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from scaletrain.config import load_config
 from scaletrain.train.step import full_value
@@ -58,6 +60,8 @@ def _run(argv: list[str]) -> dict[str, Any]:
     losses, grads = train_steps(trainer, STEPS, lambda: {
         n.replace("_fsdp_wrapped_module.", ""): full_value(p.grad).detach().clone()
         for n, p in trainer.core.named_parameters() if p.grad is not None})
+    if trainer.ft.method != "full":  # the adapter, gathered from its shards, and a checkpoint
+        trainer.save_checkpoint()
     return {"losses": losses, "grads": grads, "layout": trainer.par.dims.mesh_shape}
 
 
@@ -79,12 +83,16 @@ def test_qlora_fsdp_and_tensor_parallel_fine_tuning_match_one_process(tmp_path: 
     data = write_jsonl(tmp_path / "sft.jsonl", qa_records(40))
     tp, zero = ["--parallel.tp", "2"], ["--parallel.data_parallel"]
     worlds = {
-        2: [("qlora", 2, [*zero, "zero3"]), ("lora", 1, tp), ("full", 1, tp)],
+        2: [("qlora", 2, [*zero, "zero3"]), ("qlora", 2, []), ("lora", 1, tp),
+            ("full", 1, tp)],
         4: [("qlora", 4, [*zero, "zero2"]), ("lora", 2, [*tp, *zero, "zero3"]),
             ("full", 2, [*tp, *zero, "zero2"])],
     }
     refs = {m: _run(_case(tmp_path, base, data, f"ref-{m}", m, 1))
             for m in ("qlora", "lora", "full")}
+    # The 4-bit base is not the fp32 one: quantization moves the loss by far more than TOL.
+    noise = abs(refs["qlora"]["losses"][0] / refs["lora"]["losses"][0] - 1)
+    assert noise > 100 * TOL, noise
     for world, cases in worlds.items():
         jobs = [_case(tmp_path, base, data, f"w{world}-{i}", m, dp, *lay)
                 for i, (m, dp, lay) in enumerate(cases)]
@@ -101,3 +109,12 @@ def test_qlora_fsdp_and_tensor_parallel_fine_tuning_match_one_process(tmp_path: 
                     assert diff <= 2e-6 * max(g.abs().max().item(), 1e-6), (what, name, r, diff)
             for a, b in zip(got["losses"], ref["losses"], strict=True):
                 assert abs(a - b) <= TOL * abs(b), (what, got["losses"], ref["losses"])
+            if method != "full":  # the PEFT adapter rank 0 wrote: one process's
+                written = load_file(tmp_path / f"w{world}-{i}" / "adapter" /
+                                    "adapter_model.safetensors")
+                expected = load_file(tmp_path / f"ref-{method}" / "adapter" /
+                                     "adapter_model.safetensors")
+                assert written.keys() == expected.keys() and expected, what
+                for name, t in expected.items():
+                    torch.testing.assert_close(written[name], t, rtol=1e-5, atol=1e-6,
+                                               msg=f"{what} {name}")

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from scaletrain.config import load_config
 from scaletrain.train.step import full_value
@@ -62,7 +63,11 @@ def _run(argv: list[str]) -> dict[str, Any]:
         for n, p in trainer.core.named_parameters() if p.grad is not None})
     if trainer.ft.method != "full":  # the adapter, gathered from its shards, and a checkpoint
         trainer.save_checkpoint()
-    return {"losses": losses, "grads": grads, "layout": trainer.par.dims.mesh_shape}
+    # The bytes of the 4-bit base this rank holds (codes and scales; one process: the codes).
+    nf4 = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+              for p in trainer.core.parameters() if p.dtype == torch.uint8)
+    return {"losses": losses, "grads": grads, "layout": trainer.par.dims.mesh_shape,
+            "nf4_bytes": nf4}
 
 
 def _entry(rank: int, world: int, jobs: list[list[str]], out_dir: str) -> None:
@@ -109,6 +114,13 @@ def test_qlora_fsdp_and_tensor_parallel_fine_tuning_match_one_process(tmp_path: 
                     assert diff <= 2e-6 * max(g.abs().max().item(), 1e-6), (what, name, r, diff)
             for a, b in zip(got["losses"], ref["losses"], strict=True):
                 assert abs(a - b) <= TOL * abs(b), (what, got["losses"], ref["losses"])
+            if method == "qlora":  # FSDP: each rank holds 1/dp of the codes and scales
+                codes, sharded = ref["nf4_bytes"], bool(lay)  # (no layout flags: DDP)
+                scales = codes // 32 + 512  # 8-bit absmax per 64 weights, fp32 extras
+                for r in range(world):
+                    held = ranks[r][i]["nf4_bytes"]
+                    assert (held <= (codes + scales) / world + 256 if sharded
+                            else held >= codes), (what, r, held, codes)
             if method != "full":  # the PEFT adapter rank 0 wrote: one process's
                 written = load_file(tmp_path / f"w{world}-{i}" / "adapter" /
                                     "adapter_model.safetensors")

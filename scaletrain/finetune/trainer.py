@@ -271,40 +271,55 @@ class FinetuneTrainer(Trainer):
             apply_fp8(backbone, self.cfg.precision.fp8, self.device)
         model = with_head(backbone, len(self.labels or []) if ft.task == "classification"
                           else None, self.cfg.training.seed)
-        apply_ac(backbone, self.cfg.activation_checkpoint)
-        apply_compile(backbone, self.cfg.compile)
         model.train()
-        self.params = param_report(model)
+        self.params = param_report(model)  # of the whole model, before any sharding
         self.memory = memory_report(model)
         log.info("%s fine-tuning (%s): %s of %s parameters trainable (%.2f%%)", ft.method,
                  ft.task, f"{self.params.trainable:,}", f"{self.params.total:,}",
                  100 * self.params.fraction)
         log.info("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
                                         for k, v in self.memory.items()))
+        # The training path's order: TP, then activation checkpointing and compile, then
+        # FSDP/DDP (`parallel/parallelize.py`).
+        if self.par.enabled:
+            self._tensor_parallel(model)
+        apply_ac(backbone, self.cfg.activation_checkpoint)
+        apply_compile(backbone, self.cfg.compile,
+                      self.par.mesh.all_groups() if self.par.enabled else ())
+        if self.cfg.compile.enabled and self.par.dims.tp > 1:  # as `Parallelism.build_model`
+            backbone.tok_embeddings.register_forward_hook(lambda _m, _i, out: out.clone())
         return self._data_parallel(model) if self.par.enabled else model
 
-    def _data_parallel(self, model: nn.Module) -> nn.Module:
-        """Fine-tuning under torchrun: tensor parallel over `parallel.tp` ranks (the blocks
-        split as in pre-training, LoRA adapters with them: `lora_tp.py`), then DDP over the
-        data-parallel ranks (frozen parameters are not reduced), or FSDP's ZeRO-2/3 with
-        `parallel.data_parallel zero2|zero3` (each block a unit; frozen parameters are sharded
-        too and get no gradient; QLoRA's NF4 codes and scales as well: `qlora_shard.py`)."""
-        d, cfg = self.par.dims, self.cfg.parallel
-        mode = self.par.mode
+    def _tensor_parallel(self, model: nn.Module) -> None:
+        """Under torchrun: QLoRA's NF4 layers in their shardable form (`qlora_shard.py`);
+        with `parallel.tp`, the blocks split as in pre-training and LoRA adapters with them
+        (`lora_tp.py`), frozen parameters kept frozen."""
         if self.ft.method == "qlora":
             from scaletrain.finetune.qlora_shard import shardable_nf4
 
             shardable_nf4(model)
-        backbone = model.backbone if isinstance(model, SequenceClassifier) else model
-        if d.tp > 1:
-            from scaletrain.finetune.lora_tp import adapter_plan
-            from scaletrain.parallel.tp import apply_tp
+        cfg = self.cfg.parallel
+        if self.par.dims.tp == 1:
+            return
+        from scaletrain.finetune.lora_tp import adapter_plan
+        from scaletrain.parallel.tp import apply_tp
 
-            frozen = {n for n, p in backbone.named_parameters() if not p.requires_grad}
-            apply_tp(backbone, self.par.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
-                     loss_parallel=cfg.loss_parallel, block_plan=adapter_plan)
-            for name, p in backbone.named_parameters():  # DTensor parameters are made anew
-                p.requires_grad_(name not in frozen)
+        backbone = model.backbone if isinstance(model, SequenceClassifier) else model
+        frozen = {n for n, p in backbone.named_parameters() if not p.requires_grad}
+        apply_tp(backbone, self.par.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
+                 loss_parallel=cfg.loss_parallel, block_plan=adapter_plan)
+        for name, p in backbone.named_parameters():  # DTensor parameters are made anew
+            p.requires_grad_(name not in frozen)
+
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
+        """Under torchrun, after `_tensor_parallel`: DDP over the data-parallel ranks (frozen
+        parameters are not reduced; with TP, replicas of the sharded model whose gradients the
+        step sums), or FSDP's ZeRO-2/3 with `parallel.data_parallel zero2|zero3` (each block a
+        unit; frozen parameters are sharded too and get no gradient, QLoRA's NF4 codes and
+        scales as well)."""
+        d, cfg = self.par.dims, self.cfg.parallel
+        mode = self.par.mode
+        backbone = model.backbone if isinstance(model, SequenceClassifier) else model
         dp = d.dp_replicate * d.dp_shard
         if mode == "ddp":
             if d.tp == 1:

@@ -8,7 +8,7 @@ global batches (2 steps of 2 micro-batches, clipping at 1.0, fp32), on a Hugging
   merely within quantization noise (~1e-2 here: NF4's step is ~1/8 of a block's absmax).
 - LoRA and full fine-tuning under tensor parallelism (TP 2, sequence and loss parallel on),
   alone on 2 ranks and composed with FSDP on 4 ranks (LoRA ZeRO-3 with activation
-  checkpointing, full ZeRO-2).
+  checkpointing, full ZeRO-2) or with DDP (LoRA).
 
 Gradients of the first step are compared whole (DTensors gathered) to 2e-6 relative to their
 largest value, and the PEFT adapter rank 0 writes (gathered from FSDP and TP shards) to the one
@@ -94,7 +94,7 @@ def test_qlora_fsdp_and_tensor_parallel_fine_tuning_match_one_process(tmp_path: 
             ("full", 1, tp)],
         4: [("qlora", 4, [*zero, "zero2"]),
             ("lora", 2, [*tp, *zero, "zero3", "--activation_checkpoint.mode", "full"]),
-            ("full", 2, [*tp, *zero, "zero2"])],
+            ("full", 2, [*tp, *zero, "zero2"]), ("lora", 2, tp)],  # the last: TP x DDP
     }
     refs = {m: _run(_case(tmp_path, base, data, f"ref-{m}", m, 1))
             for m in ("qlora", "lora", "full")}

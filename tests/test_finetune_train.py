@@ -23,6 +23,7 @@ from scaletrain.config import load_config
 from scaletrain.finetune.base import FinetuneError, load_base
 from scaletrain.finetune.loading import load_finetuned
 from scaletrain.finetune.trainer import FinetuneTrainer
+from scaletrain.plan.flops import flops_per_token
 from scaletrain.train.trainer import Trainer
 from tests.finetune_helpers import corpus_dir, qa_records, sentiment_records, write_jsonl
 from tests.trainer_helpers import tiny_config
@@ -299,8 +300,12 @@ def test_dry_run_equals_the_run(base: str, method: str, task: str, extra: tuple[
     argv = ft_argv(tmp_path / "run", bases[base], data, method, task, *extra)
     assert finetune_cmd.main([*argv, "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    FinetuneTrainer(load_config(argv, prog="scaletrain finetune"))  # writes finetune.json
+    trainer = FinetuneTrainer(load_config(argv, prog="scaletrain finetune"))  # finetune.json
     meta = json.loads((tmp_path / "run" / "finetune.json").read_text())
+    # One FLOP count for the logs' TFLOP/s and MFU and the plan: the matmuls the method runs.
+    assert trainer.flops_per_token == pytest.approx(plan["flops_per_token"], rel=1e-12)
+    pretraining = flops_per_token(trainer.model_args, trainer.cfg.data.seq_len)
+    assert (plan["flops_per_token"] < 0.9 * pretraining) == (method != "full")
     assert (plan["finetune"]["trainable"], plan["finetune"]["total"]) == \
         (meta["params"]["trainable"], meta["params"]["total"])
     mem, built = plan["memory_bytes"], meta["memory_bytes"]
@@ -333,8 +338,11 @@ def test_dry_run_refuses_what_the_run_refuses(bases: dict[str, Path], tmp_path: 
     assert finetune_cmd.main([*argv, "--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert 0 < plan["comm_bytes_per_step"]["all_reduce"] <= 2 * plan["finetune"]["trainable"] * 4
-    assert finetune_cmd.main([*argv, "--parallel.tp", "2", "--dry-run"]) == 2
-    assert "DDP or FSDP" in capsys.readouterr().err
+    assert finetune_cmd.main([*argv, "--parallel.tp", "2", "--dry-run", "--json"]) == 0
+    tp = json.loads(capsys.readouterr().out)  # tensor parallel: the weights split over 2
+    assert tp["layout"]["tp"] == 2 and tp["params_per_rank"] < 0.6 * plan["params_per_rank"]
+    assert finetune_cmd.main([*argv, "--parallel.cp", "2", "--dry-run"]) == 2
+    assert "pipeline, context and expert parallel fine-tuning" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 

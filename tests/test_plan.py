@@ -214,9 +214,18 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     comm, pre_comm = fsdp_lora["comm_bytes_per_step"], fsdp_pre["comm_bytes_per_step"]
     assert comm["all_gather"] == pre_comm["all_gather"] > 0
     assert comm["reduce_scatter"] == int(pre_comm["reduce_scatter"] * share) > 0
-    for bad, message in ((("--method", "lora", "--dp", "2", "--tp", "2"), "DDP or FSDP"),
+    # ... and tensor parallel: weights and LoRA adapters split with their base.
+    tp_lora = mem("--method", "lora", "--lora-rank", "16", "--tp", "2")
+    assert lora["memory_bytes"]["weights"] / 2 < tp_lora["memory_bytes"]["weights"] \
+        < 0.51 * lora["memory_bytes"]["weights"]
+    assert lora["memory_bytes"]["optimizer"] / 2 < tp_lora["memory_bytes"]["optimizer"] \
+        < lora["memory_bytes"]["optimizer"]
+    for bad, message in ((("--method", "lora", "--cp", "2"), "pipeline, context and expert"),
                          (("--method", "lora", "--dp", "2", "--zero", "1"), "DDP or FSDP"),
-                         (("--method", "qlora", "--dp", "2"), "qlora runs on one device")):
+                         (("--method", "qlora", "--dp", "2", "--tp", "2"),
+                          "qlora shards its 4-bit base with FSDP"),
+                         (("--method", "lora", "--tp", "2", "--num-labels", "3"),
+                          "classification under tensor parallelism")):
         rc, _, err = _run(capsys, *base, *bad)
         assert rc == 2 and message in err
 

@@ -122,8 +122,10 @@ class LoRALinear(nn.Module):
         matmul casts), and the scaling applied to the r-wide intermediate."""
         if self.fused is not None:
             base, nf4 = self.base, self.fused == "nf4"
+            # a bitsandbytes layer, or its shardable form under data parallelism (`dense`)
+            dense = getattr(base, "dense", dequantize_weight) if nf4 else None
             return lora_linear(x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight,
-                               self.scaling, dense=dequantize_weight if nf4 else None,
+                               self.scaling, dense=dense,
                                compute_dtype=base.compute_dtype if nf4 else None)
         out = self.base(x)
         h = self.dropout(x) if isinstance(self.dropout, nn.Dropout) else x

@@ -9,6 +9,7 @@ LoRA/QLoRA `adapter/` in PEFT's format.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 from pathlib import Path
@@ -37,6 +38,8 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
+from scaletrain.plan.finetune import finetune_layout_problem
+from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.loss import cross_entropy_sum
@@ -161,8 +164,21 @@ class FinetuneTrainer(Trainer):
                      worst["peak_rss_bytes"] / 2**20,
                      "sharded: each rank read its shards" if self.sharded_load
                      else "whole base on each process")
+        self.flops_per_token = self._flops_per_token()
         if self.is_main:
             self._write_meta()
+
+    def _flops_per_token(self) -> float:
+        """The matmuls this method runs per token (`plan/finetune_flops.py`): the TFLOP/s and
+        MFU of the logs, as `finetune --dry-run` and `plan --method` count them."""
+        ft = self.ft
+        lora = ft.method in ("lora", "qlora")
+        return finetune_flops_per_token(
+            self.model_args, self.cfg.data.seq_len, ft.method, rank=ft.lora_rank,
+            targets=self.lora.targets if lora else None, train_last=ft.train_last,
+            freeze_first=ft.freeze_first, freeze_embeddings=ft.freeze_embeddings,
+            train_norms=ft.train_norms and lora,
+            num_labels=len(self.labels) if ft.task == "classification" else None)
 
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
@@ -229,6 +245,26 @@ class FinetuneTrainer(Trainer):
                 raise FinetuneError(f"the label set {self.labels} does not match the head this run "
                                     f"was started with ({saved}); resume with the same labels")
 
+    def _check_distributed(self) -> None:
+        """The layouts fine-tuning runs (`plan.finetune.finetune_layout_problem`), refused
+        before the process group starts or the base is read; then the trainer's checks."""
+        d, mode = self.par.dims, self.par.mode
+        problem = finetune_layout_problem(
+            self.ft.method, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep,
+            data_parallel=mode if mode in FINETUNE_MODES else "zero1",
+            classification=self.ft.task == "classification")
+        if problem:
+            raise ConfigError(problem)
+        super()._check_distributed()
+
+    @functools.cached_property
+    def resolved_model_args(self) -> ModelArgs:
+        """The base's dimensions, from its config (the layout is checked against them before
+        the weights are read)."""
+        from scaletrain.inference.loader import model_args_of
+
+        return model_args_of(self.ft.base)
+
     def _model_args(self) -> ModelArgs:
         return self.base.args
 
@@ -251,39 +287,66 @@ class FinetuneTrainer(Trainer):
             apply_fp8(backbone, self.cfg.precision.fp8, self.device)
         model = with_head(backbone, len(self.labels or []) if ft.task == "classification"
                           else None, self.cfg.training.seed)
-        apply_ac(backbone, self.cfg.activation_checkpoint)
-        apply_compile(backbone, self.cfg.compile)
         model.train()
-        self.params = param_report(model)
+        self.params = param_report(model)  # of the whole model, before any sharding
         self.memory = memory_report(model)
         log.info("%s fine-tuning (%s): %s of %s parameters trainable (%.2f%%)", ft.method,
                  ft.task, f"{self.params.trainable:,}", f"{self.params.total:,}",
                  100 * self.params.fraction)
         log.info("memory: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
                                         for k, v in self.memory.items()))
+        # The training path's order: TP, then activation checkpointing and compile, then
+        # FSDP/DDP (`parallel/parallelize.py`).
+        if self.par.enabled:
+            self._tensor_parallel(model)
+        apply_ac(backbone, self.cfg.activation_checkpoint)
+        apply_compile(backbone, self.cfg.compile,
+                      self.par.mesh.all_groups() if self.par.enabled else ())
+        if self.cfg.compile.enabled and self.par.dims.tp > 1:  # as `Parallelism.build_model`
+            backbone.tok_embeddings.register_forward_hook(lambda _m, _i, out: out.clone())
         return self._data_parallel(model) if self.par.enabled else model
 
-    def _data_parallel(self, model: nn.Module) -> nn.Module:
-        """Fine-tuning under torchrun: DDP over every rank (frozen parameters are not
-        reduced), or FSDP's ZeRO-2/3 with `parallel.data_parallel zero2|zero3` (each block a
-        unit; frozen parameters are sharded too and get no gradient)."""
-        d, cfg = self.par.dims, self.cfg.parallel
-        mode = self.par.mode
-        if d.tp > 1 or d.pp > 1 or d.cp > 1 or d.ep > 1 or mode not in FINETUNE_MODES:
-            raise ConfigError("fine-tuning runs data parallel only (DDP, or FSDP with "
-                              "parallel.data_parallel zero2/zero3): drop parallel.tp/pp/cp/ep "
-                              "and set parallel.data_parallel ddp, zero2 or zero3")
+    def _tensor_parallel(self, model: nn.Module) -> None:
+        """Under torchrun: QLoRA's NF4 layers in their shardable form (`qlora_shard.py`);
+        with `parallel.tp`, the blocks split as in pre-training and LoRA adapters with them
+        (`lora_tp.py`), frozen parameters kept frozen."""
         if self.ft.method == "qlora":
-            raise ConfigError("--method qlora runs on one process (its 4-bit weights can be "
-                              "neither broadcast nor sharded); use lora for data-parallel "
-                              "fine-tuning")
-        if mode == "ddp":
-            from scaletrain.parallel.ddp import apply_ddp
+            from scaletrain.finetune.qlora_shard import shardable_nf4
 
-            return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
-        from scaletrain.parallel.fsdp import apply_fsdp
+            shardable_nf4(model)
+        cfg = self.cfg.parallel
+        if self.par.dims.tp == 1:
+            return
+        from scaletrain.finetune.lora_tp import adapter_plan
+        from scaletrain.parallel.tp import apply_tp
 
         backbone = model.backbone if isinstance(model, SequenceClassifier) else model
+        frozen = {n for n, p in backbone.named_parameters() if not p.requires_grad}
+        apply_tp(backbone, self.par.mesh["tp"], sequence_parallel=cfg.sequence_parallel,
+                 loss_parallel=cfg.loss_parallel, block_plan=adapter_plan)
+        for name, p in backbone.named_parameters():  # DTensor parameters are made anew
+            p.requires_grad_(name not in frozen)
+
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
+        """Under torchrun, after `_tensor_parallel`: DDP over the data-parallel ranks (frozen
+        parameters are not reduced; with TP, replicas of the sharded model whose gradients the
+        step sums), or FSDP's ZeRO-2/3 with `parallel.data_parallel zero2|zero3` (each block a
+        unit; frozen parameters are sharded too and get no gradient, QLoRA's NF4 codes and
+        scales as well)."""
+        d, cfg = self.par.dims, self.cfg.parallel
+        mode = self.par.mode
+        backbone = model.backbone if isinstance(model, SequenceClassifier) else model
+        dp = d.dp_replicate * d.dp_shard
+        if mode == "ddp":
+            if d.tp == 1:
+                from scaletrain.parallel.ddp import apply_ddp
+
+                return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
+            if dp > 1:  # replicas of the TP-sharded model: the step sums their gradients
+                self.par.grad_sync_group = self.par.mesh.group("dp_cp")
+            return model
+        from scaletrain.parallel.fsdp import apply_fsdp
+
         apply_fsdp(model, self.par.mesh["dp_shard_cp"], layers=backbone.layers,
                    reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)

@@ -20,6 +20,7 @@ computed on the shards and the full logits are never gathered.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,7 +43,9 @@ log = logging.getLogger("scaletrain.parallel")
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
              loss_parallel: bool, regather: bool = True,
-             ep_tp_mesh: DeviceMesh | None = None) -> None:
+             ep_tp_mesh: DeviceMesh | None = None,
+             block_plan: Callable[[nn.Module, dict[str, object]], dict[str, object]]
+             | None = None) -> None:
     """Shard `model` (a Transformer or a pipeline stage of one) over `tp_mesh` in place.
 
     `ep_tp_mesh`: the 2-D `(ep, tp)` mesh when expert parallelism is composed with TP: the
@@ -51,7 +54,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
     `regather` (sequence parallelism only): the column-wise projections save the sequence
     shard of their input and all-gather it again in backward (`sp_regather.py`); False keeps
     DTensor's `PrepareModuleInput` + `ColwiseParallel`, which save the gathered input (the
-    same numbers, t times the bytes; kept to measure the difference)."""
+    same numbers, t times the bytes; kept to measure the difference).
+
+    `block_plan(block, plan)`: rewrites each block's plan before it is applied (fine-tuning
+    splits the plan of a LoRA layer into its base's and its adapter's: `finetune/lora_tp.py`)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -96,6 +102,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         plan.update(_family_plan(block, sequence_parallel))
+        if block_plan is not None:
+            plan = block_plan(block, plan)
         parallelize_module(block, tp_mesh, plan)
         if model.args.arch != "llama" and not sequence_parallel:
             # LayerNorm biases would otherwise share the optimizer's no-decay group, as plain

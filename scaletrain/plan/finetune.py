@@ -8,10 +8,32 @@ import dataclasses
 from typing import Any
 
 from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
+from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.plan.finetune_host import host_load_bytes
 from scaletrain.plan.memory import offload_states, state_bytes
 
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
+
+
+def finetune_layout_problem(method: str, *, tp: int, pp: int, cp: int, ep: int,
+                            data_parallel: str, classification: bool = False) -> str | None:
+    """Why fine-tuning cannot run in this layout, or None: the one answer of the trainer,
+    `finetune --dry-run` and `plan --method`. Fine-tuning runs DDP or FSDP (ZeRO-2/3) over
+    the data-parallel ranks, composed with tensor parallelism for `full`, `freeze` and `lora`."""
+    if pp > 1 or cp > 1 or ep > 1:
+        return ("fine-tuning runs data parallel (DDP, FSDP ZeRO-2/3) and tensor parallel only: "
+                "pipeline, context and expert parallel fine-tuning are not implemented; drop "
+                "parallel.pp/cp/ep (plan: --pp/--cp/--ep)")
+    if data_parallel not in ("ddp", "zero2", "zero3"):
+        return ("fine-tuning's data parallelism is DDP or FSDP: set parallel.data_parallel "
+                "ddp, zero2 or zero3 (plan: --zero 0, 2 or 3)")
+    if tp > 1 and method == "qlora":
+        return ("--method qlora shards its 4-bit base with FSDP (parallel.data_parallel "
+                "zero2/zero3), not tensor parallel: drop parallel.tp, or use --method lora")
+    if tp > 1 and classification:
+        return ("classification under tensor parallelism is not implemented: drop parallel.tp "
+                "(FSDP shards the base as well), or fine-tune with --task sft")
+    return None
 
 
 def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | None = None,
@@ -32,18 +54,19 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2,
     fused loss) keep the pretraining activations, an upper bound.
     """
+    from scaletrain.models.args import count_params
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
-    from scaletrain.plan.finetune_estimate import estimate
+    from scaletrain.plan.finetune_estimate import estimate, lora_params_per_rank
 
     lay = plan.layout
     d = lay.dims
     if d.world_size > 1:
-        if d.tp * d.pp * d.cp * d.ep > 1 or lay.zero == 1:
-            raise PlanError("fine-tuning runs data parallel only, with DDP or FSDP: plan it "
-                            "with --dp and --zero 0, 2 or 3, without --tp/--pp/--cp/--ep")
-        if method == "qlora":
-            raise PlanError("qlora runs on one device (its 4-bit weights can be neither "
-                            "broadcast nor sharded); plan lora for data-parallel fine-tuning")
+        problem = finetune_layout_problem(
+            method, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep,
+            data_parallel="zero1" if lay.zero == 1 else "ddp" if not lay.fsdp else "zero3",
+            classification=num_labels is not None)
+        if problem:
+            raise PlanError(problem)
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,
@@ -52,12 +75,22 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                       freeze_embeddings=freeze_embeddings, weight_bytes=int(per.weights))
     except ValueError as e:
         raise PlanError(str(e)) from None
-    # FSDP (ZeRO-2/3) shards every weight, frozen ones too, and the trainable states.
+    # Tensor parallelism splits the weights as in pre-training (the embedding, head and block
+    # projections; norms whole) and LoRA adapters with their base (`finetune/lora_tp.py`);
+    # FSDP (ZeRO-2/3) then shards every weight, frozen ones too, and the trainable states.
+    tp_share = plan.params_per_rank / count_params(plan.args).total
+    trainable = ft.trainable
+    if d.tp > 1:
+        trainable = int(ft.trainable * tp_share)
+        if method in ("lora", "qlora"):
+            trainable = lora_params_per_rank(plan.args, rank, targets or tuple(TARGETS), d.tp)
+            trainable += ft.trainable - lora_params_per_rank(plan.args, rank,
+                                                             targets or tuple(TARGETS), 1)
     shard = lay.shard_group if lay.fsdp else 1
-    states = {"weights": ft.weight_bytes // shard,
-              "gradients": int(ft.trainable * per.gradients / shard),
-              "master_weights": int(ft.trainable * per.master_weights / shard),
-              "optimizer": int(ft.trainable * per.optimizer / shard)}
+    states = {"weights": int(ft.weight_bytes * tp_share) // shard,
+              "gradients": int(trainable * per.gradients / shard),
+              "master_weights": int(trainable * per.master_weights / shard),
+              "optimizer": int(trainable * per.optimizer / shard)}
     offloaded = offload_states(states, lay.offload)
     mem = {k: v for k, v in plan.memory_bytes.items() if k not in ("total", "peak")}
     mem.update(states)
@@ -74,12 +107,20 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             "host_load_bytes": host_load_bytes(plan.args, method, shard)}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
-    share = ft.trainable / plan.params_per_rank
+    share = trainable / plan.params_per_rank
     comm = {k: int(v if k == "all_gather" else v * share)
             for k, v in plan.comm_bytes_per_step.items()}
     ratio = sum(comm.values()) / max(sum(plan.comm_bytes_per_step.values()), 1)
     by_dim = {k: int(v * ratio) for k, v in plan.comm_bytes_by_dim.items()}
-    return dataclasses.replace(plan, memory_bytes=mem, params=ft.total, params_per_rank=ft.total,
+    flops = finetune_flops_per_token(plan.args, lay.seq_len, method, rank=rank,
+                                     targets=targets, train_last=train_last,
+                                     freeze_first=freeze_first,
+                                     freeze_embeddings=freeze_embeddings,
+                                     train_norms=train_norms, num_labels=num_labels)
+    recompute = plan.hardware_flops_per_token - plan.flops_per_token
+    return dataclasses.replace(plan, memory_bytes=mem, params=ft.total,
+                               params_per_rank=int(ft.total * tp_share),
+                               flops_per_token=flops, hardware_flops_per_token=flops + recompute,
                                cpu_offload_bytes=offloaded, finetune=info,
                                activation_breakdown=breakdown,
                                comm_bytes_per_step=comm, comm_bytes_by_dim=by_dim)

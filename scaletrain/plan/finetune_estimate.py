@@ -55,6 +55,24 @@ def _expert_lora(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> int:
     return args.n_experts * out
 
 
+COLUMN_PARALLEL = frozenset(("q", "k", "v", "gate", "up"))
+"""Targets whose base is split by output rows under tensor parallelism (o, down: by input)."""
+
+
+def lora_params_per_rank(args: ModelArgs, rank: int, targets: tuple[str, ...], tp: int) -> int:
+    """LoRA parameters one tensor-parallel rank holds (`finetune/lora_tp.py`): B split by
+    output rows on column-parallel targets and A by input columns on row-parallel ones, the
+    other matrix whole; the routed experts' adapters as their experts (1/tp). tp=1: all."""
+    shapes = _linear_shapes(args)
+    per_block = 0
+    for t in targets:
+        if t not in shapes:
+            continue
+        i, o = shapes[t]
+        per_block += rank * (i + o // tp) if t in COLUMN_PARALLEL else rank * (i // tp + o)
+    return args.n_layers * (per_block + _expert_lora(args, rank, targets) // tp)
+
+
 def estimate(args: ModelArgs, method: str, *, rank: int = 8,
              targets: tuple[str, ...] = tuple(TARGETS), num_labels: int | None = None,
              train_last: int | None = None, freeze_first: int = 0,
@@ -105,4 +123,4 @@ def estimate(args: ModelArgs, method: str, *, rank: int = 8,
                             optimizer_states * trainable * 4)
 
 
-__all__ = ["FinetuneEstimate", "estimate"]
+__all__ = ["FinetuneEstimate", "estimate", "lora_params_per_rank"]

@@ -39,7 +39,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         f"parameters: {plan.params:,} total, {plan.params_per_rank:,} on the most loaded rank "
         f"(pipeline stage {plan.stage})" + _active_note(plan.args),
         *_finetune_lines(plan),
-        f"FLOPs per token: {plan.flops_per_token:.4g} model (6N + attention), "
+        f"FLOPs per token: {plan.flops_per_token:.4g} model ({_flops_rule(plan)}), "
         f"{plan.hardware_flops_per_token:.4g} hardware (with recomputation)",
         f"pipeline bubble: {plan.bubble_fraction:.1%} of compute; activations of "
         f"{plan.in_flight_microbatches:g} micro-batch(es) in flight",
@@ -76,6 +76,12 @@ def _recompute_label(lay: Layout) -> str:
     what = "block" if lay.scope == "block" else "attention part of the block"
     nth = {1: "every", 2: "every 2nd", 3: "every 3rd"}.get(lay.every, f"every {lay.every}th")
     return f"partial ({what}, {nth} block)"
+
+
+def _flops_rule(plan: Plan) -> str:
+    if not plan.finetune:
+        return "6N + attention"
+    return "forward + input gradients + weight gradients of what trains"
 
 
 def _finetune_lines(plan: Plan) -> list[str]:

@@ -89,8 +89,9 @@ def _build(cfg: ParallelConfig):
 
 def _comm_worker(rank: int, world: int, port: int, out: str) -> None:
     _setup(rank, world, port)
-    from scaletrain.parallel.ddp import zero1_optimizer
+    from scaletrain.config import OptimizerConfig
     from scaletrain.train.optim import param_groups
+    from scaletrain.train.zero1 import PartitionedOptimizer
 
     layouts = {
         "ddp": ParallelConfig(data_parallel="ddp"),
@@ -108,8 +109,8 @@ def _comm_worker(rank: int, world: int, port: int, out: str) -> None:
         par, model = _build(cfg)
         p_bytes = count_params(ARGS).total * 4
         if cfg.data_parallel == "zero1":
-            opt = zero1_optimizer(param_groups(model, 0.0), torch.optim.AdamW, par.mesh["dp_cp"],
-                                  lr=1e-3)
+            opt = PartitionedOptimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.0),
+                                       torch.device("cpu"), par.mesh.group("dp_cp"))
         else:
             opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-3, foreach=True)
         # The trainer's step (loss, gradient norm, optimizer): its scalar reductions (token

@@ -4,6 +4,13 @@ tests/distributed/test_cpu_peak.py)."""
 
 from __future__ import annotations
 
+import json
+import shlex
+
+import pytest
+
+from scaletrain.commands import plan as plan_cmd
+from scaletrain.commands import train as train_cmd
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.plan.estimate import Layout, estimate
@@ -55,3 +62,22 @@ def test_tp_data_parallel_bucket_is_sized_from_the_gradients() -> None:
 def test_grad_sync_bucket_never_exceeds_the_gradients() -> None:
     assert grad_sync_bucket_bytes(1000, 25, 400) == 1000
     assert grad_sync_bucket_bytes(100 * 2**20, 25, 2**20) == 26 * 2**20
+
+
+def test_a_cpu_search_plans_what_the_dry_run_of_its_command_plans(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan search --gpu cpu` counts this host's terms and CPU kernels, so each proposal's
+    memory is what `train --dry-run` of its printed command plans on this host."""
+    assert plan_cmd.main(["search", "--model", "debug", "--gpus", "2", "--gpu", "cpu",
+                          "--gbs", "8", "--json"]) == 0
+    proposals = json.loads(capsys.readouterr().out)
+    assert proposals
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for c in proposals[:3]:
+        argv = shlex.split(c["command"])
+        flags = argv[argv.index("train") + 1:]
+        assert train_cmd.main([*flags, "--dry-run", "--json"]) in (0, 3)
+        out = capsys.readouterr().out
+        planned = json.loads(out[out.index("{"):])["memory_bytes"]
+        assert planned["host_runtime"] == RUNTIME_BYTES
+        assert c["memory_bytes_per_gpu"] == planned["peak"], c["command"]

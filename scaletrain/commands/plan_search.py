@@ -16,6 +16,7 @@ from scaletrain.commands._plan_args import (
     train_defaults,
 )
 from scaletrain.plan.estimate import Layout, PlanError
+from scaletrain.plan.host_memory import HostProcess
 from scaletrain.plan.search import Cluster, alternatives, search, why_lost
 
 
@@ -48,7 +49,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.gpu is None:
         raise PlanError("--gpu is required for a search (e.g. --gpu H100, or cpu)")
-    if a.gpu.lower() == "cpu":  # this host, measured, shared by the ranks of one host
+    on_host = a.gpu.lower() == "cpu"
+    if on_host:  # this host, measured, shared by the ranks of one host
         from scaletrain.plan.cpu_device import cpu_device
 
         if a.gpus_per_node is None:
@@ -82,7 +84,10 @@ def main(argv: list[str]) -> int:
     args = parse_model(a.model, a.set)
     cluster = Cluster(device, a.gpus, a.gpus_per_node, efficiency=a.efficiency)
     base = Layout(precision=a.precision, param_dtype=a.param_dtype,
-                  grad_convention=a.grad_convention, optimizer=a.optimizer, kernels=a.kernels)
+                  grad_convention=a.grad_convention, optimizer=a.optimizer,
+                  # this host: its kernels' saved tensors, the process's own memory and batches,
+                  # as `train --dry-run` on a CPU counts them
+                  kernels="cpu" if on_host else a.kernels, host=HostProcess() if on_host else None)
     refused: dict[str, int] = {}
     fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero,
                             model=a.model, refused=refused)

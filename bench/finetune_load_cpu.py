@@ -57,12 +57,8 @@ def load_on_rank(directory: Path, dtype: torch.dtype = torch.float32,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from scaletrain.checkpoint.sharded_load import (
-        current_rss_bytes,
-        peak_rss_bytes,
-        reset_peak_rss,
-    )
     from scaletrain.finetune.base_sharded import materialize
+    from scaletrain.host import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from scaletrain.models.hf import hf_model_args
     from scaletrain.models.transformer import Transformer
     from scaletrain.parallel.fsdp import apply_fsdp

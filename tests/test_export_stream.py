@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _MEASURE = """
 import json, sys
-from scaletrain.checkpoint.sharded_load import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from scaletrain.host import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from scaletrain.commands import convert
 import scaletrain.finetune.export, safetensors.torch  # imported before the measurement
 reset_peak_rss()

@@ -94,7 +94,8 @@ def test_cpu_device_is_this_host_measured(capsys: pytest.CaptureFixture[str]) ->
                 "--gbs", "8", "--json", "--top", "2"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(r["step_time_s"] > 0 for r in rows)
-    from scaletrain.plan.cpu_device import cpu_device, host_ram_bytes
+    from scaletrain.host import host_ram_bytes
+    from scaletrain.plan.cpu_device import cpu_device
 
     dev = cpu_device(2)
     assert dev.peak_tflops["fp32"] > 0 and dev.memory_bytes <= host_ram_bytes() / 2 + 2**30

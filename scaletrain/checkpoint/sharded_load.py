@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from scaletrain.host import peak_rss_bytes
 from scaletrain.models.hf_slices import Region
 
 logger = logging.getLogger(__name__)
@@ -106,39 +106,6 @@ def read_native_tensors(directory: str | os.PathLike, shapes: Mapping[str, tuple
     return state["model"]
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (`VmHWM`; ru_maxrss where /proc is
-    absent)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Restart this process's peak-RSS count from its current RSS (Linux: `clear_refs` 5), so
-    a later `peak_rss_bytes` measures one phase; False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def current_rss_bytes() -> int:
-    """This process's resident set size now (`VmRSS`)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 @dataclass
 class LoadReport:
     """What one rank's load cost: wall seconds, bytes of weights it read, its peak RSS."""
@@ -167,5 +134,5 @@ class LoadTimer:
 
 
 __all__ = ["local_region", "fill_regions", "load_native_regions", "read_native_tensors",
-           "peak_rss_bytes", "current_rss_bytes", "reset_peak_rss", "LoadReport", "LoadTimer",
+           "LoadReport", "LoadTimer",
            "ReadRegion"]

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from scaletrain.host import available_ram_bytes, host_ram_bytes
+
 if TYPE_CHECKING:
     from scaletrain.plan.estimate import Plan
 
@@ -60,14 +62,10 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         props = torch.cuda.get_device_properties(device)
         return int(props.total_memory), f"{props.name} memory"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "available host RAM"
-    except OSError:
-        pass
-    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM")
+    available = available_ram_bytes()
+    if available is not None:
+        return available, "available host RAM"
+    return host_ram_bytes(), "host RAM"
 
 
 def _ranks_sharing(device: torch.device) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError, load_config
 from scaletrain.profiling.analyze import latest_traces
+from scaletrain.profiling.capture import FRESH_RUN_FLAGS
 
 log = logging.getLogger("scaletrain")
 
@@ -23,10 +24,7 @@ def _with_defaults(argv: list[str]) -> list[str]:
     says so: a profile measures new steps, and leaves the run directory's checkpoints alone."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     extra = ["--profiling.enabled", "true"]
-    for flag, value in (("--checkpoint.save_final", "false"), ("--training.sample_tokens", "0"),
-                        ("--checkpoint.interval", "0"), ("--training.eval_interval", "0"),
-                        ("--training.eval_sequences", "4"), ("--checkpoint.resume", "false"),
-                        ("--checkpoint.interval_minutes", "0")):
+    for flag, value in FRESH_RUN_FLAGS:
         if flag not in given:
             extra += [flag, value]
     return [*argv, *extra]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from scaletrain.config import Config, resolve_batch
+from scaletrain.host import host_ram_bytes
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
 from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate, plan_json
@@ -80,7 +81,7 @@ def device_for(device: torch.device) -> Device | None:
     if device.type == "cuda":
         return match_device(torch.cuda.get_device_name(device))
     try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        ram = host_ram_bytes()
     except (ValueError, OSError, AttributeError):
         return None
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))

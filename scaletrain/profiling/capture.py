@@ -29,6 +29,15 @@ from typing import Any
 
 import torch
 
+FRESH_RUN_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--checkpoint.save_final", "false"), ("--training.sample_tokens", "0"),
+    ("--checkpoint.interval", "0"), ("--training.eval_interval", "0"),
+    ("--training.eval_sequences", "4"), ("--checkpoint.resume", "false"),
+    ("--checkpoint.interval_minutes", "0"))
+"""What a profiling run of `scaletrain train` sets unless told otherwise (`scaletrain profile`,
+`scaletrain tune`'s trials): a short fresh run, no resume, no checkpoint, no sample, so it
+measures new steps and leaves the run directory's checkpoints alone."""
+
 log = logging.getLogger("scaletrain.profiling")
 
 PREFIX = "scaletrain/"

@@ -8,10 +8,8 @@ the world size (tensor, pipeline and context ranks share their data-parallel ran
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import resource
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 import torch
 
+from scaletrain.host import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from scaletrain.train.trackers import Tracker
 
 log = logging.getLogger("scaletrain.train")
@@ -74,29 +73,11 @@ def step_metrics(*, step: int, loss: float, lr: float, grad_norm: float, tokens:
     )
 
 
-def _proc_status_kib(field: str) -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return float(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _cpu_peak_gib() -> float:
-    """The process's peak resident set size (VmHWM; ru_maxrss where /proc is missing)."""
-    hwm = _proc_status_kib("VmHWM")
-    if hwm is None:
-        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return hwm / 2**20
-
-
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated CUDA memory; on CPU the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return _cpu_peak_gib()
+    return peak_rss_bytes() / 2**30
 
 
 class MemoryBaseline:
@@ -110,10 +91,9 @@ class MemoryBaseline:
         if device.type == "cuda":
             self.bytes = torch.cuda.memory_allocated(device)
             return
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to VmRSS
-        rss = _proc_status_kib("VmRSS")
-        self.bytes = int((rss if rss is not None else _cpu_peak_gib() * 2**20) * 1024)
+        reset_peak_rss()
+        rss = current_rss_bytes()
+        self.bytes = rss if rss is not None else peak_rss_bytes()
 
     @property
     def gib(self) -> float:

@@ -11,11 +11,11 @@ correlation `tune` prints shows how far they are from this machine.
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 
 import torch
 
+from scaletrain.host import available_ram_bytes, host_ram_bytes
+from scaletrain.plan.cpu_device import matmul_tflops
 from scaletrain.plan.hardware import Device, match_device
 
 CPU_LOOPBACK_GBS = 2.0
@@ -23,43 +23,14 @@ CPU_LOOPBACK_LATENCY_US = 50.0
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def matmul_tflops(precision: str, bursts: int = 5, burst_s: float = 0.1, n: int = 1024) -> float:
-    """TFLOP/s of square matrix products on this host's CPU threads, in `precision`: the best
-    of a few short bursts (a peak: other work on a shared host only lowers a burst)."""
-    dtype = _DTYPES.get(precision, torch.float32)
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # first call: kernel selection, page faults
-    best = 0.0
-    for _ in range(bursts):
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < burst_s or count == 0:
-            torch.mm(a, b)
-            count += 1
-        best = max(best, 2 * n**3 * count / elapsed / 1e12)
-    return best
-
-
-def available_ram_bytes() -> int:
-    """MemAvailable (what a new process can use without swapping), else the physical RAM."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def cpu_device(precision: str, ranks_per_node: int) -> Device:
     """The table's `cpu` entry if there is one, else this host measured (module docstring);
     memory is per rank either way (the ranks of a CPU node share its RAM)."""
-    ram_gib = available_ram_bytes() / ranks_per_node / 2**30
+    ram_gib = (available_ram_bytes() or host_ram_bytes()) / ranks_per_node / 2**30
     known = match_device("cpu")
     if known is not None:
         return dataclasses.replace(known, memory_gib=ram_gib)
-    peak = matmul_tflops(precision) / ranks_per_node
+    peak = matmul_tflops(_DTYPES.get(precision, torch.float32)) / ranks_per_node
     return Device("cpu (measured here)", ram_gib, {precision: peak},
                   intra_node_gbs=CPU_LOOPBACK_GBS, inter_node_gbs=CPU_LOOPBACK_GBS,
                   gpus_per_node=ranks_per_node, intra_latency_us=CPU_LOOPBACK_LATENCY_US,

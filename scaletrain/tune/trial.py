@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain.profiling.capture import FRESH_RUN_FLAGS
+
 log = logging.getLogger("scaletrain.tune")
 
 # What torchrun puts in a rank's environment: a tune started under torchrun must not hand
@@ -69,10 +71,8 @@ def trial_flags(out: Path, measure: int) -> list[str]:
             "--profiling.enabled", "true", "--profiling.wait", str(wait),
             "--profiling.warmup", "1", "--profiling.active", "2", "--profiling.repeat", "1",
             "--metrics.log_interval", "1", "--metrics.tensorboard", "false",
-            "--metrics.progress_bar", "false", "--checkpoint.save_final", "false",
-            "--checkpoint.interval", "0", "--checkpoint.interval_minutes", "0",
-            "--checkpoint.resume", "false", "--training.eval_interval", "0",
-            "--training.eval_sequences", "4", "--training.sample_tokens", "0"]
+            "--metrics.progress_bar", "false",
+            *(a for flag_value in FRESH_RUN_FLAGS for a in flag_value)]
 
 
 def launch_command(nproc: int, argv: list[str]) -> list[str]:

@@ -13,9 +13,7 @@ defaults come from the `finetune` preset (`--config NAME_OR_TOML` picks another)
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from scaletrain.commands.train_dry_run import split_flags
@@ -53,43 +51,16 @@ def main(argv: list[str]) -> int:
         from scaletrain.commands.finetune_dry_run import dry_run as plan_run
 
         return plan_run(cfg, fit_seq_len, as_json)
-    from scaletrain.commands._memory_fit import EXIT_OUT_OF_MEMORY, RunOutOfMemory
+    from scaletrain.commands._run import run_training
     from scaletrain.finetune.base import FinetuneError
     from scaletrain.finetune.freeze import FreezeError
     from scaletrain.finetune.lora import LoRAError
-    from scaletrain.parallel.mesh import shutdown_process_group
-    from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
-    from scaletrain.train.preemption import (
-        EXIT_PREEMPTED,
-        Preempted,
-        catch_during_startup,
-        end_startup,
-    )
-    from scaletrain.train.trainer import TrainingDiverged
 
-    catch_during_startup(cfg.checkpoint.signals, Path(cfg.output),
-                         os.environ.get("RANK", "0") == "0")
-    try:
-        result, scores = _finetune(cfg, fit_seq_len)
-    except NonFiniteStateError as e:  # the run diverged: not an input error
-        print(f"scaletrain finetune: {e}", file=sys.stderr)
-        return 1
-    except (ConfigError, CheckpointError, FinetuneError, LoRAError, FreezeError,
-            ImportError) as e:
-        print(f"scaletrain finetune: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"scaletrain finetune: {e}", file=sys.stderr)
-        return 1
-    except Preempted as e:  # a checkpoint was saved: the job is to be continued
-        print(f"scaletrain finetune: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except RunOutOfMemory as e:  # before set-up (the plan), or a step that ran out
-        print(f"scaletrain finetune: {e}", file=sys.stderr)
-        return EXIT_OUT_OF_MEMORY
-    finally:  # also under torchrun: no process group outlives the run (see shutdown_process_group)
-        end_startup()
-        shutdown_process_group()
+    code, out = run_training("scaletrain finetune", cfg, lambda: _finetune(cfg, fit_seq_len),
+                             (FinetuneError, LoRAError, FreezeError, ImportError))
+    if out is None:
+        return code
+    result, scores = out
     if result.losses:
         log.info("fine-tuned %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f; "
                  "%s tokens seen (step %d)", len(result.losses), result.wall_time_s,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from scaletrain.commands.train_dry_run import split_flags
@@ -25,44 +23,11 @@ def main(argv: list[str]) -> int:
         from scaletrain.commands.train_dry_run import dry_run as plan_run
 
         return plan_run(cfg, as_json)
-    from scaletrain.commands._memory_fit import EXIT_OUT_OF_MEMORY, RunOutOfMemory
-    from scaletrain.parallel.dims import ParallelDimsError
-    from scaletrain.parallel.failure import DistributedFailure
-    from scaletrain.parallel.mesh import shutdown_process_group
-    from scaletrain.train.checkpoint import CheckpointError, NonFiniteStateError
-    from scaletrain.train.preemption import (
-        EXIT_PREEMPTED,
-        Preempted,
-        catch_during_startup,
-        end_startup,
-    )
-    from scaletrain.train.trainer import TrainingDiverged
+    from scaletrain.commands._run import run_training
 
-    catch_during_startup(cfg.checkpoint.signals, Path(cfg.output),
-                         os.environ.get("RANK", "0") == "0")
-    try:
-        result = _train(cfg)
-    except NonFiniteStateError as e:  # the run diverged: not an input error
-        print(f"scaletrain train: {e}", file=sys.stderr)
-        return 1
-    except (ConfigError, CheckpointError, ParallelDimsError) as e:
-        print(f"scaletrain train: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"scaletrain train: {e}", file=sys.stderr)
-        return 1
-    except Preempted as e:  # a checkpoint was saved: the job is to be continued
-        print(f"scaletrain train: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except RunOutOfMemory as e:  # before set-up (the plan), or a step that ran out
-        print(f"scaletrain train: {e}", file=sys.stderr)
-        return EXIT_OUT_OF_MEMORY
-    except DistributedFailure as e:
-        print(f"scaletrain train: {e}", file=sys.stderr)
-        return 1
-    finally:  # on every way out (the trainer is out of reach by now)
-        end_startup()
-        shutdown_process_group()
+    code, result = run_training("scaletrain train", cfg, lambda: _train(cfg))
+    if result is None:
+        return code
     losses = result.losses
     if losses:
         log.info("trained %d steps in %.1f s: loss %.4f -> %.4f, validation loss %.4f; %s "

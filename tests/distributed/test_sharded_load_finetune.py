@@ -6,7 +6,8 @@ Hugging Face bases stored in fp32, 2 steps of 2 micro-batches, clipping at 1.0):
   keep the values drawn from the seed, and the losses are one process's (1e-5 relative);
 - a Mixtral base under FSDP (ZeRO-3): each rank reads only the experts its dim-0 shard of the
   stacked expert tensors holds (their per-expert stored tensors, by slice) and half of every
-  other tensor; the losses are one process's.
+  other tensor; under TP 2 the experts a TP rank holds (`Shard(0)`, `parallel/moe_tp.py`), its
+  attention shards, and the replicated router and norms whole; the losses are one process's.
 
 `bytes_read` is what the reader took from the files (`models.hf_slices.HFSlices.bytes_read`),
 so a rank that fell back to reading a whole tensor or the whole checkpoint would show it; the
@@ -69,7 +70,7 @@ def test_tensor_parallel_and_moe_bases_load_sharded(tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "sft.jsonl", qa_records(40))
     fsdp = ["--parallel.data_parallel", "zero3"]
     cases = [("lora", llama, 1, ["--parallel.tp", "2"]), ("full", llama, 1, ["--parallel.tp", "2"]),
-             ("full", mixtral, 2, fsdp)]
+             ("full", mixtral, 2, fsdp), ("full", mixtral, 1, ["--parallel.tp", "2"])]
     refs = [_run(_case(tmp_path, base, data, f"ref-{i}", m, 1))
             for i, (m, base, _, _) in enumerate(cases)]
     jobs = [_case(tmp_path, base, data, f"par-{i}", m, dp, *lay)
@@ -82,9 +83,10 @@ def test_tensor_parallel_and_moe_bases_load_sharded(tmp_path: Path) -> None:
         shapes = _stored(base)
         whole = 4 * sum(torch.Size(s).numel() for s in shapes.values())  # fp32
         assert ref["loads"][0]["bytes_read"] == whole, what  # one process: the whole base
-        if "--parallel.tp" in lay:  # matrices split in two, the (1-D) norms read whole
-            share = 4 * sum(torch.Size(s).numel() // (2 if len(s) == 2 else 1)
-                            for s in shapes.values())
+        if "--parallel.tp" in lay:  # matrices (and experts) split in two; the norms and the
+            # MoE router, replicated, read whole
+            share = 4 * sum(torch.Size(s).numel() // (2 if len(s) == 2 and "gate.w" not in n
+                                                      else 1) for n, s in shapes.items())
         else:  # FSDP: dim 0 of every tensor (4 experts: 2 per rank) halved
             share = whole // 2
             assert any(".experts.3." in n for n in shapes), shapes  # per-expert stored tensors

@@ -313,6 +313,7 @@ class FinetuneTrainer(Trainer):
         return model
 
     def _materialize(self, model: nn.Module, backbone: nn.Module) -> None:
+        """Each rank reads its parts of the base into the laid-out meta model (TP, FSDP, both)."""
         from scaletrain.finetune.base_sharded import materialize
 
         with verification(self.cfg.checkpoint.verify):

@@ -183,9 +183,10 @@ class FinetuneTrainer(Trainer):
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ft = self.cfg, self.ft
-        # Under FSDP each rank reads only the shards it will hold, after sharding (`base_sharded`)
-        self.sharded_load = (self.par.enabled and self.par.mode in ("zero2", "zero3")
-                             and ft.method != "qlora")
+        # Under FSDP or TP each rank reads only the parts it will hold, once the layout is
+        # applied (`base_sharded`)
+        self.sharded_load = (self.par.enabled and ft.method != "qlora"
+                             and (self.par.mode in ("zero2", "zero3") or self.par.dims.tp > 1))
         with verification(cfg.checkpoint.verify), LoadTimer() as timer:
             self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device,
                                   weights=not self.sharded_load)
@@ -304,7 +305,21 @@ class FinetuneTrainer(Trainer):
                       self.par.mesh.all_groups() if self.par.enabled else ())
         if self.cfg.compile.enabled and self.par.dims.tp > 1:  # as `Parallelism.build_model`
             backbone.tok_embeddings.register_forward_hook(lambda _m, _i, out: out.clone())
-        return self._data_parallel(model) if self.par.enabled else model
+        if not self.par.enabled:
+            return model
+        model = self._data_parallel(model)
+        if self.sharded_load:  # the whole layout is applied: each rank reads its parts
+            self._materialize(model, backbone)
+        return model
+
+    def _materialize(self, model: nn.Module, backbone: nn.Module) -> None:
+        """Each rank reads its parts of the base into the laid-out meta model (TP, FSDP, both)."""
+        from scaletrain.finetune.base_sharded import materialize
+
+        with verification(self.cfg.checkpoint.verify):
+            self.load_report = materialize(model, backbone, self.base,
+                                           torch.device("cpu") if self.cfg.parallel.cpu_offload
+                                           else self.device)
 
     def _tensor_parallel(self, model: nn.Module) -> None:
         """Under torchrun: QLoRA's NF4 layers in their shardable form (`qlora_shard.py`);
@@ -350,13 +365,6 @@ class FinetuneTrainer(Trainer):
         apply_fsdp(model, self.par.mesh["dp_shard_cp"], layers=backbone.layers,
                    reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
-        if self.sharded_load:
-            from scaletrain.finetune.base_sharded import materialize
-
-            with verification(self.cfg.checkpoint.verify):
-                self.load_report = materialize(model, backbone, self.base,
-                                               torch.device("cpu") if cfg.cpu_offload
-                                               else self.device)
         return model
 
     def _write_meta(self) -> None:

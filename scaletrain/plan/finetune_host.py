@@ -1,11 +1,11 @@
 """Host memory per rank while a fine-tuning run loads its base (`plan --method`): what
 `finetune.base_sharded` and the whole-base loader hold at their peak.
 
-- FSDP (ZeRO-2/3 over N ranks, LoRA/full/freeze): each rank holds its shards of the base in
-  fp32 (about base / N) plus one tensor region in flight, read in the stored dtype and cast:
-  at most the largest tensor in both dtypes.
-- One process, DDP, and QLoRA (which reads the fp32 base on the host, then quantizes it): the
-  whole base in fp32 on every process, plus the largest tensor in flight.
+- FSDP (ZeRO-2/3 over N ranks) and/or tensor parallelism (T ranks), LoRA/full/freeze: each
+  rank holds its shards of the base in fp32 (about base / (N x T)) plus one tensor region in
+  flight, read in the stored dtype and cast: at most the largest tensor in both dtypes.
+- One process, DDP without TP, and QLoRA (which reads the fp32 base on the host, then
+  quantizes it): the whole base in fp32 on every process, plus the largest tensor in flight.
 Measured against this bound: `bench/finetune_load_cpu.py`, `tests/distributed/
 test_sharded_load.py`.
 """

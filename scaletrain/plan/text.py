@@ -99,7 +99,7 @@ def _host_lines(host: dict | None) -> list[str]:
     if not host:
         return []
     how = ("its shards of the fp32 base" if host["sharded"]
-           else "the whole fp32 base (one process, DDP or QLoRA)")
+           else "the whole fp32 base (one process, DDP without TP, or QLoRA)")
     return [f"host RAM per rank while loading the base: {host['peak'] / GIB:.2f} GiB = {how} "
             f"{host['weights'] / GIB:.2f} GiB + the largest tensor in flight "
             f"{host['in_flight'] / GIB:.2f} GiB (read bf16, cast to fp32)"]

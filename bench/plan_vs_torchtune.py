@@ -8,14 +8,23 @@ Each row of the data file is one published figure with the recipe's settings and
 - `ours`: the `scaletrain plan` command of the run our trainer would make of that recipe (the
   same model, method, LoRA rank and targets, batch, sequence length, activation checkpointing,
   optimizer, GPUs and FSDP, CPU offload), run in-process; the command is printed.
-- `matched`: the same plan with torchtune's model states in place of ours: bf16 parameters
-  with no fp32 masters (torchtune trains in pure bf16), bf16 gradients and AdamW moments on
-  the trainable parameters, none on the device with FSDP CPU offload, no gradient buffer with
-  the optimizer step fused into backward, and 8-bit paged optimizer states outside PyTorch's
-  allocator (CUDA unified memory: torchtune's peak statistics do not see them). Activations,
-  loss buffers and FSDP buffers stay our formulas for our trainer, so `matched / published`
-  shows what those terms explain; the rest (chunked cross-entropy under torch.compile,
-  activation offloading, the statistic) is named per row.
+- `matched`: our formulas with what torchtune's recipe does differently put in:
+  * model states: bf16 parameters with no fp32 masters (torchtune trains in pure bf16;
+    FSDP shards bf16; QLoRA's NF4 as `finetune_estimate` counts it next to bf16), bf16
+    gradients and AdamW moments of the trainable parameters, none on the device with FSDP
+    CPU offload, no gradient buffer with the optimizer step fused into backward, and 8-bit
+    paged optimizer states outside PyTorch's allocator (CUDA unified memory: torchtune's
+    peak statistics do not see them);
+  * activations of bf16 parameters (a bf16 residual stream, no autocast weight copies);
+  * the loss: `CEWithChunkedOutputLoss` keeps the head's bf16 logits of every chunk for
+    backward and works on one chunk of 1/8 of the tokens in fp32 at a time (our fused-loss
+    formula for that chunk) instead of our full logits, fp32 log-softmax and gradients;
+  * activation offloading: the checkpointed block inputs live on the host;
+  * FSDP's root unit: gathered at the end of forward in both trainers (embedding, norm,
+    head), less the embedding where the recipe shards it as a unit of its own
+    (`custom_sharded_layers`; torchtune reshards each unit after its forward).
+  What stays unmodelled (torch.compile's fusion, the allocator, the statistic) is named
+  per row.
 """
 
 from __future__ import annotations
@@ -25,9 +34,14 @@ import contextlib
 import io
 import json
 import shlex
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 GIB = 2**30
 DATA = Path(__file__).parent / "data" / "torchtune_memory.toml"
@@ -70,25 +84,60 @@ def run_plan(argv: list[str]) -> dict[str, Any]:
 
 
 def torchtune_states(row: dict[str, Any], plan: dict[str, Any]) -> dict[str, int]:
-    """torchtune's model states per GPU for `row`, from our parameter counts (`plan` was made
-    with bf16 parameters: its weights row is torchtune's bf16/NF4 storage)."""
-    ft = plan["finetune"]
+    """torchtune's model states per GPU for `row`, from our parameter counts."""
+    from scaletrain.commands._plan_args import parse_model
+    from scaletrain.plan.finetune_estimate import estimate
+
     n = row["gpus"]
-    trainable = ft["trainable"] / n
     if row["fsdp_cpu_offload"]:  # every sharded state, gradients included, on the host
         return dict.fromkeys(STATES, 0)
+    lora = row["method"] in ("lora", "qlora")
+    ft = estimate(parse_model(row["model"], []), row["method"],
+                  rank=row.get("lora_rank", 8),
+                  **({"targets": tuple(row["lora_targets"])} if lora else {}),
+                  weight_bytes=2)
+    trainable = ft.trainable / n
     grads = 0 if row["optimizer_in_bwd"] else int(2 * trainable)
     optimizer = 0 if row["optimizer"] == "paged_adamw8bit" else int(2 * 2 * trainable)
-    return {"weights": plan["memory_bytes"]["weights"], "gradients": grads,
-            "master_weights": 0, "optimizer": optimizer}
+    return {"weights": ft.weight_bytes // n, "gradients": grads, "master_weights": 0,
+            "optimizer": optimizer}
+
+
+CE_CHUNKS = 8  # CEWithChunkedOutputLoss's num_output_chunks
+
+
+def torchtune_loss(row: dict[str, Any], plan: dict[str, Any]) -> tuple[int, int]:
+    """(saved, transient) bytes of torchtune's loss for `row`: the bf16 logits of every chunk
+    kept for backward, and one chunk's fp32 working set (our fused-loss formula for a chunk
+    of tokens / 8), where `plan` keeps full logits (`logits_loss` and the loss activations)."""
+    from scaletrain.commands._plan_args import parse_model
+    from scaletrain.plan.activations import ActivationSpec, logits_buffer_bytes
+
+    args = parse_model(row["model"], [])
+    tokens = row["mbs"] * row["seq"]
+    spec = ActivationSpec(mbs=row["mbs"], seq_len=row["seq"], compute_dtype="bf16",
+                          residual_dtype="bf16", fused_loss=True,
+                          loss_chunk=tokens // CE_CHUNKS)
+    return 2 * tokens * args.vocab_size, logits_buffer_bytes(args, spec)
 
 
 def matched_peak(row: dict[str, Any], plan: dict[str, Any]) -> tuple[int, dict[str, int]]:
-    """Peak of `plan` with torchtune's model states (`torchtune_states`)."""
+    """Peak of `plan` (made with bf16 parameters) with torchtune's model states, loss and
+    activation offloading (see the module's docstring)."""
     from scaletrain.plan.estimate import peak_bytes
 
     mem = {k: v for k, v in plan["memory_bytes"].items() if k not in ("total", "peak")}
     mem.update(torchtune_states(row, plan))
+    act = plan["activation_bytes"]
+    saved_loss, mem["logits_loss"] = torchtune_loss(row, plan)
+    mem["activations"] += saved_loss - act["loss"]
+    if row["act_offload"]:  # what each checkpointed block keeps: its input
+        mem["activations"] -= act["norms"] + act["attention"] + act["mlp"]
+    if "tok_embeddings" in row.get("custom_sharded_layers", []):
+        from scaletrain.commands._plan_args import parse_model
+
+        args = parse_model(row["model"], [])
+        mem["root_gathered"] -= 2 * args.vocab_size * args.dim
     return peak_bytes(mem, 1, comm_at_step_only=row["gpus"] == 1), mem
 
 
@@ -97,17 +146,22 @@ def differences(row: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     out = []
     loss = ours["memory_bytes"]["logits_loss"] + ours["activation_bytes"].get("loss", 0)
     if row["loss"] == "chunked":
-        out.append(f"loss: torchtune's chunked cross-entropy{' compiled' if row['compile'] else ''}"
-                   f"; ours keeps full logits and fp32 log-softmax, {loss / GIB:.2f} GiB")
+        out.append("loss: torchtune's chunked cross-entropy (matched); ours keeps full "
+                   f"logits, fp32 log-softmax and gradients, {loss / GIB:.2f} GiB (our "
+                   "fine-tuning refuses training.fused_loss)")
     if row["act_offload"]:
-        out.append("activation offloading: torchtune moves the checkpointed block inputs "
-                   f"to the host ({ours['memory_bytes']['activations'] / GIB:.2f} GiB "
-                   "activations in our plan)")
+        out.append("activation offloading: torchtune keeps the checkpointed block inputs on "
+                   "the host (matched)")
     if row["compile"]:
         out.append("torch.compile: fuses elementwise ops (fewer saved tensors); not planned")
     if row["gpus"] > 1 and not row["fsdp_cpu_offload"]:
-        out.append("FSDP: our trainer keeps fp32 shards (ours) where torchtune keeps bf16 "
-                   "shards (matched)")
+        out.append("FSDP: our trainer keeps fp32 shards of every weight (ours), torchtune "
+                   "bf16 shards (matched)")
+    if row["gpus"] > 1:
+        out.append("FSDP: our root unit (embedding, norm, head) stays gathered from forward "
+                   "through backward; torchtune's is gathered at the end of forward"
+                   + (" without the embedding (a unit of its own)"
+                      if row.get("custom_sharded_layers") else ""))
     if row["optimizer"] == "paged_adamw8bit":
         out.append("PagedAdamW8bit: paged states in CUDA unified memory, outside torch's "
                    "statistics; ours plans adamw8bit on the device")

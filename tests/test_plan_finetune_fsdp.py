@@ -53,3 +53,18 @@ def test_fsdp_cpu_offload_moves_every_sharded_state_to_the_host() -> None:
     pre = estimate(ARGS, _layout("bf16", cpu_offload=True))
     full = finetune_plan(pre, "full")
     assert abs(full.cpu_offload_bytes - pre.cpu_offload_bytes) <= 16
+
+
+def test_fsdp_root_unit_stays_gathered_in_the_gather_dtype() -> None:
+    """`apply_fsdp` shards the root (embedding, final norm, head) with
+    reshard_after_forward=False: gathered from the forward to the backward."""
+    from scaletrain.models.args import count_params
+
+    c = count_params(ARGS)
+    for dtype, gathered in (("bf16", 2), ("fp32", 4)):
+        lay = _layout(dtype, fsdp_param_dtype="fp32")
+        plan = finetune_plan(estimate(ARGS, lay), "lora")
+        root = c.embedding + c.head + ARGS.dim  # tied: the head is the embedding
+        assert plan.memory_bytes["root_gathered"] == root * gathered
+    one = estimate(ARGS, Layout(mbs=1, seq_len=512, precision="bf16"))
+    assert "root_gathered" not in one.memory_bytes

@@ -89,9 +89,10 @@ def _finetune_lines(plan: Plan) -> list[str]:
         return []
     f = plan.finetune
     rank = f" r={f['lora_rank']}" if f["lora_rank"] else ""
+    acts = ("activations of what this method keeps for backward" if f.get("method_activations")
+            else "activations as for full training (an upper bound when parts are frozen)")
     return [f"fine-tuning {f['method']}{rank}: {f['trainable']:,} trainable of {f['total']:,} "
-            f"({f['trainable'] / f['total']:.2%}); activations as for full training (an upper "
-            "bound when blocks are frozen)", *_host_lines(f.get("host_load_bytes"))]
+            f"({f['trainable'] / f['total']:.2%}); {acts}", *_host_lines(f.get("host_load_bytes"))]
 
 
 def _host_lines(host: dict | None) -> list[str]:

@@ -170,7 +170,9 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     from scaletrain.plan.finetune_estimate import estimate as ft_estimate
 
     base = ["plan", "--model", "llama3.2-1b", "--seq-len", "1024", "--mbs", "1", "--json",
-            "--precision", "bf16"]  # without --gpu, auto is this machine's (fp32 on most CPUs)
+            "--precision", "bf16", "--param-dtype", "bf16"]
+    # without --gpu, auto is this machine's (fp32 on most CPUs); bf16 parameters (the trainer's
+    # default is fp32) so the frozen weights and the residual stream are 2 bytes
 
     def mem(*extra: str) -> dict:
         rc, out, err = _run(capsys, *base, *extra)
@@ -198,9 +200,11 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     frozen = mem("--method", "freeze", "--train-last", "2")
     assert lora["memory_bytes"]["total"] < frozen["memory_bytes"]["total"] \
         < full["memory_bytes"]["total"]
-    # Data-parallel fine-tuning is DDP by default (as the trainer runs it): replicated states,
-    # and only the trainable gradients all-reduced ...
-    ddp_pre, ddp_lora = mem("--dp", "2"), mem("--method", "lora", "--lora-rank", "16", "--dp", "2")
+    # Data-parallel fine-tuning is DDP by default (as the trainer runs it; pretraining's default
+    # is ZeRO-3): replicated states, and only the trainable gradients all-reduced ...
+    ddp_pre = mem("--dp", "2", "--zero", "0")
+    ddp_lora = mem("--method", "lora", "--lora-rank", "16", "--dp", "2")
+    assert (ddp_lora["layout"]["zero"], mem("--dp", "2")["layout"]["zero"]) == (0, 3)
     assert ddp_lora["memory_bytes"]["optimizer"] == lora["memory_bytes"]["optimizer"]
     share = want.trainable / pre["params"]
     assert ddp_lora["comm_bytes_per_step"]["all_reduce"] == \

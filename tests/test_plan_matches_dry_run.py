@@ -107,3 +107,30 @@ def test_plan_method_defaults_equal_the_finetune_dry_run(
     assert plan["layout"]["zero"] == dry["layout"]["zero"] == 0
     assert plan["finetune"]["trainable"] == dry["finetune"]["trainable"]
     assert plan["memory_bytes"] == dry["memory_bytes"]
+
+
+@pytest.mark.parametrize("param_dtype", ["default", "bf16"])
+def test_search_commands_carry_the_parameter_dtype_they_plan(
+        param_dtype: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every proposal's command spells out the parameter dtype (and optimizer) it was planned
+    with, so its dry run plans the proposal's memory, for the default and for the ZeRO tables'
+    16-bit parameters alike."""
+    import shlex
+
+    extra = [] if param_dtype == "default" else ["--param-dtype", "bf16"]
+    proposals = _json(capsys, ["plan", "search", "--model", "debug", "--gpus", "2", "--gpu",
+                               "cpu", "--gbs", "8", "--precision", "bf16", "--top", "3",
+                               "--json", *extra], ok=(0,))
+    assert proposals
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    want = "fp32" if param_dtype == "default" else "bf16"
+    for c in proposals:
+        argv = shlex.split(c["command"])
+        flags = argv[argv.index("train") + 1:]
+        assert flags[flags.index("--precision.param_dtype") + 1] == want
+        assert "--optimizer.name" in flags
+        dry = _json(capsys, ["train", *flags, "--dry-run", "--json"], ok=(0, 3))
+        assert dry["layout"]["param_dtype"] == want
+        assert c["memory_bytes_per_gpu"] == dry["memory_bytes"]["peak"], c["command"]

@@ -59,9 +59,11 @@ def test_zero_stages_divide_optimizer_then_gradients_then_weights() -> None:
     assert z[1] == {**z[0], "master_weights": 500, "optimizer": 1000}
     assert z[2] == {**z[1], "gradients": 750}
     assert z[3] == {**z[2], "weights": 250}
+    # the ZeRO paper's setup: 16-bit parameters with fp32 masters (the trainer's default is fp32)
     plan = estimate(get_preset("llama3-8b"), Layout(
-        dims=ParallelDims(dp_shard=8), seq_len=2048, zero=3, gbs=8))
+        dims=ParallelDims(dp_shard=8), seq_len=2048, zero=3, gbs=8, param_dtype="bf16"))
     assert plan.memory_bytes["optimizer"] == pytest.approx(8 * PUBLISHED["llama3-8b"] / 8, 1)
+    assert plan.memory_bytes["master_weights"] == pytest.approx(4 * PUBLISHED["llama3-8b"] / 8, 1)
     with pytest.raises(ValueError, match="ZeRO stage"):
         sharded_state(per, p, 4, n)
 

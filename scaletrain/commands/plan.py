@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.commands._plan_args import (
     add_common_args,
@@ -111,7 +111,7 @@ def _layout(a: argparse.Namespace, cfg: Config, device: Device | None) -> Layout
     config `cfg` (what `scaletrain train --model.name MODEL` runs on these degrees)."""
     par, tr, ac = cfg.parallel, cfg.training, cfg.activation_checkpoint
 
-    def given(value, default):
+    def given(value: object, default: object) -> Any:
         return default if value is None else value
 
     a.offload = given(a.offload, cfg.optimizer.offload)

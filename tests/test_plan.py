@@ -59,9 +59,11 @@ def test_zero_stages_divide_optimizer_then_gradients_then_weights() -> None:
     assert z[1] == {**z[0], "master_weights": 500, "optimizer": 1000}
     assert z[2] == {**z[1], "gradients": 750}
     assert z[3] == {**z[2], "weights": 250}
+    # the ZeRO paper's setup: 16-bit parameters with fp32 masters (the trainer's default is fp32)
     plan = estimate(get_preset("llama3-8b"), Layout(
-        dims=ParallelDims(dp_shard=8), seq_len=2048, zero=3, gbs=8))
+        dims=ParallelDims(dp_shard=8), seq_len=2048, zero=3, gbs=8, param_dtype="bf16"))
     assert plan.memory_bytes["optimizer"] == pytest.approx(8 * PUBLISHED["llama3-8b"] / 8, 1)
+    assert plan.memory_bytes["master_weights"] == pytest.approx(4 * PUBLISHED["llama3-8b"] / 8, 1)
     with pytest.raises(ValueError, match="ZeRO stage"):
         sharded_state(per, p, 4, n)
 
@@ -170,7 +172,9 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     from scaletrain.plan.finetune_estimate import estimate as ft_estimate
 
     base = ["plan", "--model", "llama3.2-1b", "--seq-len", "1024", "--mbs", "1", "--json",
-            "--precision", "bf16"]  # without --gpu, auto is this machine's (fp32 on most CPUs)
+            "--precision", "bf16", "--param-dtype", "bf16"]
+    # without --gpu, auto is this machine's (fp32 on most CPUs); bf16 parameters (the trainer's
+    # default is fp32) so the frozen weights and the residual stream are 2 bytes
 
     def mem(*extra: str) -> dict:
         rc, out, err = _run(capsys, *base, *extra)
@@ -198,9 +202,11 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     frozen = mem("--method", "freeze", "--train-last", "2")
     assert lora["memory_bytes"]["total"] < frozen["memory_bytes"]["total"] \
         < full["memory_bytes"]["total"]
-    # Data-parallel fine-tuning is DDP by default (as the trainer runs it): replicated states,
-    # and only the trainable gradients all-reduced ...
-    ddp_pre, ddp_lora = mem("--dp", "2"), mem("--method", "lora", "--lora-rank", "16", "--dp", "2")
+    # Data-parallel fine-tuning is DDP by default (as the trainer runs it; pretraining's default
+    # is ZeRO-3): replicated states, and only the trainable gradients all-reduced ...
+    ddp_pre = mem("--dp", "2", "--zero", "0")
+    ddp_lora = mem("--method", "lora", "--lora-rank", "16", "--dp", "2")
+    assert (ddp_lora["layout"]["zero"], mem("--dp", "2")["layout"]["zero"]) == (0, 3)
     assert ddp_lora["memory_bytes"]["optimizer"] == lora["memory_bytes"]["optimizer"]
     share = want.trainable / pre["params"]
     assert ddp_lora["comm_bytes_per_step"]["all_reduce"] == \

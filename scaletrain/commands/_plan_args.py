@@ -32,12 +32,29 @@ def train_defaults(model: str) -> Config:
     return default_config(model)
 
 
-def parse_model(name: str, sets: list[str]) -> ModelArgs:
-    """The model `train --model.name NAME` builds (the preset or Hugging Face config, with the
-    vocabulary widened to the default tokenizer's as the trainer does), then `--set`."""
-    from scaletrain.data.sources import resolve_model_args
+def finetune_defaults(model: str) -> Config:
+    """What `scaletrain finetune` runs by default (its `finetune` preset, data parallelism read
+    as DDP as fine-tuning reads `auto`): the defaults of `plan --method`."""
+    from scaletrain.config import read_toml
+    from scaletrain.finetune.trainer import with_ddp_default
 
-    args = resolve_model_args(train_defaults(name))
+    cfg = read_toml("finetune")
+    cfg.model = dataclasses.replace(cfg.model, name=model)
+    return with_ddp_default(cfg)
+
+
+def parse_model(name: str, sets: list[str], pretrain: bool = True) -> ModelArgs:
+    """The model `train --model.name NAME` builds (the preset or Hugging Face config, with the
+    vocabulary widened to the default tokenizer's as the trainer does), or with `pretrain`
+    False the base `finetune` adapts (its own dimensions and vocabulary), then `--set`."""
+    if pretrain:
+        from scaletrain.data.sources import resolve_model_args
+
+        args = resolve_model_args(train_defaults(name))
+    else:
+        from scaletrain.models.source import load_model_args
+
+        args = load_model_args(name)
     fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
     changes = {}
     for item in sets:
@@ -69,12 +86,16 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="autocast dtype (default auto: what train's precision.dtype picks on "
                         "--gpu, or on this machine without it)")
     p.add_argument("--param-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype parameters are stored in (default: bf16 with fp32 masters for "
-                        "bf16 precision, else fp32: what the trainer runs)")
+                   help="dtype parameters are stored in (default: train's "
+                        "precision.param_dtype, fp32: autocast over fp32 parameters); bf16: "
+                        "16-bit parameters with sharded fp32 masters, the ZeRO paper's setup "
+                        "(train --precision.param_dtype bf16)")
     p.add_argument("--grad-convention", choices=["playbook", "megatron", "bf16"],
-                   default="megatron", help="gradient bytes of 16-bit parameters: 2+4, 4 "
-                   "(default: the trainer's fp32 sums) or 2")
-    p.add_argument("--optimizer", choices=["adamw", "sgd", "adamw8bit"], default="adamw")
+                   default=None, help="gradient bytes of 16-bit parameters: 2+4, 4 or 2 "
+                   "(default: what the trainer keeps: 4, its fp32 sums; 2 on the device with "
+                   "the optimizer offloaded)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "adamw8bit", "adafactor"],
+                   default=None, help="default: train's optimizer.name")
     p.add_argument("--kernels", choices=["cuda", "cpu"], default="cuda",
                    help="whose saved tensors to model (CPU keeps one more tensor per RMSNorm); "
                         "cpu without --gpu plans a CPU run, which also counts the process's own "
@@ -99,6 +120,21 @@ def resolve_precision(choice: str, cfg: Config, device: Device | None) -> str:
     from scaletrain.runtime import resolve_device, resolve_dtype
 
     return resolve_dtype(cfg.precision, resolve_device(cfg.training.device))
+
+
+def fill_train_defaults(a: argparse.Namespace, cfg: Config, offload: bool = False) -> None:
+    """Set every common option left unset to what `scaletrain train` runs by default: the
+    parameter dtype and optimizer read from `cfg` (the trainer's own default config, not
+    restated here), the gradient convention the trainer keeps for them (`offload`: the
+    optimizer state in host memory)."""
+    from scaletrain.plan.from_config import trainer_grad_convention
+
+    if a.param_dtype is None:
+        a.param_dtype = cfg.precision.param_dtype
+    if a.optimizer is None:
+        a.optimizer = cfg.optimizer.name
+    if a.grad_convention is None:
+        a.grad_convention = trainer_grad_convention(a.param_dtype, offload)
 
 
 def parse_device(name: str | None, mem: float | None) -> Device | None:

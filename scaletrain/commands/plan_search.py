@@ -9,6 +9,7 @@ import json
 from scaletrain.commands._plan_args import (
     GIB,
     add_common_args,
+    fill_train_defaults,
     parse_device,
     parse_model,
     positive_int,
@@ -16,7 +17,7 @@ from scaletrain.commands._plan_args import (
     train_defaults,
 )
 from scaletrain.plan.estimate import Layout, PlanError
-from scaletrain.plan.host_memory import HostProcess
+from scaletrain.plan.from_config import host_process
 from scaletrain.plan.search import Cluster, alternatives, search, why_lost
 
 
@@ -66,6 +67,14 @@ def main(argv: list[str]) -> int:
     defaults = train_defaults(a.model)
     a.seq_len = a.seq_len or defaults.data.seq_len
     a.precision = resolve_precision(a.precision, defaults, device)
+    kept = a.grad_convention
+    a.grad_convention = None
+    fill_train_defaults(a, defaults, offload=defaults.optimizer.offload)
+    if kept is not None and kept != a.grad_convention and a.param_dtype != "fp32":
+        # each proposal's command must give the memory it shows
+        raise PlanError(f"--grad-convention {kept}: the trainer keeps {a.grad_convention} "
+                        "gradients for these parameters, so the search's commands could not "
+                        "run what it would plan; use it with `scaletrain plan`")
     if a.gbs is not None:
         a.gbs_tokens = a.gbs * a.seq_len
     for flag, value in (("--peak-tflops", a.peak_tflops), ("--intra-node-gbs", a.intra_node_gbs),
@@ -85,9 +94,12 @@ def main(argv: list[str]) -> int:
     cluster = Cluster(device, a.gpus, a.gpus_per_node, efficiency=a.efficiency)
     base = Layout(precision=a.precision, param_dtype=a.param_dtype,
                   grad_convention=a.grad_convention, optimizer=a.optimizer,
+                  fused_loss=defaults.training.fused_loss,
+                  loss_chunk=defaults.training.loss_chunk_tokens,
                   # this host: its kernels' saved tensors, the process's own memory and batches,
                   # as `train --dry-run` on a CPU counts them
-                  kernels="cpu" if on_host else a.kernels, host=HostProcess() if on_host else None)
+                  kernels="cpu" if on_host else a.kernels,
+                  host=host_process(defaults) if on_host else None)
     refused: dict[str, int] = {}
     fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero,
                             model=a.model, refused=refused)

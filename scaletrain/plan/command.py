@@ -2,7 +2,8 @@
 
 Every setting that decides the plan is spelled out: model (and its overrides), sequence length,
 micro-batch, accumulation, the parallel degrees, the data-parallel mode (ZeRO stage), FSDP's
-parameter dtype, the pipeline schedule, recomputation and precision.
+parameter dtype, the pipeline schedule, recomputation, precision, the parameter dtype and the
+optimizer (the last two even where they are the trainer's defaults).
 """
 
 from __future__ import annotations
@@ -74,10 +75,9 @@ def train_flags(model: str, args: ModelArgs, lay: Layout) -> list[str]:
                       "--parallel.pp_virtual_stages", str(lay.vpp)]
     elif lay.offload:
         flags += ["--optimizer.offload", "true"]
-    if lay.stored_dtype != "fp32":
-        flags += ["--precision.param_dtype", lay.stored_dtype]
-    if lay.optimizer != "adamw":
-        flags += ["--optimizer.name", lay.optimizer]
+    # Always spelled out, whatever the trainer's defaults: they decide the planned bytes per
+    # parameter (16-bit parameters with fp32 masters, or autocast over fp32 parameters).
+    flags += ["--precision.param_dtype", lay.stored_dtype, "--optimizer.name", lay.optimizer]
     if lay.fused_loss:
         flags += ["--training.fused_loss", "true", "--training.loss_chunk_tokens",
                   str(lay.loss_chunk)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
+from scaletrain.config_sections import ParallelConfig, PrecisionConfig
 from scaletrain.models.args import ModelArgs, count_active_params, count_params
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.feasibility import RunLayout, mode_for_zero, reshards_after_forward
@@ -39,6 +40,11 @@ DDP_BUCKET_BYTES = 25 * 2**20
 Schedule = str
 """A pipeline schedule name (`parallel.feasibility.SCHEDULE_NAMES`)."""
 
+TRAINER_PRECISION = PrecisionConfig()
+TRAINER_PARALLEL = ParallelConfig()
+"""The trainer's own config defaults (`config_sections`): a Layout left at its defaults plans
+what `scaletrain train` runs with no flags, not a restatement of it."""
+
 
 class PlanError(ValueError):
     """A layout or input the planner cannot estimate; the message names the fix."""
@@ -56,11 +62,12 @@ class Layout:
     zero: int = 0
     sequence_parallel: bool = True
     vpp: int = 1
-    schedule: Schedule = "1F1B"
+    schedule: Schedule = TRAINER_PARALLEL.pp_schedule
     precision: str = "bf16"
-    param_dtype: str | None = None
-    """Dtype the parameters are stored in; None: bf16 with fp32 masters for bf16 precision,
-    fp32 otherwise (the trainer runs no fp16 parameters)."""
+    param_dtype: str = TRAINER_PRECISION.param_dtype
+    """Dtype the parameters are stored in (`precision.param_dtype`; default the trainer's:
+    autocast over fp32 parameters). `bf16` is 16-bit parameters with fp32 master weights (sharded
+    over the data-parallel ranks under ZeRO-1/2/3): the setup of the ZeRO paper's tables."""
     grad_convention: GradConvention = "megatron"
     """Gradient bytes of 16-bit parameters; `megatron` (fp32 sums only) is what the trainer
     keeps."""
@@ -70,7 +77,7 @@ class Layout:
     cpu_offload: bool = False
     """FSDP's offload (`parallel.cpu_offload`, ZeRO-2/3): sharded weights, gradients and
     optimizer state in host memory; the device keeps the gathered blocks."""
-    fsdp_param_dtype: str = "fp32"
+    fsdp_param_dtype: str = TRAINER_PARALLEL.fsdp_param_dtype
     """ZeRO-2/3: dtype FSDP gathers the fp32 shards in (`parallel.fsdp_param_dtype`); bf16
     needs no autocast weight copies and halves the all-gathers."""
     pp_microbatches: int | None = None
@@ -84,7 +91,7 @@ class Layout:
     fp8: str = "none"
     """`precision.fp8` (carried for the trainer's layout check; memory and time are estimated
     as for `precision`)."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = TRAINER_PARALLEL.bucket_cap_mb
     """`parallel.bucket_cap_mb`: DDP's gradient buckets (their count; their bytes are the
     gradients'), and the flat buckets data parallelism all-reduces next to TP/PP."""
     host: HostProcess | None = None
@@ -93,9 +100,8 @@ class Layout:
 
     @property
     def stored_dtype(self) -> str:
-        if self.param_dtype is not None:
-            return self.param_dtype
-        return "bf16" if self.precision == "bf16" else "fp32"
+        """The dtype the parameters are stored in (`param_dtype`)."""
+        return self.param_dtype
 
     @property
     def gather_dtype(self) -> str:
@@ -290,13 +296,37 @@ def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = Fals
     return max(forward, states + comm + mem["gradients"])
 
 
-def bubble_fraction(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1F1B") -> float:
-    """Idle time over ideal compute time: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved
-    (Narayanan et al. 2021)."""
+ZERO_BUBBLE_COSTS = (1.0, 1.0, 1.0)
+"""Relative times of a micro-batch's forward, input-gradient and weight-gradient passes on a
+stage (T_F, T_B, T_W): equal, the assumption of the zero-bubble paper (Qi et al. 2023,
+arXiv 2401.10241, §2) and close to a transformer block's FLOPs (each of the three is one pass
+over the block's matmuls; attention's backward sits in the input gradient)."""
+
+
+def bubble_fraction(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1F1B",
+                    costs: tuple[float, float, float] = ZERO_BUBBLE_COSTS) -> float:
+    """Idle time over busy compute time of a pipeline step, for the schedule torch runs:
+
+    - GPipe, 1F1B: (p-1)/m; Interleaved1F1B and LoopedBFS with v chunks per rank: (p-1)/(v m)
+      (Narayanan et al. 2021, §2.2);
+    - InterleavedZeroBubble (torch's ZB1P, v chunks): the backward split into an input-gradient
+      pass B and a weight-gradient pass W that fills the bubbles, (p-1)(T_F + T_B - T_W) /
+      (v m (T_F + T_B + T_W)): 1/3 of 1F1B's with equal times (ZB-H1, Qi et al. 2023, §2.1);
+    - ZBVZeroBubble (2 chunks in a V): ZB1P's formula with v = 2 once m >= 2p, with v = 1 at
+      m = p (torch's V schedule, not the paper's zero-bubble ZB-V).
+
+    Checked against the action order of torch's own schedule classes, timed by an event
+    simulation (tests/pipeline_reference.py, tests/test_plan_bubble.py): equal for every
+    schedule with equal T_F, T_B, T_W; ZB1P also for unequal ones."""
     if pp <= 1:
         return 0.0
-    v = vpp if schedule == "Interleaved1F1B" or vpp > 1 else 1
-    return (pp - 1) / (v * microbatches)
+    m = microbatches
+    if schedule in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        f, b, w = costs
+        v = vpp if schedule == "InterleavedZeroBubble" else (2 if m >= 2 * pp else 1)
+        return (pp - 1) * (f + b - w) / (v * m * (f + b + w))
+    v = vpp if schedule in ("Interleaved1F1B", "LoopedBFS") or vpp > 1 else 1
+    return (pp - 1) / (v * m)
 
 
 def in_flight(pp: int, stage: int, microbatches: int, vpp: int, schedule: str) -> float:

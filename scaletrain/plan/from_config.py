@@ -51,12 +51,12 @@ def layout_from_config(cfg: Config, device: torch.device, world_size: int) -> La
         scope=ac.scope, kernels="cuda" if device.type == "cuda" else "cpu",
         fused_loss=cfg.training.fused_loss, loss_chunk=cfg.training.loss_chunk_tokens,
         fp8=cfg.precision.fp8, bucket_cap_mb=par.bucket_cap_mb,
-        host=_host(cfg) if device.type == "cpu" else None,
+        host=host_process(cfg) if device.type == "cpu" else None,
     )
 
 
-def _host(cfg: Config) -> HostProcess:
-    """A CPU run's own memory counts: the device is the host's RAM."""
+def host_process(cfg: Config) -> HostProcess:
+    """A CPU run's own memory counts: the device is the host's RAM (its loader as `cfg`'s)."""
     return HostProcess(loader_workers=cfg.data.num_workers,
                        prefetch_factor=cfg.data.prefetch_factor)
 
@@ -70,8 +70,13 @@ def _grad_convention(cfg: Config) -> GradConvention:
     fp32 parameters the convention does not count; the planner's default (`megatron`) is
     kept. With several processes the partitioned optimizer keeps the same fp32 sums
     (`train/zero1.py`) and FSDP its fp32 gradient shards."""
-    return "bf16" if cfg.optimizer.offload and cfg.precision.param_dtype != "fp32" \
-        else "megatron"
+    return trainer_grad_convention(cfg.precision.param_dtype, cfg.optimizer.offload)
+
+
+def trainer_grad_convention(param_dtype: str, offload: bool) -> GradConvention:
+    """`_grad_convention` of a run storing parameters in `param_dtype`, the optimizer state in
+    host memory or not (`plan` asks it for its default)."""
+    return "bf16" if offload and param_dtype != "fp32" else "megatron"
 
 
 def device_for(device: torch.device) -> Device | None:

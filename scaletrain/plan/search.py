@@ -357,11 +357,12 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
         return None
     dims = ParallelDims(pp=pp, dp_replicate=dp if zero == 0 else 1,
                         dp_shard=1 if zero == 0 else dp, cp=cp, tp=tp, ep=ep)
-    # What the trainer runs: autocast over fp32 parameters; FSDP gathers them in the compute
-    # dtype (no autocast copies, half the all-gather bytes).
+    # The parameters as `base` stores them (the trainer's default, or --param-dtype); FSDP
+    # gathers fp32 parameters in the compute dtype (no autocast copies, half the all-gather
+    # bytes; the command carries --parallel.fsdp_param_dtype).
     fsdp_dtype = "bf16" if zero >= 2 and base.precision == "bf16" else "fp32"
     lay = base.replace(dims=dims, mbs=mbs, seq_len=base.seq_len, gbs=gbs, zero=zero,
-                       recompute=recompute, vpp=vpp, param_dtype=base.param_dtype or "fp32",
+                       recompute=recompute, vpp=vpp, param_dtype=base.param_dtype,
                        sequence_parallel=base.sequence_parallel and args.arch == "llama",
                        fsdp_param_dtype=fsdp_dtype,
                        schedule="Interleaved1F1B" if vpp > 1 else "1F1B")

@@ -82,7 +82,8 @@ class Run:
                       zero=self.zero, recompute=self.recompute,  # type: ignore[arg-type]
                       vpp=self.vpp, schedule="Interleaved1F1B" if self.vpp > 1 else "1F1B",
                       sequence_parallel=self.sequence_parallel, precision="bf16",
-                      fsdp_param_dtype="bf16")
+                      # the published runs' setup: bf16 weights with fp32 masters
+                      param_dtype="bf16", fsdp_param_dtype="bf16")
 
     def cluster(self) -> Cluster:
         dev = get_device(self.gpu)

@@ -162,8 +162,9 @@ class FinetuneTrainer(Trainer):
             log.info("base load: %.2f s (slowest rank), peak host RSS %.1f MiB (largest rank), "
                      "%s", max(r["seconds"] for r in self.load_reports),
                      worst["peak_rss_bytes"] / 2**20,
-                     "sharded: each rank read its shards" if self.sharded_load
-                     else "whole base on each process")
+                     "whole base on each process" if not self.sharded_load
+                     else "sharded: each rank read its shards" if self.par.mode != "ddp"
+                     else "4-bit layers quantized one at a time on each replica")
         self.flops_per_token = self._flops_per_token()
         if self.is_main:
             self._write_meta()
@@ -183,9 +184,10 @@ class FinetuneTrainer(Trainer):
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ft = self.cfg, self.ft
-        # Under FSDP each rank reads only the shards it will hold, after sharding (`base_sharded`)
-        self.sharded_load = (self.par.enabled and self.par.mode in ("zero2", "zero3")
-                             and ft.method != "qlora")
+        # Under FSDP each rank reads only the shards it will hold, after sharding (`base_sharded`);
+        # QLoRA under torchrun quantizes one layer at a time, keeping its part (`qlora_load`)
+        self.sharded_load = self.par.enabled and (self.par.mode in ("zero2", "zero3")
+                                                  or ft.method == "qlora")
         with verification(cfg.checkpoint.verify), LoadTimer() as timer:
             self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device,
                                   weights=not self.sharded_load)
@@ -338,6 +340,8 @@ class FinetuneTrainer(Trainer):
         backbone = model.backbone if isinstance(model, SequenceClassifier) else model
         dp = d.dp_replicate * d.dp_shard
         if mode == "ddp":
+            if self.sharded_load:  # QLoRA: every replica quantizes the base layer by layer
+                self._materialize(model, backbone)
             if d.tp == 1:
                 from scaletrain.parallel.ddp import apply_ddp
 
@@ -351,13 +355,20 @@ class FinetuneTrainer(Trainer):
                    reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
         if self.sharded_load:
-            from scaletrain.finetune.base_sharded import materialize
-
-            with verification(self.cfg.checkpoint.verify):
-                self.load_report = materialize(model, backbone, self.base,
-                                               torch.device("cpu") if cfg.cpu_offload
-                                               else self.device)
+            self._materialize(model, backbone)
         return model
+
+    def _materialize(self, model: nn.Module, backbone: nn.Module) -> None:
+        """Read the base into `model`, built on the meta device and laid out: each rank its
+        shards (`base_sharded`), QLoRA's 4-bit layers quantized one at a time (`qlora_load`)."""
+        if self.ft.method == "qlora":
+            from scaletrain.finetune.qlora_load import materialize_qlora as fill
+        else:
+            from scaletrain.finetune.base_sharded import materialize as fill
+        with verification(self.cfg.checkpoint.verify):
+            self.load_report = fill(model, backbone, self.base,
+                                    torch.device("cpu") if self.cfg.parallel.cpu_offload
+                                    else self.device)
 
     def _write_meta(self) -> None:
         ft = self.ft

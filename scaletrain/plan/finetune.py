@@ -104,7 +104,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None,
             "options": options,
-            "host_load_bytes": host_load_bytes(plan.args, method, shard)}
+            "host_load_bytes": host_load_bytes(plan.args, method, shard,
+                                               distributed=d.world_size > 1)}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
     share = trainable / plan.params_per_rank

@@ -14,7 +14,9 @@ local_region`). The bytes are those of one process's quantization, and the peak 
 of a rank is its part of the stored base (block linears at ~0.52 byte per weight, the rest in
 fp32) plus one whole weight in flight (`plan/finetune_host.py` states it).
 
-Every rank quantizes every layer (the same work as one process, per rank).
+Under torchrun the ranks share the work: layer i is read and quantized by rank i % N and
+broadcast whole (0.52 byte per weight) to the others, each keeping its region; so each rank
+reads and quantizes 1/N of the block weights.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from scaletrain.checkpoint.sharded_load import (
@@ -99,33 +102,63 @@ def nf4_parameter_names(backbone: nn.Module) -> set[str]:
             if isinstance(m, NF4Linear) for part in PARTS}
 
 
+def _quantize(name: str, layer: NF4Linear, read_whole: ReadWhole) -> NF4Linear:
+    """`layer`'s stored weight read whole (fp32) and quantized as one process does, checked
+    against the sizes and settings the empty layer was built with."""
+    weight = read_whole(name, tuple(layer.shape))
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    whole = NF4Linear(to_nf4(linear, layer.compute_dtype))
+    for setting in _SETTINGS:
+        if getattr(whole, setting) != getattr(layer, setting):
+            raise RuntimeError(f"{name}: the quantized layer's {setting} is "
+                               f"{getattr(whole, setting)}, the empty layer was built with "
+                               f"{getattr(layer, setting)}")
+    for part in PARTS:
+        got, expected = getattr(whole, part).shape, getattr(layer, part).shape
+        if tuple(got) != tuple(expected):
+            raise RuntimeError(f"{name}: {part} of {tuple(got)} bytes quantized for a "
+                               f"parameter of {tuple(expected)}")
+    return whole
+
+
+def _wire_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where broadcast buffers live: the GPU under NCCL, else the CPU."""
+    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
-def fill_nf4(layers: Mapping[str, NF4Linear], read_whole: ReadWhole) -> int:
+def fill_nf4(layers: Mapping[str, NF4Linear], read_whole: ReadWhole,
+             group: dist.ProcessGroup | None = None) -> int:
     """Quantize each layer's stored weight (read whole, fp32) as one process does and copy
-    into each of its parameters (plain or DTensor, materialized) the region this rank holds.
-    Returns the bytes kept."""
+    into each of its parameters (plain or DTensor, materialized) the region this rank holds;
+    also its code books. With `group` (every rank of which fills the same layers), layer i is
+    read and quantized by rank i % size of the group only and broadcast. Returns the bytes
+    kept."""
+    size = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    wire = _wire_device(group)
     kept = 0
-    for name, layer in layers.items():
-        weight = read_whole(name, tuple(layer.shape))
-        linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        whole = NF4Linear(to_nf4(linear, layer.compute_dtype))
-        del weight, linear
-        for setting in _SETTINGS:
-            if getattr(whole, setting) != getattr(layer, setting):
-                raise RuntimeError(f"{name}: the quantized layer's {setting} is "
-                                   f"{getattr(whole, setting)}, the empty layer was built with "
-                                   f"{getattr(layer, setting)}")
-        for part in PARTS:
-            target, values = getattr(layer, part), getattr(whole, part)
-            if tuple(target.shape) != tuple(values.shape):
-                raise RuntimeError(f"{name}: {part} of {tuple(values.shape)} bytes quantized "
-                                   f"for a parameter of {tuple(target.shape)}")
-            local, region = local_region(target)
-            local.copy_(values[region])
-            kept += local.numel()
-        layer.code.copy_(whole.code)
-        layer.nested_code.copy_(whole.nested_code)
+    for i, (name, layer) in enumerate(layers.items()):
+        owner = i % size
+        whole = _quantize(name, layer, read_whole) if owner == rank else None
+        for part in (*PARTS, "code", "nested_code"):
+            target = getattr(layer, part)
+            if whole is not None:
+                values = getattr(whole, part).to(wire)
+            else:
+                values = torch.empty(target.shape, dtype=target.dtype, device=wire)
+            if size > 1:
+                dist.broadcast(values, group=group, group_src=owner)
+            if part in PARTS:
+                local, region = local_region(target)
+                local.copy_(values[region])
+                kept += local.numel()
+            else:  # a buffer, the same on every rank
+                target.copy_(values)
+            del values
         del whole
     return kept
 
@@ -140,19 +173,23 @@ def materialize_qlora(model: nn.Module, backbone: nn.Module, base: LoadedModel,
 
     with LoadTimer() as timer:
         layers = nf4_layers(backbone)
+        group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 \
+            else None
         dense = materialize(model, backbone, base, device, skip=nf4_parameter_names(backbone))
         directory = Path(base.directory)
         if (directory / CONFIG_NAME).is_file():
             with hf_slices(directory, base.args) as reader:
                 kept = fill_nf4(layers, lambda name, _shape: reader.read(name, None,
-                                                                          torch.float32))
+                                                                          torch.float32), group)
         else:  # checked when the base was described (`load_base`)
             kept = fill_nf4(layers, lambda name, shape: read_native_tensors(
-                directory, {name: shape})[name])
+                directory, {name: shape})[name], group)
     report = timer.report(dense.bytes_read + kept)
-    log.info("QLoRA base loaded in %.2f s: %d layers quantized one at a time, %.1f MiB kept by "
-             "this rank, peak RSS %.1f MiB", report.seconds, len(layers),
-             report.bytes_read / 2**20, report.peak_rss_bytes / 2**20)
+    rank, size = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
+    log.info("QLoRA base loaded in %.2f s: %d layers quantized one at a time (%d by this "
+             "rank), %.1f MiB kept by this rank, peak RSS %.1f MiB", report.seconds, len(layers),
+             len(range(rank, len(layers), size)), report.bytes_read / 2**20,
+             report.peak_rss_bytes / 2**20)
     return report
 
 

@@ -6,9 +6,11 @@ Face base stored in bf16:
   equal its regions, and the sharded model's logits equal the one process's exactly (the code
   books written after `to_empty` included); under DDP each replica's NF4 layers are the same;
 - each rank's peak host RSS while loading (measured: `VmHWM` over the RSS before loading,
-  bitsandbytes imported first) stays within what `plan --method qlora` states for the layout
-  (`plan/finetune_host.py`) plus a stated margin, and far below the whole fp32 base each
-  process read before.
+  bitsandbytes imported first) is at least the rank's part of the 4-bit base that `plan
+  --method qlora` states for the layout (`plan/finetune_host.py`) and at most its whole figure
+  (that part plus the tensor in flight) plus a stated margin, far below the whole fp32 base
+  each process read before (measured here: 57-60 MiB against a plan of 46 MiB, of which 23 MiB
+  the rank's part, and a 128 MiB fp32 base).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _entry(rank: int, world: int, base: str, out: str) -> None:
     # Measured: FSDP, the first load of this process (a second load reuses the heap the first
     # freed, so its RSS rise would say nothing)
     fsdp, measured = load_on_rank(directory, "fsdp")
-    measured["plan_peak"] = host_load_bytes(args, "qlora", world, 2, distributed=True)["peak"]
+    plan = host_load_bytes(args, "qlora", world, 2, distributed=True)
+    measured["plan_peak"], measured["plan_weights"] = plan["peak"], plan["weights"]
     ddp = load_on_rank(directory, "ddp")[0]  # whole NF4 layers on each replica
     ref = build_meta(directory, whole=True)[0]  # one QLoRA process: the fp32 base quantized
     shardable_nf4(ref)
@@ -99,7 +102,8 @@ def test_qlora_base_is_quantized_layer_by_layer(tmp_path: Path) -> None:
         for layout in ("fsdp", "ddp"):
             assert got[f"{layout}_wrong"] == [] and got[f"{layout}_logits_equal"], (layout, got)
         what = (rank, got["peak_rise"] / 2**20, got["plan_peak"] / 2**20)
-        assert got["peak_rise"] <= got["plan_peak"] + MARGIN, what
+        # the planner's number within [the rank's part it states, that + in flight + MARGIN]
+        assert got["plan_weights"] <= got["peak_rise"] <= got["plan_peak"] + MARGIN, what
         # the bound can tell a whole-base read: the fp32 base each process read before
         assert got["plan_peak"] + MARGIN < fp32["base_bytes"], what
     # DDP (whole NF4 layers on each replica): the planner states less than the fp32 base too

@@ -254,4 +254,6 @@ def test_plan_text_of_zero3_under_zbv_says_the_blocks_stay_gathered(
 
     # bf16 parameters (the default for bf16): FSDP gathers bf16 blocks from its fp32 shards
     assert row(zbv, "gathered_weights") == 4.23 and row(one, "gathered_weights") == 0
-    assert (row(one, "total"), row(zbv, "total")) == (28.86, 33.08)
+    # under 1F1B the FSDP root unit (this last stage's final norm and head) stays gathered
+    assert row(one, "root_gathered") == 0.98 and "root_gathered" not in zbv
+    assert (row(one, "total"), row(zbv, "total")) == (29.83, 33.08)

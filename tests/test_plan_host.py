@@ -1,7 +1,7 @@
 """`plan --method` states host RAM per rank at the base's load (`plan/finetune_host.py`): the
-rank's fp32 shards of the base under FSDP (the whole base otherwise, and for QLoRA) plus the
-largest tensor in flight, counted from the model's own parameters (an independent count from
-the preset's dimensions here)."""
+rank's fp32 shards of the base under FSDP and/or TP (the whole base otherwise, and for QLoRA)
+plus the largest tensor in flight, counted from the model's own parameters (an independent
+count from the preset's dimensions here)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,18 @@ def test_plan_prints_and_writes_host_ram(capsys: pytest.CaptureFixture[str]) -> 
     assert plan_cmd.main([*argv, "--json"]) == 0
     host = json.loads(capsys.readouterr().out)["finetune"]["host_load_bytes"]
     assert host["sharded"] and host["peak"] == host["weights"] + host["in_flight"]
+
+
+def test_plan_under_tensor_parallel_reads_shards(capsys: pytest.CaptureFixture[str]) -> None:
+    """TP 2 (alone, with DDP replicas, or with FSDP 2) loads each rank's TP shards, as the
+    trainer does (`finetune.base_sharded`)."""
+    a = PRESETS["llama3-8b"]
+    for extra, parts in ((["--tp", "2"], 2), (["--tp", "2", "--dp", "2"], 2),
+                         (["--tp", "2", "--dp", "2", "--zero", "3"], 4)):
+        argv = ["--model", "llama3-8b", "--method", "lora", *extra,
+                "--json"]
+        assert plan_cmd.main(argv) == 0, extra
+        host = json.loads(capsys.readouterr().out)["finetune"]["host_load_bytes"]
+        assert host == host_load_bytes(a, "lora", parts), extra
+        assert host["sharded"] and host["weights"] < 0.51 * host_load_bytes(a, "lora", 1)[
+            "weights"], extra

@@ -108,7 +108,9 @@ def read_native_tensors(directory: str | os.PathLike, shapes: Mapping[str, tuple
 
 @dataclass
 class LoadReport:
-    """What one rank's load cost: wall seconds, bytes of weights it read, its peak RSS."""
+    """What one rank's load cost: wall seconds, bytes of weights it read (from a Hugging Face
+    base: the stored bytes taken from its files; from a native one: its regions' bytes), its
+    peak RSS."""
 
     seconds: float
     bytes_read: int

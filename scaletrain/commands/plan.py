@@ -60,6 +60,10 @@ def _estimate_main(argv: list[str]) -> int:
     ft.add_argument("--method", choices=METHODS, default="pretrain",
                     help="model states of a fine-tuning method instead of pretraining")
     ft.add_argument("--lora-rank", type=positive_int, default=8, help="lora/qlora rank")
+    ft.add_argument("--lora-targets", default=None,
+                    help="lora/qlora: the adapted linears, comma-separated (q,k,v,o,gate,up,"
+                         "down, or the Hugging Face names q_proj...; default: all of them, as "
+                         "finetune.lora_targets)")
     ft.add_argument("--train-last", type=int, default=None,
                     help="freeze: train only the last k blocks (and the head)")
     ft.add_argument("--freeze-first", type=int, default=0, help="freeze: the first n blocks")
@@ -92,9 +96,14 @@ def _estimate_main(argv: list[str]) -> int:
                  host=HostProcess() if a.kernels == "cpu" and device is None else None)
     plan = estimate(args, lay)
     if a.method != "pretrain":
+        targets = None
+        if a.lora_targets is not None:
+            from scaletrain.finetune.lora import parse_targets
+
+            targets = parse_targets(a.lora_targets)
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
                              freeze_first=a.freeze_first, num_labels=a.num_labels,
-                             lora_dropout=a.lora_dropout)
+                             targets=targets, lora_dropout=a.lora_dropout)
     if a.json:
         print(json.dumps(plan_json(plan, device), indent=2))
     else:

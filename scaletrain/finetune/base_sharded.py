@@ -1,7 +1,9 @@
 """Sharded loading of a fine-tuning base: the model is built on the meta device, the method
-applied (adapters and heads are created for real, from the seed, as in one process), the layout
-applied (FSDP2), and only then is each rank's part of each base tensor read from the checkpoint
-(`checkpoint.sharded_load`): no rank ever holds the whole base.
+applied (adapters and heads are created for real, from the seed, as in one process), the whole
+layout applied (tensor parallel, then FSDP2 or DDP's replicas of the TP shards), and only then
+is each rank's part of each base tensor read from the checkpoint (`checkpoint.sharded_load`):
+the region its DTensor holds (Shard(0)/Shard(1) over `tp`, FSDP's dim-0 shards over those, the
+experts an FSDP or TP rank holds of an MoE base). No rank holds more than its part.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def materialize(model: nn.Module, backbone: Transformer, base: LoadedModel,
         directory = Path(base.directory)
         if (directory / CONFIG_NAME).is_file():
             with hf_slices(directory, base.args) as reader:
-                nbytes = fill_regions(targets, reader.read)
+                fill_regions(targets, reader.read)
+                nbytes = reader.bytes_read  # stored bytes taken from the files
         else:  # the persistent buffers too (MoE routing biases; HF files store none)
             persistent = set(backbone.state_dict())
             targets.update({checkpoint_name(n): b for n, b in backbone.named_buffers()

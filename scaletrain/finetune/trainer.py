@@ -163,8 +163,9 @@ class FinetuneTrainer(Trainer):
                      "%s", max(r["seconds"] for r in self.load_reports),
                      worst["peak_rss_bytes"] / 2**20,
                      "whole base on each process" if not self.sharded_load
-                     else "sharded: each rank read its shards" if self.par.mode != "ddp"
-                     else "4-bit layers quantized one at a time on each replica")
+                     else "4-bit layers quantized one at a time on each replica"
+                     if self.ft.method == "qlora" and self.par.mode == "ddp"
+                     else "sharded: each rank read its shards")
         self.flops_per_token = self._flops_per_token()
         if self.is_main:
             self._write_meta()
@@ -184,10 +185,11 @@ class FinetuneTrainer(Trainer):
     # --- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ft = self.cfg, self.ft
-        # Under FSDP each rank reads only the shards it will hold, after sharding (`base_sharded`);
-        # QLoRA under torchrun quantizes one layer at a time, keeping its part (`qlora_load`)
+        # Under FSDP or TP each rank reads only the parts it will hold, once the layout is
+        # applied (`base_sharded`); QLoRA under torchrun quantizes one layer at a time, keeping
+        # its part (`qlora_load`)
         self.sharded_load = self.par.enabled and (self.par.mode in ("zero2", "zero3")
-                                                  or ft.method == "qlora")
+                                                  or self.par.dims.tp > 1 or ft.method == "qlora")
         with verification(cfg.checkpoint.verify), LoadTimer() as timer:
             self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device,
                                   weights=not self.sharded_load)
@@ -306,7 +308,12 @@ class FinetuneTrainer(Trainer):
                       self.par.mesh.all_groups() if self.par.enabled else ())
         if self.cfg.compile.enabled and self.par.dims.tp > 1:  # as `Parallelism.build_model`
             backbone.tok_embeddings.register_forward_hook(lambda _m, _i, out: out.clone())
-        return self._data_parallel(model) if self.par.enabled else model
+        if not self.par.enabled:
+            return model
+        model = self._data_parallel(model)
+        if self.sharded_load and self.load_report is None:  # (QLoRA under DDP: read already)
+            self._materialize(model, backbone)  # the whole layout is applied
+        return model
 
     def _tensor_parallel(self, model: nn.Module) -> None:
         """Under torchrun: QLoRA's NF4 layers in their shardable form (`qlora_shard.py`);
@@ -340,10 +347,11 @@ class FinetuneTrainer(Trainer):
         backbone = model.backbone if isinstance(model, SequenceClassifier) else model
         dp = d.dp_replicate * d.dp_shard
         if mode == "ddp":
-            if self.sharded_load:  # QLoRA: every replica quantizes the base layer by layer
-                self._materialize(model, backbone)
             if d.tp == 1:
                 from scaletrain.parallel.ddp import apply_ddp
+
+                if self.sharded_load:  # QLoRA, read before DDP broadcasts the replicas
+                    self._materialize(model, backbone)
 
                 return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
             if dp > 1:  # replicas of the TP-sharded model: the step sums their gradients
@@ -354,13 +362,11 @@ class FinetuneTrainer(Trainer):
         apply_fsdp(model, self.par.mesh["dp_shard_cp"], layers=backbone.layers,
                    reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
-        if self.sharded_load:
-            self._materialize(model, backbone)
         return model
 
     def _materialize(self, model: nn.Module, backbone: nn.Module) -> None:
-        """Read the base into `model`, built on the meta device and laid out: each rank its
-        shards (`base_sharded`), QLoRA's 4-bit layers quantized one at a time (`qlora_load`)."""
+        """Each rank reads its parts of the base into the laid-out meta model (TP, FSDP, both:
+        `base_sharded`); QLoRA's 4-bit layers are quantized one at a time (`qlora_load`)."""
         if self.ft.method == "qlora":
             from scaletrain.finetune.qlora_load import materialize_qlora as fill
         else:

@@ -9,8 +9,14 @@ comes from, and only that is read (`safe_open(...).get_slice(name)[...]`, what
 The translation is not written out a second time: `from_hf_state_dict` (`models/hf.py`), the one
 converter, is run on meta tensors of the stored shapes, and each tensor it returns is a view (a
 rename, a transpose, a split of a fused projection) of one stored tensor; the view's offset and
-strides say which stored rows and columns each of our rows and columns are. A tensor that is not
-a view (the stacked experts of an MoE checkpoint) is read whole, converted and sliced.
+strides say which stored rows and columns each of our rows and columns are. A tensor the
+converter stacks (the experts of an MoE checkpoint, stored one tensor per expert) is recorded
+while the converter runs (`torch.stack` seen through a `TorchFunctionMode`): a region over our
+stacked dim 0 is a range of experts, and each of them is read by slice as above, the experts a
+rank does not hold not at all. A tensor that is neither (transformers' fused in-memory
+`gate_up_proj`, which the converter copies) is read whole, converted and sliced.
+
+`HFSlices.bytes_read` counts the stored bytes the reads took from the files.
 
 No distributed code: callers pass the region.
 """
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from scaletrain.models.hf_files import header_shapes, read_hf_weights, weight_files
 
@@ -87,6 +94,45 @@ def _as_view(ours: torch.Tensor, stored: dict[int, tuple[str, torch.Tensor]]
     return StoredView(name, tuple(dims), tuple(starts_by_dim[d] for d in dims))
 
 
+@dataclass(frozen=True)
+class StackedView:
+    """Our tensor as `torch.stack(parts)`: index e of our dim 0 is stored view `parts[e]`."""
+
+    parts: tuple[StoredView, ...]
+
+
+class _StackRecorder(TorchFunctionMode):
+    """Records, while the converter runs on meta tensors, each `torch.stack(tensors, dim=0)`:
+    id(result) -> (result, tensors) (the result kept so that its id stays its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stacks: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.stack:
+            tensors = args[0] if args else kwargs["tensors"]
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if dim == 0 and isinstance(out, torch.Tensor):
+                self.stacks[id(out)] = (out, list(tensors))
+        return out
+
+
+def _as_stack(ours: torch.Tensor, stacks: dict[int, tuple[torch.Tensor, list[torch.Tensor]]],
+              stored: dict[int, tuple[str, torch.Tensor]]) -> StackedView | None:
+    """The `StackedView` of meta tensor `ours` when the converter stacked it from views of
+    stored tensors, else None."""
+    record = stacks.get(id(ours))
+    if record is None or record[0] is not ours:
+        return None
+    parts = [_as_view(t, stored) for t in record[1]]
+    if not parts or any(v is None for v in parts):
+        return None
+    return StackedView(tuple(parts))  # type: ignore[arg-type]
+
+
 class HFSlices:
     """Regions of our (scaletrain-named) tensors from a HF checkpoint directory; a context
     manager (closing it drops what the fallback converted).
@@ -111,10 +157,15 @@ class HFSlices:
         metas = {k: torch.empty(s, device="meta") for k, s in stored_shapes.items()
                  if ignored is None or not ignored.search(k)}
         by_id = {id(t): (k, t) for k, t in metas.items()}
-        ours = convert(metas)
+        with _StackRecorder() as recorder:
+            ours = convert(metas)
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(t.shape) for k, t in ours.items()}
-        self.views: dict[str, StoredView | None] = {k: _as_view(t, by_id) for k, t in ours.items()}
+        self.views: dict[str, StoredView | StackedView | None] = {
+            k: _as_view(t, by_id) or _as_stack(t, recorder.stacks, by_id)
+            for k, t in ours.items()}
         self._converted: dict[str, torch.Tensor] | None = None
+        self.bytes_read = 0
+        """Stored bytes read from the files so far (the whole checkpoint for a fallback)."""
 
     def __enter__(self) -> HFSlices:
         return self
@@ -155,17 +206,39 @@ class HFSlices:
             raise KeyError(f"{self.directory} holds no tensor for {name}")
         region = self.full_region(name) if region is None else region
         view = self.views[name]
-        if view is None:
-            tensor = self._whole(name)[region]
-        else:
-            with self._stored(view.name) as stored:
-                ndim = len(stored.get_shape())
-                part = stored[view.stored_region(region, ndim)]
-            # `part` has the stored dims in stored order; our dim i is stored dim dims[i]
-            tensor = part.permute(*view.dims) if view.dims != tuple(range(ndim)) else part
+        if isinstance(view, StackedView):
+            return self._read_stacked(view, region, dtype)
+        tensor = self._whole(name)[region] if view is None else self._read_view(view, region)
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         return tensor.contiguous()
+
+    def _read_view(self, view: StoredView, region: Region) -> torch.Tensor:
+        """Region `region` of our tensor that is stored view `view`, in the stored dtype."""
+        with self._stored(view.name) as stored:
+            ndim = len(stored.get_shape())
+            part = stored[view.stored_region(region, ndim)]
+        self.bytes_read += part.numel() * part.element_size()
+        # `part` has the stored dims in stored order; our dim i is stored dim dims[i]
+        return part.permute(*view.dims) if view.dims != tuple(range(ndim)) else part
+
+    def _read_stacked(self, view: StackedView, region: Region,
+                      dtype: torch.dtype | None) -> torch.Tensor:
+        """Region `region` of a stacked tensor: only the parts its dim-0 range covers, each
+        read by slice into its row of the result."""
+        first, rest = region[0], region[1:]
+        pieces = range(first.start, first.stop)
+        out: torch.Tensor | None = None
+        for i, e in enumerate(pieces):
+            piece = self._read_view(view.parts[e], rest)
+            if out is None:
+                out = torch.empty((len(pieces), *piece.shape), dtype=dtype or piece.dtype)
+            out[i].copy_(piece)
+            del piece
+        if out is None:  # an empty range of experts
+            shape = tuple(r.stop - r.start for r in rest)
+            out = torch.empty((0, *shape), dtype=dtype or torch.float32)
+        return out
 
     def _whole(self, name: str) -> torch.Tensor:
         """Fallback for tensors that are not a view of one stored tensor: the whole checkpoint
@@ -173,8 +246,10 @@ class HFSlices:
         if self._converted is None:
             logger.warning("%s: %s is not a slice of one stored tensor; reading the whole "
                            "checkpoint to convert it", self.directory, name)
-            self._converted = self._convert(read_hf_weights(self.directory))
+            stored = read_hf_weights(self.directory)
+            self.bytes_read += sum(t.numel() * t.element_size() for t in stored.values())
+            self._converted = self._convert(stored)
         return self._converted[name]
 
 
-__all__ = ["HFSlices", "StoredView", "Region", "Converter"]
+__all__ = ["HFSlices", "StoredView", "StackedView", "Region", "Converter"]

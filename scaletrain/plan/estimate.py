@@ -265,9 +265,10 @@ def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = Fals
     at once, is an upper bound that never happens):
 
     - the end of a forward pass: activations, logits/loss buffers and 16-bit weight copies
-      live; gradients only when an earlier micro-batch of the same step left them
-      (`zero_grad(set_to_none=True)` frees them after each optimizer step) or when they live
-      in buckets that outlast the step (`grads_resident`: torch's DDP);
+      live (under FSDP, the gathered root unit too); gradients only when an earlier
+      micro-batch of the same step left them (`zero_grad(set_to_none=True)` frees them after
+      each optimizer step) or when they live in buckets that outlast the step
+      (`grads_resident`: torch's DDP);
     - the optimizer step: every gradient, no activations; with `comm_at_step_only` the
       communication buffers exist only here (the flat gradient buckets of `sync_gradients`).
 
@@ -283,7 +284,8 @@ def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = Fals
               + mem.get("host_runtime", 0) + mem.get("batches", 0)
               + mem.get("loader_workers", 0))
     forward = (states + mem["activations"] + mem["logits_loss"] + mem["cast_weights"]
-               + mem.get("gathered_weights", 0) + (0 if comm_at_step_only else comm)
+               + mem.get("gathered_weights", 0) + mem.get("root_gathered", 0)
+               + (0 if comm_at_step_only else comm)
                + (mem["gradients"] if grad_accum > 1 or grads_resident else 0))
     return max(forward, states + comm + mem["gradients"])
 
@@ -397,6 +399,10 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         not_local = (1 - 1 / dims.ep) * expert_params(args, 1) / dims.tp
         unsharded = sp.total - sp.layers * not_local
         mem["gathered_weights"] = int(unsharded * gathered) if lay.blocks_stay_gathered else 0
+        if lay.fsdp and not lay.blocks_stay_gathered:
+            # The root unit (`apply_fsdp`'s last `fully_shard`: embedding, final norm, head)
+            # reshards only after backward: gathered from the forward's start to its backward.
+            mem["root_gathered"] = int((sp.embedding + sp.head) * gathered)
         if lay.fsdp:
             # The unsharded block being computed and the prefetched next one, plus the
             # unsharded gradients of one block before its reduce-scatter.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from scaletrain.models.args import ModelArgs
 from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
 from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.plan.finetune_host import host_load_bytes
@@ -68,11 +69,16 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
         if problem:
             raise PlanError(problem)
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
+    # FSDP with 16-bit parameters keeps fp32 shards of every parameter, frozen ones too, and
+    # gathers them in 16 bits (`Parallelism.fsdp_param_dtype`): the trainable shards are the
+    # master weights, as in pre-training, and a frozen weight is 4 bytes, not 2.
+    fsdp16 = lay.fsdp and lay.stored_dtype != "fp32"
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,
                       freeze_first=freeze_first, num_labels=num_labels,
                       targets=targets or tuple(TARGETS), train_norms=train_norms,
-                      freeze_embeddings=freeze_embeddings, weight_bytes=int(per.weights))
+                      freeze_embeddings=freeze_embeddings,
+                      weight_bytes=4 if fsdp16 else int(per.weights))
     except ValueError as e:
         raise PlanError(str(e)) from None
     # Tensor parallelism splits the weights as in pre-training (the embedding, head and block
@@ -87,24 +93,38 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             trainable += ft.trainable - lora_params_per_rank(plan.args, rank,
                                                              targets or tuple(TARGETS), 1)
     shard = lay.shard_group if lay.fsdp else 1
-    states = {"weights": int(ft.weight_bytes * tp_share) // shard,
+    weight_bytes = int(ft.weight_bytes * tp_share)
+    if fsdp16:  # the trainable fp32 shards count as master weights
+        weight_bytes = max(weight_bytes - trainable * 4, 0)
+    states = {"weights": weight_bytes // shard,
               "gradients": int(trainable * per.gradients / shard),
-              "master_weights": int(trainable * per.master_weights / shard),
+              "master_weights": int(trainable * (4 if fsdp16 else per.master_weights) / shard),
               "optimizer": int(trainable * per.optimizer / shard)}
     offloaded = offload_states(states, lay.offload)
+    if lay.cpu_offload and lay.fsdp:  # FSDP's offload: every sharded state to the host
+        offloaded += sum(states.values())
+        states = dict.fromkeys(states, 0)
     mem = {k: v for k, v in plan.memory_bytes.items() if k not in ("total", "peak")}
     mem.update(states)
+    if lay.fsdp and method in ("lora", "qlora"):
+        mem["comm_buffers"] = int(mem["comm_buffers"] * _adapted_block_share(
+            plan.args, method, rank, targets or tuple(TARGETS), lay.gather_dtype))
     options = {"rank": rank, "train_last": train_last, "freeze_first": freeze_first,
                "num_labels": num_labels, "targets": targets, "train_norms": train_norms,
                "freeze_embeddings": freeze_embeddings, "lora_dropout": lora_dropout}
-    breakdown = _activations(plan, method, options, mem)
+    breakdown, own_activations = _activations(plan, method, options, mem)
     mem["total"] = sum(mem.values())
     mem["peak"] = peak_bytes(mem, lay.grad_accum, grads_resident=lay.ddp_wrapped,
                              comm_at_step_only=not lay.fsdp)
     info = {"method": method, "trainable": ft.trainable, "total": ft.total,
             "lora_rank": rank if method in ("lora", "qlora") else None,
             "options": options,
-            "host_load_bytes": host_load_bytes(plan.args, method, shard,
+            # whether the activations are the method's own (`finetune_activations`) or
+            # pre-training's (full fine-tuning's, an upper bound for frozen parts)
+            "method_activations": own_activations,
+            # TP ranks read their shards too (the replicated norms, KiB, counted as split);
+            # QLoRA under torchrun quantizes while it reads
+            "host_load_bytes": host_load_bytes(plan.args, method, shard * d.tp,
                                                distributed=d.world_size > 1)}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
@@ -127,10 +147,38 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                                comm_bytes_per_step=comm, comm_bytes_by_dim=by_dim)
 
 
+def _adapted_block_share(args: ModelArgs, method: str, rank: int,
+                         targets: tuple[str, ...], gather_dtype: str) -> float:
+    """FSDP's block buffers of a LoRA/QLoRA run over pre-training's (`estimate`: the block
+    being computed, the prefetched one, and one block's unsharded gradients, 3 blocks in the
+    gather dtype): the two gathered blocks hold the base (QLoRA: its block linears as 4-bit
+    codes and 8-bit absmax, as `finetune_estimate` counts them) plus the adapters, and only
+    the adapters have gradients."""
+    from scaletrain.models.args import count_params
+    from scaletrain.plan.activations import DTYPE_BYTES
+    from scaletrain.plan.finetune_estimate import (
+        NF4_BLOCK_SIZE,
+        _linear_shapes,
+        lora_params_per_rank,
+    )
+
+    pc = count_params(args)
+    final_norm = 2 * args.dim if args.arch == "gpt2" else args.dim
+    block = (pc.attention + pc.mlp + pc.norms - final_norm) / args.n_layers
+    lora = lora_params_per_rank(args, rank, targets, 1) / args.n_layers
+    base = block
+    if method == "qlora":  # in gathered elements: an NF4 code is half a byte
+        linear = sum(i * o for i, o in _linear_shapes(args).values())
+        nf4_bytes = linear / 2 + linear / NF4_BLOCK_SIZE
+        base = block - linear + nf4_bytes / DTYPE_BYTES[gather_dtype]
+    return (2 * (base + lora) + lora) / (3 * block)
+
+
 def _activations(plan: Plan, method: str, options: dict[str, Any],
-                 mem: dict[str, int]) -> dict[str, int]:
+                 mem: dict[str, int]) -> tuple[dict[str, int], bool]:
     """Set `mem`'s activations, cast_weights and logits_loss for the method (see
-    `finetune_plan`); returns the activation breakdown."""
+    `finetune_plan`); returns the activation breakdown and whether it is the method's own
+    (False: pre-training's)."""
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
     from scaletrain.plan.activations import DTYPE_BYTES
     from scaletrain.plan.estimate import _spec
@@ -149,7 +197,7 @@ def _activations(plan: Plan, method: str, options: dict[str, Any],
     if (method == "full" and labels is None) or not supported(args, spec):
         if method in ("lora", "qlora"):
             mem["cast_weights"] = 0  # (the fused base layers keep no casts)
-        return plan.activation_breakdown
+        return plan.activation_breakdown, method == "full" and labels is None
     kw = method_blocks(args, method, train_last=options["train_last"],
                        freeze_first=options["freeze_first"],
                        targets=tuple(options["targets"] or TARGETS),
@@ -162,7 +210,7 @@ def _activations(plan: Plan, method: str, options: dict[str, Any],
     mem["activations"] = act.saved + act.recompute
     mem["cast_weights"] = kept_weight_casts(args, spec, **kw)
     return {**act.layers, "embedding": act.embedding, "rope_tables": act.rope_tables,
-            "head": act.head, "loss": act.loss, "recompute": act.recompute}
+            "head": act.head, "loss": act.loss, "recompute": act.recompute}, True
 
 
 def like(plan: Plan, reference: Plan) -> Plan:

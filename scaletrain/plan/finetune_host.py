@@ -1,15 +1,15 @@
 """Host memory per rank while a fine-tuning run loads its base (`plan --method`): what
 `finetune.base_sharded`, `finetune.qlora_load` and the whole-base loader hold at their peak.
 
-- FSDP (ZeRO-2/3 over N ranks, LoRA/full/freeze): each rank holds its shards of the base in
-  fp32 (about base / N) plus one tensor region in flight, read in the stored dtype and cast:
-  at most the largest tensor in both dtypes.
+- FSDP (ZeRO-2/3 over N ranks) and/or tensor parallelism (T ranks), LoRA/full/freeze: each
+  rank holds its shards of the base in fp32 (about base / (N x T)) plus one tensor region in
+  flight, read in the stored dtype and cast: at most the largest tensor in both dtypes.
 - QLoRA under torchrun (FSDP over N ranks, or DDP: N = 1): each rank holds its shards of the
   quantized base (block linears as NF4 codes and scales, ~0.52 byte per weight; the rest in
   fp32), plus one whole block weight in flight (read in the stored dtype, cast to fp32 and
   quantized) or one region of another tensor.
-- One process and DDP (LoRA/full/freeze), and QLoRA on one process (which reads the fp32 base,
-  then quantizes it): the whole base in fp32, plus the largest tensor in flight.
+- One process and DDP without TP (LoRA/full/freeze), and QLoRA on one process (which reads the
+  fp32 base, then quantizes it): the whole base in fp32, plus the largest tensor in flight.
 Measured against this bound: `bench/finetune_load_cpu.py`, `bench/qlora_load_cpu.py`,
 `tests/distributed/test_sharded_load.py`, `tests/distributed/test_qlora_load.py`.
 """

@@ -89,9 +89,10 @@ def _finetune_lines(plan: Plan) -> list[str]:
         return []
     f = plan.finetune
     rank = f" r={f['lora_rank']}" if f["lora_rank"] else ""
+    acts = ("activations of what this method keeps for backward" if f.get("method_activations")
+            else "activations as for full training (an upper bound when parts are frozen)")
     return [f"fine-tuning {f['method']}{rank}: {f['trainable']:,} trainable of {f['total']:,} "
-            f"({f['trainable'] / f['total']:.2%}); activations as for full training (an upper "
-            "bound when blocks are frozen)", *_host_lines(f.get("host_load_bytes"))]
+            f"({f['trainable'] / f['total']:.2%}); {acts}", *_host_lines(f.get("host_load_bytes"))]
 
 
 def _host_lines(host: dict | None) -> list[str]:
@@ -104,7 +105,8 @@ def _host_lines(host: dict | None) -> list[str]:
         cast = "read bf16, cast to fp32, quantized"
     else:
         how = ("its shards of the fp32 base" if host["sharded"]
-               else "the whole fp32 base (one process, DDP, or QLoRA on one process)")
+               else "the whole fp32 base (one process, DDP without TP, or QLoRA on one "
+               "process)")
         cast = "read bf16, cast to fp32"
     return [f"host RAM per rank while loading the base: {host['peak'] / GIB:.2f} GiB = {how} "
             f"{host['weights'] / GIB:.2f} GiB + the largest tensor in flight "

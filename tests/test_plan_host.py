@@ -22,11 +22,47 @@ def test_host_bytes_from_the_dimensions() -> None:
     total = a.n_layers * block + 2 * a.vocab_size * a.dim + a.dim
     largest = a.vocab_size * a.dim
     sharded = host_load_bytes(a, "lora", 8)
-    assert sharded == {"sharded": True, "weights": -(-total * 4 // 8),
-                       "in_flight": largest * 6, "peak": -(-total * 4 // 8) + largest * 6}
-    whole = host_load_bytes(a, "qlora", 8)  # QLoRA reads the fp32 base on one process
+    assert sharded == {"sharded": True, "quantized_on_load": False,
+                       "weights": -(-total * 4 // 8), "in_flight": largest * 6,
+                       "peak": -(-total * 4 // 8) + largest * 6}
+    whole = host_load_bytes(a, "qlora", 1)  # QLoRA on one process reads the fp32 base
     assert not whole["sharded"] and whole["weights"] == total * 4
     assert host_load_bytes(a, "lora", 1)["weights"] == total * 4
+    # QLoRA under torchrun: the block linears as NF4 (codes, 8-bit scales per 64, fp32 scales
+    # per 256 scales, offset), the rest in fp32, each tensor split over the ranks
+    linears = {"wq": a.dim * a.dim, "wk": a.dim * h, "wv": a.dim * h, "wo": a.dim * a.dim,
+               "w1": a.dim * a.hidden_dim, "w2": a.dim * a.hidden_dim, "w3": a.dim * a.hidden_dim}
+
+    def nf4(n: int) -> int:
+        return n // 2 + n // 64 + 4 * -(-n // 64 // 256) + 4
+
+    rest = total - a.n_layers * sum(linears.values())
+    for ranks in (8, 1):
+        q = host_load_bytes(a, "qlora", ranks, distributed=True)
+        shard = a.n_layers * sum(-(-nf4(n) // ranks) for n in linears.values()) \
+            + sum(-(-n * 4 // ranks) for n in (a.vocab_size * a.dim,) * 2) \
+            + (rest - 2 * a.vocab_size * a.dim) * 4 // ranks  # the norms: 8192 per rank
+        assert q["quantized_on_load"] and q["sharded"] == (ranks > 1), q
+        assert q["weights"] == shard, (q["weights"], shard)
+        assert q["in_flight"] == largest * 6, q  # the embedding's region still dominates
+    assert host_load_bytes(a, "qlora", 8, distributed=True)["peak"] < 12 * 2**30  # not 268 GiB
+
+
+def test_nf4_sizes_are_bitsandbytes() -> None:
+    """The planner's NF4 bytes equal the parameters one quantized layer has."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from scaletrain.finetune.qlora import to_nf4
+    from scaletrain.finetune.qlora_load import nf4_sizes
+    from scaletrain.finetune.qlora_shard import NF4Linear
+    from scaletrain.plan.finetune_host import nf4_bytes
+
+    for out, inp in ((3, 64), (96, 128), (257, 64 * 257)):
+        layer = NF4Linear(to_nf4(torch.nn.Linear(inp, out, bias=False), torch.float32))
+        held = {n: p.numel() for n, p in layer.named_parameters()}
+        assert held == nf4_sizes(out * inp, layer.nested_blocksize), (out, inp, held)
+        assert sum(held.values()) == nf4_bytes(out * inp)
 
 
 def test_plan_prints_and_writes_host_ram(capsys: pytest.CaptureFixture[str]) -> None:

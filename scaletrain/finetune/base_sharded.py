@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -50,13 +51,14 @@ def _meta_names(backbone: Transformer) -> set[str]:
 
 @torch.no_grad()
 def materialize(model: nn.Module, backbone: Transformer, base: LoadedModel,
-                device: torch.device) -> LoadReport:
+                device: torch.device, skip: Collection[str] = ()) -> LoadReport:
     """Fill `model` (built from `base` on the meta device, then sharded; `backbone` is the
     `Transformer` inside it) with the base's weights: each rank reads only the regions of each
     tensor it holds, cast to the parameter's dtype. Parameters created for real before sharding
-    (adapters, heads) keep their values."""
+    (adapters, heads) keep their values; those named in `skip` are left for the caller to fill
+    (QLoRA's 4-bit codes and scales: `qlora_load`)."""
     with LoadTimer() as timer:
-        from_checkpoint = _meta_names(backbone)
+        from_checkpoint = _meta_names(backbone) - set(skip)
         kept = {n: local_region(p)[0].clone() for n, p in model.named_parameters()
                 if not p.is_meta}
         model.to_empty(device=device)  # FSDP2 allocates each rank's shards only

@@ -71,15 +71,32 @@ def _logical_numel(p: torch.Tensor) -> int:
     return int(torch.Size(shape).numel()) if shape is not None else p.numel()
 
 
+def _nf4_parts(model: nn.Module) -> tuple[dict[int, int], dict[int, int]]:
+    """The shardable NF4 layers' (`qlora_shard.NF4Linear`) parameters by id: (packed codes ->
+    elements they stand for, scales -> bytes), counted as a bitsandbytes layer's are."""
+    from scaletrain.finetune.qlora_shard import NF4Linear
+
+    codes: dict[int, int] = {}
+    stats: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, NF4Linear):
+            codes[id(m.weight)] = int(torch.Size(m.shape).numel())
+            stats[id(m.offset)] = 0  # what bitsandbytes' QuantState counts: not the offset,
+            for t in (m.absmax, m.nested_absmax, m.code):  # the 4-bit code book
+                stats[id(t)] = t.numel() * t.element_size()
+    return codes, stats
+
+
 def param_report(model: nn.Module) -> ParamReport:
     """Trainable and total parameters (shared ones counted once) and their storage bytes."""
     seen: set[int] = set()
     trainable = total = t_bytes = f_bytes = 0
+    codes, stats = _nf4_parts(model)
     for p in model.parameters():
-        if id(p) in seen:
+        if id(p) in seen or id(p) in stats:
             continue
         seen.add(id(p))
-        n = _logical_numel(p)
+        n = codes.get(id(p)) or _logical_numel(p)
         nbytes = p.numel() * p.element_size()
         total += n
         if p.requires_grad:
@@ -95,7 +112,7 @@ def memory_report(model: nn.Module, optimizer_states: int = 2) -> dict[str, int]
     and optimizer state (`optimizer_states` fp32 tensors per trainable parameter, 2 for AdamW).
     Quantization statistics of 4-bit weights are counted with the frozen weights."""
     r = param_report(model)
-    quant_stats = 0
+    quant_stats = sum(_nf4_parts(model)[1].values())
     for m in model.modules():
         qs = getattr(getattr(m, "weight", None), "quant_state", None)
         if qs is not None:

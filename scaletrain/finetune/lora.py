@@ -16,6 +16,7 @@ from torch import nn
 
 from scaletrain.finetune.lora_fused import lora_linear
 from scaletrain.finetune.qlora import dequantize_weight, is_nf4
+from scaletrain.finetune.qlora_shard import NF4Linear
 from scaletrain.models.linears import BLOCK_LINEARS
 
 log = logging.getLogger("scaletrain.finetune")
@@ -96,7 +97,8 @@ class LoRALinear(nn.Module):
         """`dense` or `nf4`: the base and adapter run as one node (`lora_fused.py`); None
         (dropout, or another kind of base): composed by autograd."""
         if dropout == 0:
-            self.fused = "dense" if type(base) is nn.Linear else "nf4" if is_nf4(base) else None
+            self.fused = "dense" if type(base) is nn.Linear else "nf4" if is_nf4(base) or \
+                isinstance(base, NF4Linear) else None
         self.reset_lora()
         for p in self.base.parameters():
             p.requires_grad_(False)

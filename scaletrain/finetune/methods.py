@@ -26,9 +26,14 @@ def apply_method(backbone: nn.Module, method: str, *, lora: LoRASettings | None 
         if method == "qlora":
             from scaletrain.finetune.qlora import quantize_blocks
 
-            quantize_blocks(backbone, quant_dtype or torch.float32)
-            if device is not None:
-                backbone.to(device)
+            if any(p.is_meta for p in backbone.parameters()):  # read later: `qlora_load`
+                from scaletrain.finetune.qlora_load import empty_nf4
+
+                quantize_blocks(backbone, quant_dtype or torch.float32, make=empty_nf4)
+            else:
+                quantize_blocks(backbone, quant_dtype or torch.float32)
+                if device is not None:
+                    backbone.to(device)
         torch.manual_seed(seed)
         apply_lora(backbone, lora or LoRASettings())
         if norms:

@@ -10,6 +10,7 @@ no 4-bit layer, so QLoRA on an MoE model quantizes the attention only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,18 +32,24 @@ def _bnb():
     return bnb
 
 
-def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
-    """A bitsandbytes `Linear4bit` (NF4, double quantization) holding `linear`'s weights."""
-    bnb = _bnb()
-    weight = linear.weight.detach()
-    if weight.device.type == "cpu" and linear.in_features % BLOCK_SIZE:
+def check_cpu_rows(in_features: int) -> None:
+    """Refuse a layer bitsandbytes cannot quantize right on the CPU (where QLoRA quantizes)."""
+    if in_features % BLOCK_SIZE:
         # bitsandbytes 0.50's CPU kernel takes the wrong block scale when a row of the weight
         # does not end on a block boundary (seen: errors of 13x the block's absmax).
         raise ValueError(
             f"QLoRA on CPU needs layer input sizes divisible by {BLOCK_SIZE}; this model has a "
-            f"linear layer with {linear.in_features} inputs (bitsandbytes' CPU 4-bit kernel "
+            f"linear layer with {in_features} inputs (bitsandbytes' CPU 4-bit kernel "
             "mis-reads such rows); use --method lora, or a GPU"
         )
+
+
+def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    """A bitsandbytes `Linear4bit` (NF4, double quantization) holding `linear`'s weights."""
+    bnb = _bnb()
+    weight = linear.weight.detach()
+    if weight.device.type == "cpu":
+        check_cpu_rows(linear.in_features)
     q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                           compute_dtype=compute_dtype, compress_statistics=True,
                           quant_type="nf4", device="meta")
@@ -54,8 +61,10 @@ def to_nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     return q.to(weight.device)  # bitsandbytes quantizes on the move to a device
 
 
-def quantize_blocks(model: nn.Module, compute_dtype: torch.dtype) -> int:
-    """Replace every `nn.Linear` inside `model.layers` by its NF4 version; returns the count."""
+def quantize_blocks(model: nn.Module, compute_dtype: torch.dtype,
+                    make: Callable[[nn.Linear, torch.dtype], nn.Module] | None = None) -> int:
+    """Replace every `nn.Linear` inside `model.layers` by its NF4 version (`make`, `to_nf4`
+    by default; a model on the meta device: `qlora_load.empty_nf4`); returns the count."""
     count = 0
     moe = False
     for block in model.layers.values():
@@ -66,7 +75,7 @@ def quantize_blocks(model: nn.Module, compute_dtype: torch.dtype) -> int:
             if type(module) is nn.Linear:
                 parent_name, _, attr = name.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block
-                setattr(parent, attr, to_nf4(module, compute_dtype))
+                setattr(parent, attr, (make or to_nf4)(module, compute_dtype))
                 count += 1
     log.info("QLoRA: %d linear layers stored as NF4 (double quantization), compute in %s",
              count, str(compute_dtype).removeprefix("torch."))
@@ -97,5 +106,5 @@ def dequantize(module: nn.Module) -> torch.Tensor:
     return dequantize_weight(module.weight).float()
 
 
-__all__ = ["to_nf4", "quantize_blocks", "is_nf4", "dequantize", "dequantize_weight",
-           "BLOCK_SIZE"]
+__all__ = ["to_nf4", "check_cpu_rows", "quantize_blocks", "is_nf4", "dequantize",
+           "dequantize_weight", "BLOCK_SIZE"]

@@ -162,8 +162,10 @@ class FinetuneTrainer(Trainer):
             log.info("base load: %.2f s (slowest rank), peak host RSS %.1f MiB (largest rank), "
                      "%s", max(r["seconds"] for r in self.load_reports),
                      worst["peak_rss_bytes"] / 2**20,
-                     "sharded: each rank read its shards" if self.sharded_load
-                     else "whole base on each process")
+                     "whole base on each process" if not self.sharded_load
+                     else "4-bit layers quantized one at a time on each replica"
+                     if self.ft.method == "qlora" and self.par.mode == "ddp"
+                     else "sharded: each rank read its shards")
         self.flops_per_token = self._flops_per_token()
         if self.is_main:
             self._write_meta()
@@ -184,9 +186,10 @@ class FinetuneTrainer(Trainer):
     def _build_data(self) -> None:
         cfg, ft = self.cfg, self.ft
         # Under FSDP or TP each rank reads only the parts it will hold, once the layout is
-        # applied (`base_sharded`)
-        self.sharded_load = (self.par.enabled and ft.method != "qlora"
-                             and (self.par.mode in ("zero2", "zero3") or self.par.dims.tp > 1))
+        # applied (`base_sharded`); QLoRA under torchrun quantizes one layer at a time, keeping
+        # its part (`qlora_load`)
+        self.sharded_load = self.par.enabled and (self.par.mode in ("zero2", "zero3")
+                                                  or self.par.dims.tp > 1 or ft.method == "qlora")
         with verification(cfg.checkpoint.verify), LoadTimer() as timer:
             self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device,
                                   weights=not self.sharded_load)
@@ -308,18 +311,9 @@ class FinetuneTrainer(Trainer):
         if not self.par.enabled:
             return model
         model = self._data_parallel(model)
-        if self.sharded_load:  # the whole layout is applied: each rank reads its parts
-            self._materialize(model, backbone)
+        if self.sharded_load and self.load_report is None:  # (QLoRA under DDP: read already)
+            self._materialize(model, backbone)  # the whole layout is applied
         return model
-
-    def _materialize(self, model: nn.Module, backbone: nn.Module) -> None:
-        """Each rank reads its parts of the base into the laid-out meta model (TP, FSDP, both)."""
-        from scaletrain.finetune.base_sharded import materialize
-
-        with verification(self.cfg.checkpoint.verify):
-            self.load_report = materialize(model, backbone, self.base,
-                                           torch.device("cpu") if self.cfg.parallel.cpu_offload
-                                           else self.device)
 
     def _tensor_parallel(self, model: nn.Module) -> None:
         """Under torchrun: QLoRA's NF4 layers in their shardable form (`qlora_shard.py`);
@@ -356,6 +350,9 @@ class FinetuneTrainer(Trainer):
             if d.tp == 1:
                 from scaletrain.parallel.ddp import apply_ddp
 
+                if self.sharded_load:  # QLoRA, read before DDP broadcasts the replicas
+                    self._materialize(model, backbone)
+
                 return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
             if dp > 1:  # replicas of the TP-sharded model: the step sums their gradients
                 self.par.grad_sync_group = self.par.mesh.group("dp_cp")
@@ -366,6 +363,18 @@ class FinetuneTrainer(Trainer):
                    reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
         return model
+
+    def _materialize(self, model: nn.Module, backbone: nn.Module) -> None:
+        """Each rank reads its parts of the base into the laid-out meta model (TP, FSDP, both:
+        `base_sharded`); QLoRA's 4-bit layers are quantized one at a time (`qlora_load`)."""
+        if self.ft.method == "qlora":
+            from scaletrain.finetune.qlora_load import materialize_qlora as fill
+        else:
+            from scaletrain.finetune.base_sharded import materialize as fill
+        with verification(self.cfg.checkpoint.verify):
+            self.load_report = fill(model, backbone, self.base,
+                                    torch.device("cpu") if self.cfg.parallel.cpu_offload
+                                    else self.device)
 
     def _write_meta(self) -> None:
         ft = self.ft

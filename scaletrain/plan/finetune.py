@@ -122,8 +122,10 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             # whether the activations are the method's own (`finetune_activations`) or
             # pre-training's (full fine-tuning's, an upper bound for frozen parts)
             "method_activations": own_activations,
-            # TP ranks read their shards too (the replicated norms, KiB, counted as split)
-            "host_load_bytes": host_load_bytes(plan.args, method, shard * d.tp)}
+            # TP ranks read their shards too (the replicated norms, KiB, counted as split);
+            # QLoRA under torchrun quantizes while it reads
+            "host_load_bytes": host_load_bytes(plan.args, method, shard * d.tp,
+                                               distributed=d.world_size > 1)}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
     share = trainable / plan.params_per_rank

@@ -1,13 +1,17 @@
 """Host memory per rank while a fine-tuning run loads its base (`plan --method`): what
-`finetune.base_sharded` and the whole-base loader hold at their peak.
+`finetune.base_sharded`, `finetune.qlora_load` and the whole-base loader hold at their peak.
 
 - FSDP (ZeRO-2/3 over N ranks) and/or tensor parallelism (T ranks), LoRA/full/freeze: each
   rank holds its shards of the base in fp32 (about base / (N x T)) plus one tensor region in
   flight, read in the stored dtype and cast: at most the largest tensor in both dtypes.
-- One process, DDP without TP, and QLoRA (which reads the fp32 base on the host, then
-  quantizes it): the whole base in fp32 on every process, plus the largest tensor in flight.
-Measured against this bound: `bench/finetune_load_cpu.py`, `tests/distributed/
-test_sharded_load.py`.
+- QLoRA under torchrun (FSDP over N ranks, or DDP: N = 1): each rank holds its shards of the
+  quantized base (block linears as NF4 codes and scales, ~0.52 byte per weight; the rest in
+  fp32), plus one whole block weight in flight (read in the stored dtype, cast to fp32 and
+  quantized) or one region of another tensor.
+- One process and DDP without TP (LoRA/full/freeze), and QLoRA on one process (which reads the
+  fp32 base, then quantizes it): the whole base in fp32, plus the largest tensor in flight.
+Measured against this bound: `bench/finetune_load_cpu.py`, `bench/qlora_load_cpu.py`,
+`tests/distributed/test_sharded_load.py`, `tests/distributed/test_qlora_load.py`.
 """
 
 from __future__ import annotations
@@ -17,30 +21,67 @@ import torch
 from scaletrain.models.args import ModelArgs
 
 LOAD_BYTES = 4  # the trainer loads the base in fp32 (FSDP's mixed precision casts on gather)
+NF4_BLOCK = 64  # weights per 8-bit scale (`finetune.qlora.BLOCK_SIZE`)
+NF4_NESTED_BLOCK = 256  # 8-bit scales per fp32 scale of the double quantization
 
 
 def tensor_sizes(args: ModelArgs) -> list[int]:
     """Element counts of the model's parameters (a tied head counted once), from a model
     built on the meta device."""
+    quantized, other = split_sizes(args)
+    return quantized + other
+
+
+def split_sizes(args: ModelArgs) -> tuple[list[int], list[int]]:
+    """(element counts of the weights QLoRA stores as NF4: every plain linear inside the
+    blocks but MoE routers, as `finetune.qlora.quantize_blocks` picks them; of the other
+    parameters, a tied head counted once)."""
+    from torch import nn
+
     from scaletrain.models.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)
-    return [p.numel() for p in model.parameters()]
+    picked = {id(m.weight) for block in model.layers.values()
+              for name, m in block.named_modules()
+              if type(m) is nn.Linear and not name.endswith("router.gate")}
+    quantized, other = [], []
+    for p in model.parameters():
+        (quantized if id(p) in picked else other).append(p.numel())
+    return quantized, other
 
 
-def host_load_bytes(args: ModelArgs, method: str, shards: int, stored_bytes: int = 2
-                    ) -> dict[str, int | bool]:
+def nf4_bytes(numel: int) -> int:
+    """Bytes of one weight of `numel` elements as NF4 with double quantization: packed codes,
+    8-bit block scales, fp32 scales of the scales and their offset (`finetune.qlora_load`)."""
+    blocks = -(-numel // NF4_BLOCK)
+    return (numel + 1) // 2 + blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 4
+
+
+def host_load_bytes(args: ModelArgs, method: str, shards: int, stored_bytes: int = 2,
+                    distributed: bool = False) -> dict[str, int | bool]:
     """Per-rank host bytes of the base's load: `weights` (the rank's shards, or the whole base),
-    `in_flight` (the largest tensor, read in `stored_bytes` per element and cast to fp32) and
-    `peak`; `sharded` says which loader runs."""
-    sizes = tensor_sizes(args)
-    sharded = shards > 1 and method != "qlora"
-    total = sum(sizes) * LOAD_BYTES
-    weights = -(-total // shards) if sharded else total
-    in_flight = max(sizes) * (stored_bytes + LOAD_BYTES)
-    return {"sharded": sharded, "weights": weights, "in_flight": in_flight,
-            "peak": weights + in_flight}
+    `in_flight` (the largest tensor, read in `stored_bytes` per element and cast to fp32; QLoRA
+    layer by layer: also quantized) and `peak`; `sharded` says whether each rank holds 1/shards
+    and `quantized_on_load` whether QLoRA quantizes as it reads (under torchrun, `distributed`).
+    """
+    quantized, other = split_sizes(args)
+    streamed = method == "qlora" and distributed
+    sharded = shards > 1 and (method != "qlora" or streamed)
+    cast = stored_bytes + LOAD_BYTES
+    if streamed:
+        n = max(shards, 1)
+        weights = sum(-(-nf4_bytes(q) // n) for q in quantized) + \
+            sum(-(-o * LOAD_BYTES // n) for o in other)
+        in_flight = max(max(quantized, default=0) * cast + nf4_bytes(max(quantized, default=0)),
+                        max(other) * cast)
+    else:
+        sizes = quantized + other
+        total = sum(sizes) * LOAD_BYTES
+        weights = -(-total // shards) if sharded else total
+        in_flight = max(sizes) * cast
+    return {"sharded": sharded, "quantized_on_load": streamed, "weights": weights,
+            "in_flight": in_flight, "peak": weights + in_flight}
 
 
-__all__ = ["host_load_bytes", "tensor_sizes", "LOAD_BYTES"]
+__all__ = ["host_load_bytes", "tensor_sizes", "split_sizes", "nf4_bytes", "LOAD_BYTES"]

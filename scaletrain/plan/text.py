@@ -99,8 +99,15 @@ def _host_lines(host: dict | None) -> list[str]:
     """Host RAM per rank at the base's load (`plan.finetune_host`)."""
     if not host:
         return []
-    how = ("its shards of the fp32 base" if host["sharded"]
-           else "the whole fp32 base (one process, DDP without TP, or QLoRA)")
+    if host.get("quantized_on_load"):
+        how = ("its shards of the 4-bit base (NF4 block linears, the rest fp32)"
+               if host["sharded"] else "the 4-bit base (NF4 block linears, the rest fp32)")
+        cast = "read bf16, cast to fp32, quantized"
+    else:
+        how = ("its shards of the fp32 base" if host["sharded"]
+               else "the whole fp32 base (one process, DDP without TP, or QLoRA on one "
+               "process)")
+        cast = "read bf16, cast to fp32"
     return [f"host RAM per rank while loading the base: {host['peak'] / GIB:.2f} GiB = {how} "
             f"{host['weights'] / GIB:.2f} GiB + the largest tensor in flight "
-            f"{host['in_flight'] / GIB:.2f} GiB (read bf16, cast to fp32)"]
+            f"{host['in_flight'] / GIB:.2f} GiB ({cast})"]

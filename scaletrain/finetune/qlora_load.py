@@ -181,15 +181,24 @@ def materialize_qlora(model: nn.Module, backbone: nn.Module, base: LoadedModel,
             with hf_slices(directory, base.args) as reader:
                 kept = fill_nf4(layers, lambda name, _shape: reader.read(name, None,
                                                                           torch.float32), group)
+                quantized_read = reader.bytes_read  # stored bytes, as `materialize` counts
         else:  # checked when the base was described (`load_base`)
-            kept = fill_nf4(layers, lambda name, shape: read_native_tensors(
-                directory, {name: shape})[name], group)
-    report = timer.report(dense.bytes_read + kept)
+            native_read = 0
+
+            def read_native(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+                nonlocal native_read
+                tensor = read_native_tensors(directory, {name: shape})[name]
+                native_read += tensor.numel() * tensor.element_size()
+                return tensor
+
+            kept = fill_nf4(layers, read_native, group)
+            quantized_read = native_read
+    report = timer.report(dense.bytes_read + quantized_read)
     rank, size = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
     log.info("QLoRA base loaded in %.2f s: %d layers quantized one at a time (%d by this "
-             "rank), %.1f MiB kept by this rank, peak RSS %.1f MiB", report.seconds, len(layers),
-             len(range(rank, len(layers), size)), report.bytes_read / 2**20,
-             report.peak_rss_bytes / 2**20)
+             "rank), %.1f MiB read and %.1f MiB of 4-bit layers kept by this rank, peak RSS "
+             "%.1f MiB", report.seconds, len(layers), len(range(rank, len(layers), size)),
+             report.bytes_read / 2**20, kept / 2**20, report.peak_rss_bytes / 2**20)
     return report
 
 

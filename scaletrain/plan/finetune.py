@@ -69,16 +69,17 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
         if problem:
             raise PlanError(problem)
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
-    # FSDP with 16-bit parameters keeps fp32 shards of every parameter, frozen ones too, and
-    # gathers them in 16 bits (`Parallelism.fsdp_param_dtype`): the trainable shards are the
-    # master weights, as in pre-training, and a frozen weight is 4 bytes, not 2.
+    # 16-bit parameters: frozen weights are stored in 16 bits in every layout (no master:
+    # `finetune/frozen_dtype.py`). FSDP keeps fp32 shards of the trainable ones and gathers
+    # every weight in 16 bits (`Parallelism.fsdp_param_dtype`): those shards are the master
+    # weights, as in pre-training; elsewhere trainable weights are 16-bit with fp32 masters.
     fsdp16 = lay.fsdp and lay.stored_dtype != "fp32"
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,
                       freeze_first=freeze_first, num_labels=num_labels,
                       targets=targets or tuple(TARGETS), train_norms=train_norms,
                       freeze_embeddings=freeze_embeddings,
-                      weight_bytes=4 if fsdp16 else int(per.weights))
+                      weight_bytes=int(per.weights))
     except ValueError as e:
         raise PlanError(str(e)) from None
     # Tensor parallelism splits the weights as in pre-training (the embedding, head and block
@@ -94,8 +95,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                                                              targets or tuple(TARGETS), 1)
     shard = lay.shard_group if lay.fsdp else 1
     weight_bytes = int(ft.weight_bytes * tp_share)
-    if fsdp16:  # the trainable fp32 shards count as master weights
-        weight_bytes = max(weight_bytes - trainable * 4, 0)
+    if fsdp16:  # the trainable fp32 shards count as master weights, not as weights
+        weight_bytes = max(weight_bytes - int(trainable * per.weights), 0)
     states = {"weights": weight_bytes // shard,
               "gradients": int(trainable * per.gradients / shard),
               "master_weights": int(trainable * (4 if fsdp16 else per.master_weights) / shard),

@@ -1,8 +1,8 @@
 """`plan --method` under FSDP holds what the fine-tuning trainer holds: fp32 shards of the
 trainable parameters whatever `precision.param_dtype` (FSDP gathers them in 16 bits), and of
 the frozen ones in the stored dtype (bf16 with `precision.param_dtype bf16`:
-`finetune/frozen_dtype.py`), and with `parallel.cpu_offload` no model state on the device (`FinetuneTrainer._data_parallel`
-passes it to `apply_fsdp`)."""
+`finetune/frozen_dtype.py`), and with `parallel.cpu_offload` no model state on the device
+(`FinetuneTrainer._data_parallel` passes it to `apply_fsdp`)."""
 
 from __future__ import annotations
 

@@ -342,10 +342,10 @@ class FinetuneTrainer(Trainer):
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         """Under torchrun, after `_tensor_parallel`: DDP over the data-parallel ranks (frozen
-        parameters are not reduced; with TP, replicas of the sharded model whose gradients the
-        step sums), or FSDP's ZeRO-2/3 with `parallel.data_parallel zero2|zero3` (each block a
-        unit; frozen parameters are sharded too and get no gradient, QLoRA's NF4 codes and
-        scales as well)."""
+        parameters are not reduced; with TP or 16-bit parameters, replicas whose gradients the
+        step sums, as in pre-training), or FSDP's ZeRO-2/3 with `parallel.data_parallel
+        zero2|zero3` (each block a unit, gathered in `par.fsdp_param_dtype`; frozen parameters
+        are sharded too and get no gradient, QLoRA's NF4 codes and scales as well)."""
         d, cfg = self.par.dims, self.cfg.parallel
         mode = self.par.mode
         backbone = model.backbone if isinstance(model, SequenceClassifier) else model

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
+from scaletrain.plan.estimate import Layout, Plan, PlanError, peak_bytes
 from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.plan.finetune_host import host_load_bytes
 from scaletrain.plan.memory import offload_states, state_bytes
@@ -126,7 +126,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             # TP ranks read their shards too (the replicated norms, KiB, counted as split);
             # QLoRA under torchrun quantizes while it reads
             "host_load_bytes": host_load_bytes(plan.args, method, shard * d.tp,
-                                               distributed=d.world_size > 1)}
+                                               distributed=d.world_size > 1,
+                                               param_bytes=_sharded_base_bytes(method, lay))}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
     share = trainable / plan.params_per_rank
@@ -146,6 +147,13 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                                cpu_offload_bytes=offloaded, finetune=info,
                                activation_breakdown=breakdown,
                                comm_bytes_per_step=comm, comm_bytes_by_dim=by_dim)
+
+
+def _sharded_base_bytes(method: str, lay: Layout) -> int:
+    """Bytes per element of the base a sharded load keeps on each rank: 2 for LoRA with
+    16-bit parameters (its base is frozen, stored in bf16: `finetune/frozen_dtype.py`),
+    else fp32 (trainable parameters; `freeze`'s frozen parts counted at 4, an upper bound)."""
+    return 2 if method == "lora" and lay.stored_dtype != "fp32" else 4
 
 
 def _adapted_block_share(args: ModelArgs, method: str, rank: int,

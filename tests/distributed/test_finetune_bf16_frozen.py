@@ -44,9 +44,10 @@ def _run(argv: list[str]) -> dict[str, Any]:
     masters = list(getattr(opt, "master", {}).values()) or getattr(opt, "masters", [])
     held = {"frozen": _local_bytes(frozen), "trainable": _local_bytes(trainable),
             "masters": _local_bytes(masters)}
-    planned = plan_finetune(trainer.cfg)[0].memory_bytes
+    plan = plan_finetune(trainer.cfg)[0]
     losses, _ = train_steps(trainer, 3, None)
-    return {"losses": losses, "held": held, "planned": planned, "fsdp": trainer.par.fsdp,
+    return {"losses": losses, "held": held, "planned": plan.memory_bytes,
+            "host_load": plan.finetune["host_load_bytes"], "fsdp": trainer.par.fsdp,
             "frozen_dtypes": {p.dtype for p in frozen},
             "trainable_dtypes": {p.dtype for p in trainable}}
 
@@ -101,4 +102,8 @@ def test_bf16_frozen_base_matches_one_process(tmp_path: Path) -> None:
             # FSDP: trainable fp32 shards (the masters), gathered in bf16; DDP: bf16 + masters
             assert got["trainable_dtypes"] == {torch.float32 if got["fsdp"] else torch.bfloat16}
             _check_planned(got)
-    assert ranks[0][0]["frozen_dtypes"] == {torch.bfloat16}  # the LoRA base, read sharded
+    for r in range(2):  # the LoRA base, read sharded straight into bf16: on a CPU run the
+        # host holds what the plan's host-load term states
+        lora = ranks[r][0]
+        assert lora["frozen_dtypes"] == {torch.bfloat16} and lora["host_load"]["sharded"]
+        assert lora["held"]["frozen"] == pytest.approx(lora["host_load"]["weights"], rel=1e-2)

@@ -154,9 +154,10 @@ def differences(row: dict[str, Any], ours: dict[str, Any]) -> list[str]:
                    "the host (matched)")
     if row["compile"]:
         out.append("torch.compile: fuses elementwise ops (fewer saved tensors); not planned")
-    if row["gpus"] > 1 and not row["fsdp_cpu_offload"]:
-        out.append("FSDP: our trainer keeps fp32 shards of every weight (ours), torchtune "
-                   "bf16 shards (matched)")
+    if row["gpus"] > 1 and not row["fsdp_cpu_offload"] and row["method"] != "full":
+        out.append("FSDP: both trainers keep bf16 shards of the frozen base (ours with "
+                   "--param-dtype bf16); ours keeps fp32 shards of the trainable parameters "
+                   "(the masters), torchtune bf16 ones")
     if row["gpus"] > 1:
         out.append("FSDP: our root unit (embedding, norm, head) stays gathered from forward "
                    "through backward; torchtune's is gathered at the end of forward"

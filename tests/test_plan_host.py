@@ -24,7 +24,11 @@ def test_host_bytes_from_the_dimensions() -> None:
     sharded = host_load_bytes(a, "lora", 8)
     assert sharded == {"sharded": True, "quantized_on_load": False,
                        "weights": -(-total * 4 // 8), "in_flight": largest * 6,
-                       "peak": -(-total * 4 // 8) + largest * 6}
+                       "peak": -(-total * 4 // 8) + largest * 6, "base_dtype": "fp32"}
+    # LoRA with bf16 parameters: the frozen base's shards kept in bf16, read without a cast
+    bf16 = host_load_bytes(a, "lora", 8, param_bytes=2)
+    assert (bf16["weights"], bf16["in_flight"], bf16["base_dtype"]) == \
+        (-(-total * 2 // 8), largest * 4, "bf16")
     whole = host_load_bytes(a, "qlora", 1)  # QLoRA on one process reads the fp32 base
     assert not whole["sharded"] and whole["weights"] == total * 4
     assert host_load_bytes(a, "lora", 1)["weights"] == total * 4

@@ -112,9 +112,10 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"precision.fp8 runs the base's linears as torchao float8 linears, "
                           f"which --method {ft.method} wraps with adapters; use fp8 with "
                           "--method full or freeze, or set precision.fp8 none")
-    if cfg.training.fused_loss:
-        raise ConfigError("training.fused_loss needs the plain decoder (language-model "
-                          "pre-training); set training.fused_loss false for fine-tuning")
+    if cfg.training.fused_loss and ft.task == "classification":
+        raise ConfigError("training.fused_loss chunks the language-model head and loss; a "
+                          "classification head has no vocabulary logits: set "
+                          "training.fused_loss false with --task classification")
 
 
 def with_ddp_default(cfg: Config) -> Config:
@@ -410,6 +411,11 @@ class FinetuneTrainer(Trainer):
 
     def model_forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**x)
+
+    def hidden_forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Final-norm hidden states (`training.fused_loss`, SFT): the trainer's chunked head
+        and cross-entropy take them with the labels, never building the logits."""
+        return self.model(**x, hidden=True)
 
     def save_checkpoint(self) -> Path:
         path = super().save_checkpoint()

@@ -52,8 +52,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     blocks in front of the first trainable one keep nothing, frozen linears keep no input,
     adapters keep their r-wide intermediate, a classification head keeps (batch x labels)
     logits instead of (tokens x vocabulary). `full` language modelling is pretraining's
-    estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2,
-    fused loss) keep the pretraining activations, an upper bound.
+    estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2)
+    keep the pretraining activations, an upper bound.
     """
     from scaletrain.models.args import count_params
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS

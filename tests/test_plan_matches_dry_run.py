@@ -109,6 +109,34 @@ def test_plan_method_defaults_equal_the_finetune_dry_run(
     assert plan["memory_bytes"] == dry["memory_bytes"]
 
 
+@pytest.mark.parametrize(("method", "world"), [("lora", 1), ("full", 2)])
+def test_plan_fused_loss_equals_the_finetune_dry_run(
+        method: str, world: int, tmp_path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan --method M --fused-loss --loss-chunk N` plans what `finetune` runs with
+    `training.fused_loss` (no logits kept, one chunk's buffers), and keeps less than the
+    logits path."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in HF_CONFIG.items()
+                                         if k not in ("architectures", "model_type")})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    base = ["finetune", "--dry-run", "--json", "--base", str(tmp_path), "--finetune.data",
+            str(tmp_path / "sft.jsonl"), "--finetune.method", method]
+    dry = _json(capsys, [*base, "--training.fused_loss", "true",
+                         "--training.loss_chunk_tokens", "64"], ok=(0, 3))
+    plan_argv = ["plan", "--model", str(tmp_path), "--method", method, "--kernels", "cpu",
+                 "--dp", str(world), "--json"]
+    plan = _json(capsys, [*plan_argv, "--fused-loss", "--loss-chunk", "64"], ok=(0,))
+    assert plan["memory_bytes"] == dry["memory_bytes"]
+    assert plan["activation_bytes"] == dry["activation_bytes"]
+    plain = _json(capsys, plan_argv, ok=(0,))
+    for key in ("activations", "logits_loss"):
+        assert plan["memory_bytes"][key] < plain["memory_bytes"][key], key
+
+
 @pytest.mark.parametrize("param_dtype", ["default", "bf16"])
 def test_search_commands_carry_the_parameter_dtype_they_plan(
         param_dtype: str, capsys: pytest.CaptureFixture[str],

@@ -38,7 +38,7 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
-from scaletrain.plan.finetune import finetune_layout_problem
+from scaletrain.plan.finetune import FUSED_LOSS_CLASSIFICATION, finetune_layout_problem
 from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
@@ -113,9 +113,7 @@ def check_config(cfg: Config) -> None:
                           f"which --method {ft.method} wraps with adapters; use fp8 with "
                           "--method full or freeze, or set precision.fp8 none")
     if cfg.training.fused_loss and ft.task == "classification":
-        raise ConfigError("training.fused_loss chunks the language-model head and loss; a "
-                          "classification head has no vocabulary logits: set "
-                          "training.fused_loss false with --task classification")
+        raise ConfigError(FUSED_LOSS_CLASSIFICATION)
 
 
 def with_ddp_default(cfg: Config) -> Config:

@@ -16,6 +16,12 @@ from scaletrain.plan.memory import offload_states, state_bytes
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 
 
+FUSED_LOSS_CLASSIFICATION = (
+    "training.fused_loss chunks the language-model head and loss; a classification head has "
+    "no vocabulary logits: set training.fused_loss false with --task classification "
+    "(plan: drop --fused-loss)")
+
+
 def finetune_layout_problem(method: str, *, tp: int, pp: int, cp: int, ep: int,
                             data_parallel: str, classification: bool = False) -> str | None:
     """Why fine-tuning cannot run in this layout, or None: the one answer of the trainer,
@@ -68,6 +74,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             classification=num_labels is not None)
         if problem:
             raise PlanError(problem)
+    if lay.fused_loss and num_labels is not None:
+        raise PlanError(FUSED_LOSS_CLASSIFICATION)
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
     # FSDP with 16-bit parameters keeps fp32 shards of every parameter, frozen ones too, and
     # gathers them in 16 bits (`Parallelism.fsdp_param_dtype`): the trainable shards are the

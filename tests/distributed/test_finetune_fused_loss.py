@@ -1,8 +1,9 @@
 """`training.fused_loss` in fine-tuning (SFT): the chunked head + cross-entropy of pre-training
 (`train/chunked_loss.py`) gives the losses and first-step gradients of the plain logits path,
 with masked prompt tokens, 2 accumulation steps and clipping: LoRA, full and packed LoRA on one
-process, and LoRA under FSDP (ZeRO-3) and full under DDP on 2 gloo ranks against one unfused
-process on the same global batches."""
+process, and LoRA under FSDP (ZeRO-3), full under DDP and LoRA under tensor parallelism 2
+(the vocabulary-parallel chunked loss) on 2 gloo ranks against one unfused process on the
+same global batches."""
 
 from __future__ import annotations
 
@@ -33,20 +34,21 @@ def _run(argv: list[str]) -> dict[str, Any]:
     from scaletrain.finetune.trainer import FinetuneTrainer
 
     calls = []
-    plain = chunked_loss.chunked_linear_cross_entropy
+    fn = chunked_loss.ChunkedLinearCrossEntropy
+    plain = fn.forward  # the chunked loss, plain or vocabulary-parallel
 
-    def counted(*a: Any, **k: Any) -> torch.Tensor:
+    def counted(ctx: Any, *a: Any) -> torch.Tensor:
         calls.append(1)
-        return plain(*a, **k)
+        return plain(ctx, *a)
 
-    chunked_loss.chunked_linear_cross_entropy = counted
+    fn.forward = staticmethod(counted)  # type: ignore[method-assign]
     try:
         trainer = FinetuneTrainer(load_config(argv, prog="scaletrain finetune"))
         losses, grads = train_steps(trainer, STEPS, lambda: {
             n.replace("_fsdp_wrapped_module.", ""): full_value(p.grad).detach().clone()
             for n, p in trainer.core.named_parameters() if p.grad is not None})
     finally:
-        chunked_loss.chunked_linear_cross_entropy = plain
+        fn.forward = staticmethod(plain)  # type: ignore[method-assign]
     return {"losses": losses, "grads": grads, "fused_calls": len(calls)}
 
 
@@ -92,11 +94,12 @@ def test_fused_loss_matches_the_logits_path_on_one_process(
 def test_fused_loss_under_fsdp_and_ddp_matches_one_unfused_process(
         base_and_data: tuple[Path, Path], tmp_path: Path) -> None:
     base, sft = base_and_data
-    cases = [("lora", "zero3"), ("full", "ddp")]
-    refs = [_run(_argv_of(tmp_path / f"ref-{m}", base, sft, m, 4)) for m, _ in cases]
-    run_ranks(_entry, 2, [_argv_of(tmp_path / f"dp-{m}", base, sft, m, 2, mode, True)
-                          for m, mode in cases], str(tmp_path))
+    tp = ("--parallel.tp", "2")  # vocabulary-parallel: each rank its half of the head
+    cases = [("lora", "zero3", 2, ()), ("full", "ddp", 2, ()), ("lora", "ddp", 4, tp)]
+    refs = {m: _run(_argv_of(tmp_path / f"ref-{m}", base, sft, m, 4)) for m in ("lora", "full")}
+    run_ranks(_entry, 2, [_argv_of(tmp_path / f"dp-{i}", base, sft, m, mbs, mode, True, *extra)
+                          for i, (m, mode, mbs, extra) in enumerate(cases)], str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for i, (method, mode) in enumerate(cases):
+    for i, (method, mode, _, extra) in enumerate(cases):
         for r in range(2):  # every rank: the one process's losses and reduced gradients
-            _close(ranks[r][i], refs[i], f"{method} {mode} rank {r}")
+            _close(ranks[r][i], refs[method], f"{method} {mode} {extra} rank {r}")

@@ -1,9 +1,9 @@
 """`training.fused_loss` in fine-tuning (SFT): the chunked head + cross-entropy of pre-training
 (`train/chunked_loss.py`) gives the losses and first-step gradients of the plain logits path,
-with masked prompt tokens, 2 accumulation steps and clipping: LoRA, full and packed LoRA on one
-process, and LoRA under FSDP (ZeRO-3), full under DDP and LoRA under tensor parallelism 2
-(the vocabulary-parallel chunked loss) on 2 gloo ranks against one unfused process on the
-same global batches."""
+with masked prompt tokens, 2 accumulation steps and clipping: LoRA, full and QLoRA on one
+process (packed rows), and LoRA under FSDP (ZeRO-3), full under DDP and LoRA under tensor
+parallelism 2 (the vocabulary-parallel chunked loss; one example per row) on 2 gloo ranks
+against one unfused process on the same global batches."""
 
 from __future__ import annotations
 
@@ -75,31 +75,47 @@ def _close(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def base_and_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def base_and_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("ft-fused")
     Trainer(tiny_config(root / "base", root / "cache", "--training.steps", "2")).train()
-    return root / "base", write_jsonl(root / "sft.jsonl", qa_records(32))
+    return root / "base", write_jsonl(root / "sft.jsonl", qa_records(32)), root
+
+
+@pytest.fixture(scope="module")
+def plain_runs(base_and_data: tuple[Path, Path, Path]) -> dict[str, dict[str, Any]]:
+    """One unfused process (logits path) of each method, the reference of both tests."""
+    base, sft, root = base_and_data
+    return {m: _run(_argv_of(root / f"plain-{m}", base, sft, m, 4, "ddp", False, *extra))
+            for m, extra in CASES}
+
+
+CASES = (("lora", ()), ("full", ()), ("qlora", ("--finetune.quant_compute_dtype", "fp32")))
 
 
 def test_fused_loss_matches_the_logits_path_on_one_process(
-        base_and_data: tuple[Path, Path], tmp_path: Path) -> None:
-    base, sft = base_and_data
-    for method, extra in (("lora", ()), ("full", ()), ("lora", ("--finetune.packing", "true"))):
-        plain = _run(_argv_of(tmp_path / "plain", base, sft, method, 4, "ddp", False, *extra))
-        fused = _run(_argv_of(tmp_path / "fused", base, sft, method, 4, "ddp", True, *extra))
-        _close(fused, plain, f"{method} {extra}")
+        base_and_data: tuple[Path, Path, Path], plain_runs: dict[str, dict[str, Any]],
+        tmp_path: Path) -> None:
+    base, sft, _ = base_and_data
+    for method, extra in CASES:  # (packed rows: the default)
+        fused = _run(_argv_of(tmp_path / method, base, sft, method, 4, "ddp", True, *extra))
+        _close(fused, plain_runs[method], method)
 
 
 @pytest.mark.distributed
 def test_fused_loss_under_fsdp_and_ddp_matches_one_unfused_process(
-        base_and_data: tuple[Path, Path], tmp_path: Path) -> None:
-    base, sft = base_and_data
+        base_and_data: tuple[Path, Path, Path], plain_runs: dict[str, dict[str, Any]],
+        tmp_path: Path) -> None:
+    base, sft, _ = base_and_data
     tp = ("--parallel.tp", "2")  # vocabulary-parallel: each rank its half of the head
-    cases = [("lora", "zero3", 2, ()), ("full", "ddp", 2, ()), ("lora", "ddp", 4, tp)]
-    refs = {m: _run(_argv_of(tmp_path / f"ref-{m}", base, sft, m, 4)) for m in ("lora", "full")}
+    cases = [("lora", "zero3", 2, ()), ("full", "ddp", 2, ()),
+             ("lora", "ddp", 4, (*tp, "--finetune.packing", "false"))]
     run_ranks(_entry, 2, [_argv_of(tmp_path / f"dp-{i}", base, sft, m, mbs, mode, True, *extra)
                           for i, (m, mode, mbs, extra) in enumerate(cases)], str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for i, (method, mode, _, extra) in enumerate(cases):
+        ref = plain_runs[method]
+        if "--finetune.packing" in extra:  # one example per row: its own reference
+            ref = _run(_argv_of(tmp_path / "plain-rows", base, sft, method, 4, "ddp", False,
+                                "--finetune.packing", "false"))
         for r in range(2):  # every rank: the one process's losses and reduced gradients
-            _close(ranks[r][i], refs[method], f"{method} {mode} {extra} rank {r}")
+            _close(ranks[r][i], ref, f"{method} {mode} {extra} rank {r}")

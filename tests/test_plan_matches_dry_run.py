@@ -135,6 +135,9 @@ def test_plan_fused_loss_equals_the_finetune_dry_run(
     plain = _json(capsys, plan_argv, ok=(0,))
     for key in ("activations", "logits_loss"):
         assert plan["memory_bytes"][key] < plain["memory_bytes"][key], key
+    # a classification head has no vocabulary logits: refused by both, in one line
+    assert cli([*plan_argv, "--fused-loss", "--num-labels", "3"]) == 2
+    assert "--task classification" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("param_dtype", ["default", "bf16"])

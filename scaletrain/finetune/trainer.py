@@ -39,7 +39,7 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
-from scaletrain.plan.finetune import finetune_layout_problem
+from scaletrain.plan.finetune import FUSED_LOSS_CLASSIFICATION, finetune_layout_problem
 from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
@@ -113,9 +113,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"precision.fp8 runs the base's linears as torchao float8 linears, "
                           f"which --method {ft.method} wraps with adapters; use fp8 with "
                           "--method full or freeze, or set precision.fp8 none")
-    if cfg.training.fused_loss:
-        raise ConfigError("training.fused_loss needs the plain decoder (language-model "
-                          "pre-training); set training.fused_loss false for fine-tuning")
+    if cfg.training.fused_loss and ft.task == "classification":
+        raise ConfigError(FUSED_LOSS_CLASSIFICATION)
 
 
 def with_ddp_default(cfg: Config) -> Config:
@@ -414,6 +413,11 @@ class FinetuneTrainer(Trainer):
 
     def model_forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**x)
+
+    def hidden_forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Final-norm hidden states (`training.fused_loss`, SFT): the trainer's chunked head
+        and cross-entropy take them with the labels, never building the logits."""
+        return self.model(**x, hidden=True)
 
     def save_checkpoint(self) -> Path:
         path = super().save_checkpoint()

@@ -16,6 +16,12 @@ from scaletrain.plan.memory import offload_states, state_bytes
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 
 
+FUSED_LOSS_CLASSIFICATION = (
+    "training.fused_loss chunks the language-model head and loss; a classification head has "
+    "no vocabulary logits: set training.fused_loss false with --task classification "
+    "(plan: drop --fused-loss)")
+
+
 def finetune_layout_problem(method: str, *, tp: int, pp: int, cp: int, ep: int,
                             data_parallel: str, classification: bool = False) -> str | None:
     """Why fine-tuning cannot run in this layout, or None: the one answer of the trainer,
@@ -52,8 +58,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     blocks in front of the first trainable one keep nothing, frozen linears keep no input,
     adapters keep their r-wide intermediate, a classification head keeps (batch x labels)
     logits instead of (tokens x vocabulary). `full` language modelling is pretraining's
-    estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2,
-    fused loss) keep the pretraining activations, an upper bound.
+    estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2)
+    keep the pretraining activations, an upper bound.
     """
     from scaletrain.models.args import count_params
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
@@ -68,6 +74,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             classification=num_labels is not None)
         if problem:
             raise PlanError(problem)
+    if lay.fused_loss and num_labels is not None:
+        raise PlanError(FUSED_LOSS_CLASSIFICATION)
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
     # 16-bit parameters: frozen weights are stored in 16 bits in every layout (no master:
     # `finetune/frozen_dtype.py`). FSDP keeps fp32 shards of the trainable ones and gathers

@@ -5,9 +5,10 @@ autocast over fp32 parameters, ZeRO-3 and sequence-parallel TP by default).
 
 The two sides share no argument handling: `plan` fills what is not given from the trainer's
 default config (`commands/plan.py`), the dry run reads the config tyro parsed
-(`plan/from_config.py`). `--kernels cpu` names the device the dry run plans on this machine (a
-CPU run: its kernels and the process's own memory); every other setting is left to defaults,
-and precision `auto` resolves on this machine on both sides. The `bf16` cases fix the autocast
+(`plan/from_config.py`). No flag names the device either: `--kernels auto` (the default) plans
+the device the dry run plans on this machine, as the trainer resolves `training.device` (on a
+CPU: its kernels and the process's own memory); every setting is left to defaults, and precision
+`auto` resolves on this machine on both sides. The `bf16` cases fix the autocast
 dtype on both sides (the same flag), so the parameter dtype is checked even on a CPU without
 bf16, where `auto` is fp32.
 """
@@ -52,7 +53,7 @@ def test_plan_defaults_equal_the_dry_run(model: str, layout: str, precision: str
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     dry = _json(capsys, ["train", "--dry-run", "--json", "--model.name", model, *train_flags,
                          *train_prec], ok=(0, 2, 3))
-    plan = _json(capsys, ["plan", "--model", model, "--kernels", "cpu", "--json", *plan_flags,
+    plan = _json(capsys, ["plan", "--model", model, "--json", *plan_flags,
                           *plan_prec], ok=(0,))
     assert plan["params"] == dry["params"]
     for key in ("precision", "param_dtype", "zero", "data_parallel", "sequence_parallel",
@@ -107,8 +108,8 @@ def test_plan_method_defaults_equal_the_finetune_dry_run(
     dry = _json(capsys, ["finetune", "--dry-run", "--json", "--base", str(tmp_path),
                          "--finetune.data", str(tmp_path / "sft.jsonl"),
                          "--finetune.method", method], ok=(0, 3))
-    plan = _json(capsys, ["plan", "--model", str(tmp_path), "--method", method, "--kernels",
-                          "cpu", "--dp", str(world), "--json"], ok=(0,))
+    plan = _json(capsys, ["plan", "--model", str(tmp_path), "--method", method, "--dp",
+                          str(world), "--json"], ok=(0,))
     assert plan["layout"]["zero"] == dry["layout"]["zero"] == 0
     assert plan["finetune"]["trainable"] == dry["finetune"]["trainable"]
     assert plan["memory_bytes"] == dry["memory_bytes"]

@@ -96,10 +96,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    "the optimizer offloaded)")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "adamw8bit", "adafactor"],
                    default=None, help="default: train's optimizer.name")
-    p.add_argument("--kernels", choices=["cuda", "cpu"], default="cuda",
+    p.add_argument("--kernels", choices=["auto", "cuda", "cpu"], default="auto",
                    help="whose saved tensors to model (CPU keeps one more tensor per RMSNorm); "
                         "cpu without --gpu plans a CPU run, which also counts the process's own "
-                        "memory and its batches (as train --dry-run on a CPU does)")
+                        "memory and its batches (as train --dry-run on a CPU does); default "
+                        "auto: cuda with --gpu, else the device train would run on here")
     p.add_argument("--gpu", default=None, help="device name (A100-40GB, A100-80GB, H100, H200, "
                                                "B200, ...)")
     p.add_argument("--gpu-mem", type=float, default=None, help="override device memory (GiB)")
@@ -120,6 +121,19 @@ def resolve_precision(choice: str, cfg: Config, device: Device | None) -> str:
     from scaletrain.runtime import resolve_device, resolve_dtype
 
     return resolve_dtype(cfg.precision, resolve_device(cfg.training.device))
+
+
+def resolve_kernels(choice: str, cfg: Config, device: Device | None) -> str:
+    """`--kernels`, with `auto` resolved to the device the plan is for: cuda with --gpu (or
+    --gpu-mem), else the device `scaletrain train` would run on this machine (its
+    `training.device`, resolved as the trainer resolves it): cpu where there is no CUDA."""
+    if choice != "auto":
+        return choice
+    if device is not None:
+        return "cuda"
+    from scaletrain.runtime import resolve_device
+
+    return "cuda" if resolve_device(cfg.training.device).type == "cuda" else "cpu"
 
 
 def fill_train_defaults(a: argparse.Namespace, cfg: Config, offload: bool = False) -> None:

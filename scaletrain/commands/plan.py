@@ -15,6 +15,7 @@ from scaletrain.commands._plan_args import (
     parse_device,
     parse_model,
     positive_int,
+    resolve_kernels,
     resolve_precision,
     train_defaults,
 )
@@ -134,6 +135,7 @@ def _layout(a: argparse.Namespace, cfg: Config, device: Device | None) -> Layout
     if a.zero is None:  # as the trainer resolves parallel.data_parallel on these degrees
         a.zero = ZERO_STAGE[resolve_mode(par.data_parallel, dims)] if dims.world_size > 1 \
             else 0
+    kernels = resolve_kernels(a.kernels, cfg, device)
     mbs = a.mbs or tr.micro_batch_size
     gbs = a.gbs or resolve_batch(dataclasses.replace(tr, micro_batch_size=mbs), dims.dp)[0]
     return Layout(
@@ -146,9 +148,9 @@ def _layout(a: argparse.Namespace, cfg: Config, device: Device | None) -> Layout
         grad_convention=a.grad_convention, optimizer=a.optimizer, offload=a.offload,
         recompute=given(a.recompute, ac.mode), every=given(a.every, ac.every),
         scope=given(a.scope, ac.scope), fused_loss=given(a.fused_loss, tr.fused_loss),
-        loss_chunk=given(a.loss_chunk, tr.loss_chunk_tokens), kernels=a.kernels,
+        loss_chunk=given(a.loss_chunk, tr.loss_chunk_tokens), kernels=kernels,
         bucket_cap_mb=par.bucket_cap_mb,
-        host=host_process(cfg) if a.kernels == "cpu" and device is None else None)
+        host=host_process(cfg) if kernels == "cpu" and device is None else None)
 
 
 def main(argv: list[str]) -> int:

@@ -13,6 +13,7 @@ from scaletrain.commands._plan_args import (
     parse_device,
     parse_model,
     positive_int,
+    resolve_kernels,
     resolve_precision,
     train_defaults,
 )
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
                   loss_chunk=defaults.training.loss_chunk_tokens,
                   # this host: its kernels' saved tensors, the process's own memory and batches,
                   # as `train --dry-run` on a CPU counts them
-                  kernels="cpu" if on_host else a.kernels,
+                  kernels="cpu" if on_host else resolve_kernels(a.kernels, defaults, device),
                   host=host_process(defaults) if on_host else None)
     refused: dict[str, int] = {}
     fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero,

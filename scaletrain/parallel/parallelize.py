@@ -449,7 +449,9 @@ class Parallelism:
         last = any(s.head for s in self.stage_specs)
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": []} if last else {}
-        self.schedule.step(*args, **kwargs)
+        # return_outputs=False: the last stage keeps no micro-batch's output (its logits) for
+        # a merged return nobody reads (torch keeps them all by default: m x the logits)
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         # The first step also calls the loss during shape inference: the last n calls count.
         for loss in self.pipe_loss.sums[len(self.pipe_loss.sums) - len(batches):]:

@@ -365,6 +365,9 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
                        recompute=recompute, vpp=vpp, param_dtype=base.param_dtype,
                        sequence_parallel=base.sequence_parallel and args.arch == "llama",
                        fsdp_param_dtype=fsdp_dtype,
+                       # not the zero-bubble schedules: their last stage holds more than the
+                       # plan counts (docs/plan.md, "Zero-bubble schedules: memory the plan
+                       # does not count yet", bench/pp_schedule_memory_cpu.py)
                        schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
     if layout_problems(args, lay):
         return None

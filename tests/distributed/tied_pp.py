@@ -58,6 +58,8 @@ def run_job(argv: list[str], save: bool) -> dict[str, Any]:
     trainer = res.pop("trainer")
     res["tied"] = tied_weight(trainer)
     res["tied_copy"] = trainer.par.tied_copy
+    # what the stages keep between steps: no micro-batch output (the last stage's logits)
+    res["kept_outputs"] = sum(len(s.output_chunks) for s in trainer.par.stages)
     return res
 
 
@@ -92,6 +94,7 @@ def check(result: list[dict[str, Any]], tmp: Path, cache: Path, layouts: list,
         copies = [r[name]["tied"] for r in result if r[name]["tied"] is not None]
         assert any(r[name]["tied_copy"] for r in result), name  # the layout split the two
         assert len(copies) >= 2 and all(torch.equal(c, copies[0]) for c in copies), name
+        assert not any(r[name]["kept_outputs"] for r in result), name  # return_outputs=False
         rows.append(f"| {name} | {world} | {dloss:.1e} | {dnorm:.1e} | {dgrad:.1e} | "
                     f"copies equal ({len(copies)} ranks) |")
         if dloss > LOSS_TOL or dnorm > LOSS_TOL or dgrad > GRAD_TOL:

@@ -18,10 +18,12 @@ metaspace pre-tokenizers split anyway), so its memory stays bounded by the piece
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,12 +34,14 @@ import numpy as np
 from scaletrain.curate.io.paths import InputError, expand_inputs
 from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, json_records
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
+from scaletrain.data.small_jsonl import read_small_jsonl
 from scaletrain.data.tokenize_parts import (
     PartsDir,
-    file_stats,
-    group_files,
+    group_digest,
     mark_finished,
-    plan_fingerprint,
+    run_fingerprint,
+    stat_files,
+    stream_groups,
 )
 from scaletrain.data.tokenizer import TextTokenizer
 
@@ -143,6 +147,19 @@ def read_documents(path: str | Path, text_key: str = "text", report: ReadReport 
     except (OSError, EOFError) as e:  # not readable from its first byte
         report.add(str(path), f"cannot read the file ({type(e).__name__}: {e}); check that "
                               "it is complete and its suffix matches its compression")
+
+
+def group_texts(files: list[str], text_key: str, report: ReadReport,
+                sizes: list[int] | None = None) -> Iterator[str]:
+    """The documents of `files` in order: a small clean JSON-lines file (of its size in
+    `sizes`) in one read (`read_small_jsonl`), any other through `read_documents`."""
+    for f, size in zip(files, sizes or [-1] * len(files)):
+        small = read_small_jsonl(f, size, text_key)
+        if small is None:
+            yield from read_documents(f, text_key, report)
+        else:
+            report.empty += small.empty
+            yield from small.texts
 
 
 def _parquet_texts(path: str | Path, text_key: str, report: ReadReport) -> Iterator[str]:
@@ -258,20 +275,40 @@ def _worker_tokenizer(path: str, add_bos: bool) -> TextTokenizer:
     return _TOKENIZERS[key]
 
 
-def _tokenize_group(job: tuple[list[str], str, bool, str, str, bool]) -> dict[str, Any]:
+def _tokenize_group(job: tuple) -> dict[str, Any]:
     """One group of files into one partial dataset and its marker (a worker process or Ray
-    task); the texts of small files are batched together."""
-    files, tok_path, add_bos, out_prefix, text_key, strict = job
+    task); the texts of small files are batched together. A part an earlier run finished
+    from the same group (`digest`) is reused as it is. `sizes`: each file's size as the
+    driver found it (optional)."""
+    files, tok_path, add_bos, out_prefix, text_key, strict, digest, *sizes = job
+    done = PartsDir.finished_part(out_prefix, digest)
+    if done is not None:
+        return {**done, "reused": True}
     tok = _worker_tokenizer(tok_path, add_bos)
     report = ReadReport(strict=strict)
-    texts = (t for f in files for t in read_documents(f, text_key, report))
+    texts = group_texts(files, text_key, report, sizes[0] if sizes else None)
     with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
         stats = write_texts(tok, texts, w)
     stats.malformed, stats.malformed_examples = report.malformed, report.examples
     stats.empty = report.empty
+    stats.files = len(files)
     result = asdict(stats)
-    mark_finished(out_prefix, result)
-    return result
+    mark_finished(out_prefix, digest, result)
+    return {**result, "reused": False}
+
+
+def _init_worker(workers: int) -> None:
+    """A pool worker: ends with its driver, and encodes with this machine's share of cores
+    (the pool is the parallelism; a thread pool per worker on top only contends)."""
+    from scaletrain.curate.executors.lifeline import bind_to_parent
+
+    bind_to_parent()
+    if "TOKENIZERS_PARALLELISM" not in os.environ and "RAYON_NUM_THREADS" not in os.environ:
+        share = (os.cpu_count() or 1) // max(workers, 1)
+        if share <= 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        else:  # read when the (Rust) thread pool starts: at this worker's first encode
+            os.environ["RAYON_NUM_THREADS"] = str(share)
 
 
 class WorkerDied(TokenizeError):
@@ -290,63 +327,80 @@ def _start_method() -> str:
     return "fork"
 
 
-def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
+def _run_jobs(jobs: Iterable[tuple], workers: int, executor: str, fn: Any = None
               ) -> Iterator[dict[str, Any]]:
-    """`fn` (default: `_tokenize_group`) of each job; results in job order. A worker process
-    that dies (killed, out of memory) is a `WorkerDied` error, not a wait for ever."""
+    """`fn` (default: `_tokenize_group`) of each job; results in job order. Jobs may still
+    be coming (a stream): each is started as soon as it arrives, and a result is given as
+    soon as it and those before it are finished. One job runs in this process (no worker to
+    start). A worker process that dies (killed, out of memory) is a `WorkerDied` error, not a
+    wait for ever."""
     fn = fn or _tokenize_group
     if executor == "ray":
-        try:
-            import ray
-        except ImportError:
-            raise TokenizeError("--executor ray needs ray: pip install 'ray[data]'") from None
-        if not ray.is_initialized():
-            ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
-        task = ray.remote(fn)
-        refs = [task.remote(j) for j in jobs]
-        for r in refs:
-            try:
-                yield ray.get(r)
-            except Exception as e:
-                cause = getattr(e, "cause", e)
-                if isinstance(cause, InputError):  # --strict: the malformed record, as is
-                    raise InputError(str(cause)) from None
-                raise
+        yield from _run_ray(list(jobs), workers, fn)
         return
     if executor != "local":
         raise TokenizeError(f"--executor: unknown executor '{executor}' (local or ray)")
-    if workers <= 1 or len(jobs) == 1:
-        yield from map(fn, jobs)
+    stream = iter(jobs)
+    if workers <= 1:
+        yield from map(fn, stream)
+        return
+    first = list(itertools.islice(stream, 2))
+    if len(first) < 2:
+        yield from map(fn, first)
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    from scaletrain.curate.executors.lifeline import bind_to_parent
+    def result(job: tuple, fut: Any) -> dict[str, Any]:
+        try:
+            return fut.result()
+        except BrokenProcessPool:
+            first_file = job[0][0] if isinstance(job[0], list) and job[0] else job[0]
+            raise WorkerDied(
+                f"a worker process died (killed, or out of memory?) while tokenizing "
+                f"'{first_file}' or files beside it; the finished parts are kept: run again "
+                "to go on, with fewer --workers if memory is short") from None
 
     # (multiprocessing.Pool would wait for ever for the job of a worker that was killed;
     # this pool reports it.)
-    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp.get_context(_start_method()),
-                               initializer=bind_to_parent)
+    pool = ProcessPoolExecutor(workers, mp.get_context(_start_method()),
+                               initializer=_init_worker, initargs=(workers,))
+    pending: deque[tuple[tuple, Any]] = deque()
     try:
-        futures = [pool.submit(fn, j) for j in jobs]
-        for j, fut in zip(jobs, futures):
-            try:
-                yield fut.result()
-            except BrokenProcessPool:
-                first = j[0][0] if isinstance(j[0], list) and j[0] else j[0]
-                raise WorkerDied(
-                    f"a worker process died (killed, or out of memory?) while tokenizing "
-                    f"'{first}' or files beside it; the finished parts are kept: run again "
-                    "to go on, with fewer --workers if memory is short") from None
+        for job in itertools.chain(first, stream):
+            pending.append((job, pool.submit(fn, job)))
+            while pending and pending[0][1].done():
+                yield result(*pending.popleft())
+        while pending:
+            yield result(*pending.popleft())
     finally:  # on an error, the jobs not started are not started
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_ray(jobs: list[tuple], workers: int, fn: Any) -> Iterator[dict[str, Any]]:
+    try:
+        import ray
+    except ImportError:
+        raise TokenizeError("--executor ray needs ray: pip install 'ray[data]'") from None
+    if not ray.is_initialized():
+        ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
+    task = ray.remote(fn)
+    refs = [task.remote(j) for j in jobs]
+    for r in refs:
+        try:
+            yield ray.get(r)
+        except Exception as e:
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, InputError):  # --strict: the malformed record, as is
+                raise InputError(str(cause)) from None
+            raise
 
 
 def tokenize_to_indexed(
     inputs: list[str] | list[Path],
     output: str | Path,
-    tokenizer: str | Path,
+    tokenizer: str | Path | TextTokenizer,
     workers: int = 1,
     executor: str = "local",
     add_bos: bool = False,
@@ -362,7 +416,10 @@ def tokenize_to_indexed(
     (`stats.malformed`, examples with file and line); with `strict` the first one raises
     `MalformedRecord`. A run that reads no document raises `TokenizeError`; in both cases
     nothing is written."""
-    tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad tokenizer
+    if isinstance(tokenizer, TextTokenizer):  # loaded by the caller (with this add_bos)
+        tok = tokenizer
+    else:
+        tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad one
     prefix = strip_prefix(output)
     sidecar = Path(f"{prefix}.tokenizer.json")
     # An earlier dataset at this prefix goes first: an interrupted run then leaves no
@@ -370,51 +427,59 @@ def tokenize_to_indexed(
     # one). The sidecar is replaced before the index, which is renamed last.
     for old in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
         old.unlink(missing_ok=True)
-    files = file_stats([os.fspath(f) for f in inputs])
-    groups = group_files(files, workers)
+    paths = [os.fspath(f) for f in inputs]
     parts = PartsDir(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    fingerprint = plan_fingerprint(groups, tok.path, {"add_bos": add_bos, "text_key": text_key,
-                                                      "dtype": str(tok.dtype)})
+    found = parts.open(run_fingerprint(tok.path, {"add_bos": add_bos, "text_key": text_key,
+                                                  "dtype": str(tok.dtype)}))
     if tok.path is not None:  # this process's worker (workers=1) needs no second load
         _TOKENIZERS.clear()
         _TOKENIZERS[_tokenizer_key(str(tok.path), add_bos)] = tok
-    found = parts.open(fingerprint)
-    done = {i: r for i in range(len(groups)) if (r := parts.finished(i)) is not None}
-    if found:
-        log.info("resuming: %d of %d parts were finished by an earlier run", len(done),
-                 len(groups))
-    jobs = [([f.path for f in g], str(tok.path), add_bos, parts.part(i), text_key, strict)
-            for i, g in enumerate(groups) if i not in done]
+    planned: list[int] = []  # files per group, as the groups are made
+    planned_all = False
+
+    def jobs() -> Iterator[tuple]:
+        nonlocal planned_all
+        for i, g in enumerate(stream_groups(stat_files(paths), len(paths), workers)):
+            planned.append(len(g))
+            yield ([f.path for f in g], str(tok.path), add_bos, parts.part(i), text_key,
+                   strict, group_digest(g), [f.size for f in g])
+        planned_all = True
+
     stats = TokenizeStats()
-    for r in done.values():
-        stats.add(TokenizeStats(**r))
+    reused = 0
     t0 = time.perf_counter()
     keep_parts = False
     try:
-        for i, r in enumerate(_run_jobs(jobs, workers, executor)):
+        for i, r in enumerate(_run_jobs(jobs(), workers, executor)):
+            was_reused = r.pop("reused", False)
+            reused += was_reused
             stats.add(TokenizeStats(**r))
             dt = time.perf_counter() - t0
-            log.info("tokenized part %d/%d (%d files): %d documents, %d tokens so far "
-                     "(%.0f tokens/s)", len(done) + i + 1, len(groups), len(jobs[i][0]),
-                     stats.documents, stats.tokens, stats.tokens / max(dt, 1e-9))
+            log.info("%s part %d%s (%d files): %d documents, %d tokens so far (%.0f tokens/s)",
+                     "reused finished" if was_reused else "tokenized", i + 1,
+                     f"/{len(planned)}" if planned_all else "", planned[i], stats.documents,
+                     stats.tokens, stats.tokens / max(dt, 1e-9))
+        if found:
+            log.info("resumed: %d of %d parts were finished by an earlier run", reused,
+                     len(planned))
         if stats.documents == 0:
             raise TokenizeError(nothing_read(stats, len(inputs)))
         if tok.path is not None and tok.path.resolve() != sidecar.resolve():
             shutil.copyfile(tok.path, f"{sidecar}.tmp")
             os.replace(f"{sidecar}.tmp", sidecar)
         with IndexedDatasetWriter(prefix, tok.dtype) as w:  # .bin, then .idx, renamed last
-            for i in range(len(groups)):
+            for i in range(len(planned)):
                 w.append_dataset(parts.part(i))
     except (KeyboardInterrupt, WorkerDied):
         # the next run goes on from the finished parts (if any finished)
-        keep_parts = any(parts.finished(i) for i in range(len(groups)))
+        keep_parts = parts.any_finished()
         raise
     finally:
         if not keep_parts:
             parts.remove()
     stats.seconds = time.perf_counter() - t0
-    stats.files, stats.parts = len(inputs), len(groups)
+    stats.files, stats.parts = len(inputs), len(planned)
     return stats
 
 

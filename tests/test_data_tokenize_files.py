@@ -116,3 +116,50 @@ def test_stale_leftovers_of_another_run_are_cleared(tmp_path: Path) -> None:
     stats = tokenize_to_indexed(sorted(many.rglob("*.jsonl")), tmp_path / "s",
                                 fixture_dir() / "gpt-neox-tokenizer.json")
     assert stats.documents == 20 and not left.exists()
+
+
+def test_a_resume_redoes_the_parts_whose_files_changed(tmp_path: Path, monkeypatch) -> None:
+    many, _ = _many(tmp_path, 60)
+    files = sorted(many.rglob("*.jsonl"))
+    tok = fixture_dir() / "gpt-neox-tokenizer.json"
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_BYTES", 1000)
+    groups = parts_mod.group_files(parts_mod.file_stats([str(f) for f in files]), 1)
+    real = tokenize_mod.write_texts
+    calls = []
+
+    def interrupted_at_the_third_part(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(tokenize_mod, "write_texts", interrupted_at_the_third_part)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    # a file of the finished first part changes (same size, new content and time)
+    changed = Path(groups[0][1].path)
+    changed.write_text(changed.read_text().replace("quick", "QUICK"))
+    calls.clear()
+    monkeypatch.setattr(tokenize_mod, "write_texts", lambda *a, **k: calls.append(1) or
+                        real(*a, **k))
+    tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    assert len(calls) == len(groups) - 1  # part 0 again, part 1 reused, the rest
+    monkeypatch.setattr(tokenize_mod, "write_texts", real)
+    tokenize_to_indexed(files, tmp_path / "fresh", tok, workers=1)
+    assert _bytes(tmp_path / "r") == _bytes(tmp_path / "fresh")
+    texts = [json.loads(f.read_text())["text"] for f in files]
+    tokenize_to_indexed(files, tmp_path / "fresh2", tok, workers=2)  # parts in 2 processes
+    assert _bytes(tmp_path / "fresh2") == _bytes(tmp_path / "fresh")
+    assert any("QUICK" in t for t in texts)
+
+
+def test_groups_are_given_as_they_fill_and_grow_round_by_round(monkeypatch) -> None:
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_BYTES", 1000)
+    monkeypatch.setattr(parts_mod, "GROUP_MAX_BYTES", 4000)
+    stats = [parts_mod.FileStat(f"f{i:04d}", 100, 0) for i in range(1000)]
+    groups = parts_mod.group_files(stats, workers=1)  # a round: 4 groups
+    assert [len(g) for g in groups[:16]] == [10] * 4 + [20] * 4 + [40] * 8
+    assert [f for g in groups for f in g] == stats
+    seen = []
+    stream = parts_mod.stream_groups((seen.append(f) or f for f in stats), len(stats), 1)
+    assert len(next(stream)) == 10 and len(seen) == 11  # no need to look at every file first

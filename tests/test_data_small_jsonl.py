@@ -42,8 +42,9 @@ ODD = {
 def _read(files: list[Path], fast: bool) -> tuple[list[str], int, int, list[str]]:
     report = ReadReport()
     if fast:
-        texts = list(group_texts([str(f) for f in files], "text", report,
-                                 [f.stat().st_size for f in files]))
+        known = [(f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        texts = list(group_texts([str(f) for f in files], "text", report, known))
+        assert texts == list(group_texts([str(f) for f in files], "text", ReadReport()))
     else:
         texts = [t for f in files for t in read_documents(str(f), "text", report)]
     return texts, report.empty, report.malformed, report.examples
@@ -55,10 +56,10 @@ def test_the_fast_path_reads_what_the_general_reader_reads(tmp_path: Path) -> No
         (tmp_path / name).write_bytes(data)
         files.append(tmp_path / name)
     for name in CLEAN:  # clean files do take the fast path
-        got = read_small_jsonl(str(tmp_path / name), len(CLEAN[name]), "text")
+        got = read_small_jsonl(str(tmp_path / name), "text")
         assert got is not None, name
     for name in ODD:  # odd ones are left to the general reader
-        assert read_small_jsonl(str(tmp_path / name), len(ODD[name]), "text") is None, name
+        assert read_small_jsonl(str(tmp_path / name), "text") is None, name
     fast, slow = _read(files, fast=True), _read(files, fast=False)
     assert fast == slow
     assert slow[1] == 1 and slow[2] >= 8  # empty and malformed records were there to count
@@ -68,7 +69,9 @@ def test_a_file_that_changed_since_its_stat_or_is_gone_is_read_by_the_general_re
         tmp_path: Path) -> None:
     f = tmp_path / "a.jsonl"
     f.write_bytes(b'{"text": "now longer than it was"}\n')
-    assert read_small_jsonl(str(f), 5, "text") is None  # size differs from the stat's
-    assert read_small_jsonl(str(f), -1, "text") is not None  # size not known: fstat
-    assert read_small_jsonl(str(tmp_path / "gone.jsonl"), 10, "text") is None
-    assert read_small_jsonl(str(tmp_path / "a.jsonl.gz"), 10, "text") is None
+    assert read_small_jsonl(str(f), "text", 5, 0) is None  # size differs from the stat's
+    got = read_small_jsonl(str(f), "text")  # not known: from the open file
+    assert got is not None and (got.size, got.mtime_ns) == (f.stat().st_size,
+                                                            f.stat().st_mtime_ns)
+    assert read_small_jsonl(str(tmp_path / "gone.jsonl"), "text") is None
+    assert read_small_jsonl(str(tmp_path / "a.jsonl.gz"), "text", 10, 0) is None

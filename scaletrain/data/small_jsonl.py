@@ -3,8 +3,8 @@
 Reading a file through the general reader (`json_records`: a buffered stream, a generator and
 a place name per line) costs about 10 us per file before its first byte, which 100,000
 one-line files notice more than their tokens. Here a small local `.jsonl`/`.ndjson` file is
-read in one `read` (its size known from the driver's `stat`) and its lines parsed in a
-loop.
+read in one `read` and its lines parsed in a loop; its size and modification time come
+from the open file (`fstat`) unless the caller has them.
 
 Only a clean file takes this path: every non-blank line valid UTF-8, a JSON object with a
 string `text_key`. Anything else (a bad line, a missing field, a file that cannot be opened
@@ -31,12 +31,15 @@ _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 class SmallFile(NamedTuple):
     texts: list[str]  # the non-empty texts, in file order
     empty: int  # records with an empty text
+    size: int
+    mtime_ns: int
 
 
-def read_small_jsonl(path: str, size: int, text_key: str) -> SmallFile | None:
-    """The texts of a small, clean, local, uncompressed JSON-lines file of `size` bytes (as
-    the caller's `stat` found it; -1: not known), or None when the file is not one (the
-    general reader then reads it and names what is wrong)."""
+def read_small_jsonl(path: str, text_key: str, size: int = -1, mtime_ns: int = -1
+                     ) -> SmallFile | None:
+    """The texts of a small, clean, local, uncompressed JSON-lines file, or None when the
+    file is not one (the general reader then reads it and names what is wrong). `size` and
+    `mtime_ns`: as the caller's `stat` found them; if not known (-1), from the open file."""
     if size > SMALL_FILE_BYTES or not path.endswith(PLAIN_JSONL):
         return None
     try:
@@ -45,7 +48,8 @@ def read_small_jsonl(path: str, size: int, text_key: str) -> SmallFile | None:
         return None
     try:
         if size < 0:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, mtime_ns = st.st_size, st.st_mtime_ns
             if size > SMALL_FILE_BYTES:
                 return None
         data = os.read(fd, size + 1)  # one byte more: a file that grew is seen
@@ -79,7 +83,7 @@ def read_small_jsonl(path: str, size: int, text_key: str) -> SmallFile | None:
             texts.append(t)
         else:
             empty += 1
-    return SmallFile(texts, empty)
+    return SmallFile(texts, empty, size, mtime_ns)
 
 
 def _json_object(line: str) -> dict | None:

@@ -33,15 +33,18 @@ import numpy as np
 
 from scaletrain.curate.io.paths import InputError, expand_inputs
 from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, json_records
+from scaletrain.data import tokenize_parts as parts_plan
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
 from scaletrain.data.small_jsonl import read_small_jsonl
 from scaletrain.data.tokenize_parts import (
+    FileStat,
     PartsDir,
-    group_digest,
+    finished_parts,
     mark_finished,
+    part_name,
+    plan_groups,
     run_fingerprint,
     stat_files,
-    stream_groups,
 )
 from scaletrain.data.tokenizer import TextTokenizer
 
@@ -150,14 +153,29 @@ def read_documents(path: str | Path, text_key: str = "text", report: ReadReport 
 
 
 def group_texts(files: list[str], text_key: str, report: ReadReport,
-                sizes: list[int] | None = None) -> Iterator[str]:
-    """The documents of `files` in order: a small clean JSON-lines file (of its size in
-    `sizes`) in one read (`read_small_jsonl`), any other through `read_documents`."""
-    for f, size in zip(files, sizes or [-1] * len(files)):
-        small = read_small_jsonl(f, size, text_key)
+                known: list[tuple[int, int]] | None = None, seen: list[FileStat] | None = None,
+                limit: int | None = None) -> Iterator[str]:
+    """The documents of `files` in order: a small clean JSON-lines file in one read
+    (`read_small_jsonl`), any other through `read_documents`. `known`: each file's (size,
+    mtime_ns) as the caller's `stat` found them ((-1, -1): not known). Each file read goes
+    to `seen` with its size and modification time; with `limit`, no file is started once
+    the files read hold `limit` bytes."""
+    read = 0
+    for k, f in enumerate(files):
+        if limit is not None and k and read >= limit:
+            return
+        size, mtime_ns = known[k] if known else (-1, -1)
+        small = read_small_jsonl(f, text_key, size, mtime_ns)
         if small is None:
+            st = next(stat_files([f]))
+            read += max(st.size, 0)
+            if seen is not None:
+                seen.append(st)
             yield from read_documents(f, text_key, report)
         else:
+            read += small.size
+            if seen is not None:
+                seen.append(FileStat(f, small.size, small.mtime_ns))
             report.empty += small.empty
             yield from small.texts
 
@@ -276,25 +294,35 @@ def _worker_tokenizer(path: str, add_bos: bool) -> TextTokenizer:
 
 
 def _tokenize_group(job: tuple) -> dict[str, Any]:
-    """One group of files into one partial dataset and its marker (a worker process or Ray
-    task); the texts of small files are batched together. A part an earlier run finished
-    from the same group (`digest`) is reused as it is. `sizes`: each file's size as the
-    driver found it (optional)."""
-    files, tok_path, add_bos, out_prefix, text_key, strict, digest, *sizes = job
-    done = PartsDir.finished_part(out_prefix, digest)
-    if done is not None:
-        return {**done, "reused": True}
-    tok = _worker_tokenizer(tok_path, add_bos)
-    report = ReadReport(strict=strict)
-    texts = group_texts(files, text_key, report, sizes[0] if sizes else None)
-    with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
-        stats = write_texts(tok, texts, w)
-    stats.malformed, stats.malformed_examples = report.malformed, report.examples
-    stats.empty = report.empty
-    stats.files = len(files)
-    result = asdict(stats)
-    mark_finished(out_prefix, digest, result)
-    return {**result, "reused": False}
+    """One group of files (a worker process or Ray task) into partial datasets of at most
+    about GROUP_MAX_BYTES of input each, cut between files as they are read, each with its
+    marker; the texts of small files are batched together. The parts an earlier run finished
+    from the same files (sizes and modification times unchanged) are reused as they are.
+    `known`: each file's (size, mtime_ns) as the driver's `stat` found them, or (-1, -1)."""
+    files, tok_path, add_bos, group, text_key, strict, known = job
+    done = finished_parts(group, files)
+    stats = TokenizeStats()
+    made = [part for part, _, _ in done]
+    for _, _, r in done:
+        stats.add(TokenizeStats(**r))
+    pos = done[-1][1] if done else 0
+    while pos < len(files):
+        tok = _worker_tokenizer(tok_path, add_bos)
+        part = part_name(group, len(made))
+        report = ReadReport(strict=strict)
+        seen: list[FileStat] = []
+        texts = group_texts(files[pos:], text_key, report, known[pos:] if known else None,
+                            seen, parts_plan.GROUP_MAX_BYTES)
+        with IndexedDatasetWriter(part, tok.dtype) as w:
+            part_stats = write_texts(tok, texts, w)
+        part_stats.malformed, part_stats.malformed_examples = report.malformed, report.examples
+        part_stats.empty = report.empty
+        part_stats.files = len(seen)
+        mark_finished(part, pos, seen, asdict(part_stats))
+        stats.add(part_stats)
+        made.append(part)
+        pos += len(seen)
+    return {"stats": asdict(stats), "parts": made, "reused": len(done)}
 
 
 def _init_worker(workers: int) -> None:
@@ -440,37 +468,39 @@ def tokenize_to_indexed(
 
     def jobs() -> Iterator[tuple]:
         nonlocal planned_all
-        for i, g in enumerate(stream_groups(stat_files(paths), len(paths), workers)):
+        for i, g in enumerate(plan_groups(paths, workers)):
             planned.append(len(g))
-            yield ([f.path for f in g], str(tok.path), add_bos, parts.part(i), text_key,
-                   strict, group_digest(g), [f.size for f in g])
+            yield ([f.path for f in g], str(tok.path), add_bos, parts.group(i), text_key,
+                   strict, [(f.size, f.mtime_ns) for f in g])
         planned_all = True
 
     stats = TokenizeStats()
+    made: list[list[str]] = []  # each group's parts
     reused = 0
     t0 = time.perf_counter()
     keep_parts = False
     try:
         for i, r in enumerate(_run_jobs(jobs(), workers, executor)):
-            was_reused = r.pop("reused", False)
-            reused += was_reused
-            stats.add(TokenizeStats(**r))
+            stats.add(TokenizeStats(**r["stats"]))
+            made.append(r["parts"])
+            reused += r["reused"]
             dt = time.perf_counter() - t0
-            log.info("%s part %d%s (%d files): %d documents, %d tokens so far (%.0f tokens/s)",
-                     "reused finished" if was_reused else "tokenized", i + 1,
-                     f"/{len(planned)}" if planned_all else "", planned[i], stats.documents,
+            log.info("tokenized group %d%s (%d files, %d parts%s): %d documents, %d tokens so "
+                     "far (%.0f tokens/s)", i + 1, f"/{len(planned)}" if planned_all else "",
+                     planned[i], len(r["parts"]),
+                     f", {r['reused']} reused" if r["reused"] else "", stats.documents,
                      stats.tokens, stats.tokens / max(dt, 1e-9))
         if found:
             log.info("resumed: %d of %d parts were finished by an earlier run", reused,
-                     len(planned))
+                     sum(map(len, made)))
         if stats.documents == 0:
             raise TokenizeError(nothing_read(stats, len(inputs)))
         if tok.path is not None and tok.path.resolve() != sidecar.resolve():
             shutil.copyfile(tok.path, f"{sidecar}.tmp")
             os.replace(f"{sidecar}.tmp", sidecar)
         with IndexedDatasetWriter(prefix, tok.dtype) as w:  # .bin, then .idx, renamed last
-            for i in range(len(planned)):
-                w.append_dataset(parts.part(i))
+            for part in itertools.chain.from_iterable(made):
+                w.append_dataset(part)
     except (KeyboardInterrupt, WorkerDied):
         # the next run goes on from the finished parts (if any finished)
         keep_parts = parts.any_finished()
@@ -479,7 +509,7 @@ def tokenize_to_indexed(
         if not keep_parts:
             parts.remove()
     stats.seconds = time.perf_counter() - t0
-    stats.files, stats.parts = len(inputs), len(planned)
+    stats.files, stats.parts = len(inputs), sum(map(len, made))
     return stats
 
 

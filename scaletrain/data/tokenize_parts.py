@@ -27,7 +27,8 @@ GROUP_MIN_BYTES = 8 << 20  # a group below this is not worth a job of its own
 GROUP_MAX_BYTES = 256 << 20
 JOBS_PER_WORKER = 4  # enough jobs to balance workers when files differ in size
 GROUP_MIN_FILES = 2000  # nor is a group of fewer (small) files
-PARTS_FORMAT = 2  # 2: each marker holds its group's digest
+PARTS_FORMAT = 3  # 3: a group's parts are cut by bytes as it is read; markers hold digests
+STAT_FILES_MAX = 10_000  # at most this many input files are stat'ed up front (~30 ms)
 
 
 class FileStat(NamedTuple):
@@ -86,7 +87,26 @@ def group_files(files: list[FileStat], workers: int) -> list[list[FileStat]]:
     return list(stream_groups(files, len(files), workers))
 
 
-def group_digest(group: list[FileStat]) -> str:
+def count_groups(paths: list[str], workers: int) -> Iterator[list[FileStat]]:
+    """Consecutive files in `workers * JOBS_PER_WORKER` groups of equal count, sizes not
+    known (-1): for an input of many files, where a `stat` of each costs the driver as much
+    time as its workers take to read them. Each worker cuts its group into parts of at most
+    about GROUP_MAX_BYTES as it reads (the size comes with the open file), so parts stay
+    bounded, and the many groups balance the workers as files of mixed sizes average out."""
+    per = -(-len(paths) // max(1, workers * JOBS_PER_WORKER))
+    for start in range(0, len(paths), per):
+        yield [FileStat(p, -1, -1) for p in paths[start:start + per]]
+
+
+def plan_groups(paths: list[str], workers: int) -> Iterator[list[FileStat]]:
+    """The groups of an input: by bytes (`stream_groups`, each file stat'ed) for up to
+    STAT_FILES_MAX files, else by count (`count_groups`)."""
+    if len(paths) <= STAT_FILES_MAX:
+        return stream_groups(stat_files(paths), len(paths), workers)
+    return count_groups(paths, workers)
+
+
+def group_digest(group: Iterable[FileStat]) -> str:
     """What one part is a function of, besides the run's plan: its files, in order, with
     their sizes and modification times. A part is reused only for the same digest."""
     h = hashlib.sha256()
@@ -127,22 +147,9 @@ class PartsDir:
             tmp.unlink()
         return sum(1 for _ in self.path.glob("part-*.json"))
 
-    def part(self, i: int) -> str:
+    def group(self, i: int) -> str:
+        """The name of group `i`'s parts: GROUP-0000, GROUP-0001, ..."""
         return str(self.path / f"part-{i:05d}")
-
-    def finished(self, i: int, digest: str | None = None) -> dict[str, Any] | None:
-        """The counts of part `i` if it is finished (and made of the group `digest`)."""
-        return self.finished_part(self.part(i), digest)
-
-    @staticmethod
-    def finished_part(part: str, digest: str | None = None) -> dict[str, Any] | None:
-        try:
-            marker = json.loads(Path(f"{part}.json").read_text())
-            if digest is None or marker["group"] == digest:
-                return dict(marker["stats"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        return None
 
     def any_finished(self) -> bool:
         return any(self.path.glob("part-*.json"))
@@ -151,8 +158,44 @@ class PartsDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def mark_finished(part: str, digest: str, stats: dict[str, Any]) -> None:
-    """The marker of a finished part (written after its .bin/.idx are in place)."""
+def part_name(group: str, j: int) -> str:
+    return f"{group}-{j:04d}"
+
+
+def mark_finished(part: str, start: int, files: list[FileStat], stats: dict[str, Any]
+                  ) -> None:
+    """The marker of a finished part (written after its .bin/.idx are in place): it holds
+    its group's files [start, start + len(files)) and their digest."""
+    marker = {"start": start, "end": start + len(files), "group": group_digest(files),
+              "stats": stats}
     with open(f"{part}.json.tmp", "w", encoding="utf-8") as f:
-        json.dump({"group": digest, "stats": stats}, f)
+        json.dump(marker, f)
     os.replace(f"{part}.json.tmp", f"{part}.json")
+
+
+def finished_parts(group: str, paths: list[str]) -> list[tuple[str, int, dict[str, Any]]]:
+    """(part, end, stats) of the parts of `group` (whose files are `paths`) that an earlier
+    run finished and that still hold what those files hold now (sizes and modification times
+    the same), in order; the markers of any later part of the group are removed (it is done
+    again)."""
+    found: list[tuple[str, int, dict[str, Any]]] = []
+    pos, j = 0, 0
+    while True:
+        part = part_name(group, j)
+        try:
+            marker = json.loads(Path(f"{part}.json").read_text())
+            end = int(marker["end"])
+            if (marker["start"] != pos or not pos < end <= len(paths)
+                    or group_digest(stat_files(paths[pos:end])) != marker["group"]):
+                break
+            found.append((part, end, dict(marker["stats"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            break
+        pos, j = end, j + 1
+    for stale in Path(group).parent.glob(f"{Path(group).name}-*.json"):
+        try:
+            if int(stale.name[len(Path(group).name) + 1:-len(".json")]) >= j:
+                stale.unlink()
+        except ValueError:
+            continue
+    return found

@@ -1,11 +1,13 @@
 """Documents (JSONL / Parquet with a `text` field) -> a Megatron indexed dataset, in parallel.
 
-Input files (those of `--input`, in sorted order) are packed into groups of about equal
-bytes and tokenized by a pool of processes (or Ray tasks), each group into its own partial
-`.bin/.idx` (the tokenizer is loaded once per worker); the parts are then appended in file
-order, so the output is byte-identical whatever the number of workers or files. An
-interrupted run's finished parts are reused by the next run (`tokenize_parts`). Each
-document becomes one sequence (= one document in the index): [BOS] tokens EOS.
+Input files (those of `--input`, in sorted order) are packed into groups (`tokenize_parts`)
+and tokenized by a pool of processes (or Ray tasks), each group into partial `.bin/.idx`
+files (the tokenizer is loaded once per worker; forked workers get the driver's); the parts
+are then appended in file order, so the output is byte-identical whatever the number of
+workers or files. A small clean JSON-lines file is read in one read (`small_jsonl`). An
+interrupted run's finished parts are reused by the next run where their files are
+unchanged. Each document becomes one sequence (= one document in the index): [BOS] tokens
+EOS.
 
 Malformed input is treated as curation treats it: a bad record (invalid UTF-8 or JSON, no
 text field, a compressed file that ends early) is counted, skipped and named with its file
@@ -437,10 +439,11 @@ def tokenize_to_indexed(
 ) -> TokenizeStats:
     """Tokenize every input file into the indexed dataset `output` (PREFIX.bin/.idx).
 
-    Files are tokenized in groups of about equal bytes (`group_files`), one partial dataset
-    per group in `PREFIX.parts-tmp/`, then appended in file order: the output is the same
-    whatever the number of workers or groups. An interrupted run leaves its finished parts;
-    the same command again reuses them. Malformed records are skipped and counted
+    Files are tokenized in groups (`plan_groups`), each into partial datasets in
+    `PREFIX.parts-tmp/`, then appended in file order: the output is the same whatever the
+    number of workers or groups. An interrupted run leaves its finished parts; the same
+    command again reuses those whose files are unchanged. `tokenizer`: a path, or a
+    `TextTokenizer` loaded with this `add_bos`. Malformed records are skipped and counted
     (`stats.malformed`, examples with file and line); with `strict` the first one raises
     `MalformedRecord`. A run that reads no document raises `TokenizeError`; in both cases
     nothing is written."""

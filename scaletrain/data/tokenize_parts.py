@@ -1,16 +1,21 @@
 """How `tokenize_to_indexed` splits its input into jobs, and the folder of their parts.
 
-Files are packed, in order, into groups (`stream_groups`): a group is one job, tokenized by
-one worker into one partial dataset, so 100,000 small files cost a few jobs rather than
-100,000 tokenizer loads and partial datasets. Groups are formed while the files are being
-looked at (one `stat` each), and each is handed to a worker as soon as it is full. The parts
-live in `PREFIX.parts-tmp/` beside a `plan.json` that records what every part is a function
-of (the tokenizer's content, the options); each finished part has a `part-NNNNN.json` marker
-with its counts and the digest of its group (its files with their sizes and modification
-times). A run that is interrupted (Ctrl-C, a killed worker or driver) leaves the folder; the
-next run with the same plan reuses each finished part whose group is the same and tokenizes
-the rest (a changed, added or removed file redoes the parts it touches), and a run with
-another plan clears the folder first.
+Files are packed, in order, into groups: a group is one job, tokenized by one worker into
+partial datasets (parts) of at most about GROUP_MAX_BYTES of input each, cut between files
+as the worker reads them, so 100,000 small files cost a few jobs rather than 100,000
+tokenizer loads and partial datasets. Up to STAT_FILES_MAX files, the groups follow bytes
+(`stream_groups`: one `stat` per file, each group handed to a worker as soon as it is full);
+above it, a `stat` per file would cost the driver as much as its workers spend reading, so
+the groups follow the count of files (`count_groups`) and each file's size and time come
+with the open file.
+
+The parts live in `PREFIX.parts-tmp/` beside a `plan.json` that records what every part is
+a function of (the tokenizer's content, the options); each finished part has a
+`part-GGGGG-PPPP.json` marker with its counts, the range of its group's files it holds and
+their digest (paths, sizes, modification times). A run that is interrupted (Ctrl-C, a killed
+worker or driver) leaves the folder; the next run with the same plan reuses each finished
+part whose files are unchanged and tokenizes the rest (a changed, added or removed file
+redoes the parts from it on in its group), and a run with another plan clears the folder.
 """
 
 from __future__ import annotations

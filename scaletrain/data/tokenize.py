@@ -308,17 +308,19 @@ def _tokenize_group(job: tuple) -> dict[str, Any]:
     for _, _, r in done:
         stats.add(TokenizeStats(**r))
     pos = done[-1][1] if done else 0
+    report = ReadReport(strict=strict)  # one per group: it logs the first few malformed
     while pos < len(files):
         tok = _worker_tokenizer(tok_path, add_bos)
         part = part_name(group, len(made))
-        report = ReadReport(strict=strict)
+        before = (report.malformed, len(report.examples), report.empty)
         seen: list[FileStat] = []
         texts = group_texts(files[pos:], text_key, report, known[pos:] if known else None,
                             seen, parts_plan.GROUP_MAX_BYTES)
         with IndexedDatasetWriter(part, tok.dtype) as w:
             part_stats = write_texts(tok, texts, w)
-        part_stats.malformed, part_stats.malformed_examples = report.malformed, report.examples
-        part_stats.empty = report.empty
+        part_stats.malformed = report.malformed - before[0]
+        part_stats.malformed_examples = report.examples[before[1]:]
+        part_stats.empty = report.empty - before[2]
         part_stats.files = len(seen)
         mark_finished(part, pos, seen, asdict(part_stats))
         stats.add(part_stats)

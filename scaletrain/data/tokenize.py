@@ -309,8 +309,8 @@ def _tokenize_group(job: tuple) -> dict[str, Any]:
         stats.add(TokenizeStats(**r))
     pos = done[-1][1] if done else 0
     report = ReadReport(strict=strict)  # one per group: it logs the first few malformed
-    while pos < len(files):
-        tok = _worker_tokenizer(tok_path, add_bos)
+    tok = _worker_tokenizer(tok_path, add_bos) if pos < len(files) else None
+    while tok is not None and pos < len(files):
         part = part_name(group, len(made))
         before = (report.malformed, len(report.examples), report.empty)
         seen: list[FileStat] = []

@@ -98,7 +98,7 @@ def count_groups(paths: list[str], workers: int) -> Iterator[list[FileStat]]:
     time as its workers take to read them. Each worker cuts its group into parts of at most
     about GROUP_MAX_BYTES as it reads (the size comes with the open file), so parts stay
     bounded, and the many groups balance the workers as files of mixed sizes average out."""
-    per = -(-len(paths) // max(1, workers * JOBS_PER_WORKER))
+    per = max(1, -(-len(paths) // max(1, workers * JOBS_PER_WORKER)))
     for start in range(0, len(paths), per):
         yield [FileStat(p, -1, -1) for p in paths[start:start + per]]
 

@@ -8,9 +8,11 @@ The lines are real text (the CCNet fixture documents' lines, repeated with a cou
 `--lines`); tiny files hold one short line each. Each case runs `scaletrain data tokenize`
 in a fresh process (as a user does, set-up included) with the GPT-NeoX tokenizer and
 reports files/s, MB/s of input and the time ratio against one file holding the same lines
-(the fastest of `--repeat` runs), and the CPU seconds of the run (workers included) with
-their ratio: on a loaded machine the wall-time ratio is noise, the CPU ratio much less so.
-Files are written to a temporary folder first (not timed). Prints a table and writes JSON.
+(the fastest of `--repeat` runs, which run interleaved so a change of load hits every case),
+and the least CPU seconds of a run (workers included) with their ratio: on a loaded machine
+the wall-time ratio is noise, the CPU ratio much less so. The load average is printed at the
+start and the end. `--before TREE` runs a second source tree in the same repeats. Files are
+written to a temporary folder first (not timed). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -84,6 +86,28 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _row(label: str, n: int, n_files: int, size: int, runs: list, base: float,
+         base_cpu: float, name: str) -> dict:
+    """One printed and saved row: the fastest run (wall) and the least CPU of `runs`."""
+    dt, out = min(runs, key=lambda r: r[0])
+    cpu = min(r[1]["cpu_seconds"] for r in runs)
+    row = {"case": f"{n:,} {label} in {n_files:,} files" + (f" ({name})" if name else ""),
+           "files": n_files, "lines": n, "mbytes": round(size / 1e6, 3),
+           "seconds": round(dt, 2), "files_per_s": round(n_files / dt, 1),
+           "mb_per_s": round(size / 1e6 / dt, 3), "ratio_vs_1_file": round(dt / base, 2),
+           "cpu_seconds": round(cpu, 2), "cpu_ratio_vs_1_file": round(cpu / base_cpu, 2),
+           "all_seconds": [round(r[0], 2) for r in runs], "documents": out["documents"],
+           "tokens": out["tokens"], "parts": out.get("parts")}
+    print(f"{row['case']:<43} {dt:8.2f} s {row['files_per_s']:>10,.1f} files/s "
+          f"{row['mb_per_s']:>8.3f} MB/s  x{row['ratio_vs_1_file']} of 1 file  cpu "
+          f"{cpu:.2f} s x{row['cpu_ratio_vs_1_file']}  parts {row['parts']}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,9 +120,13 @@ def main() -> None:
     ap.add_argument("--tree", default=str(ROOT), help="source tree to run (PYTHONPATH), e.g. "
                     "another checkout for a before/after comparison")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--before", default=None, help="a second source tree (e.g. `git archive "
+                    "main` unpacked) run in the same repeats, interleaved, for a before/after "
+                    "on the same load")
     args = ap.parse_args()
-    tree = Path(args.tree)
+    trees = [("", Path(args.tree))] + ([("before", Path(args.before))] if args.before else [])
     rows = []
+    print(f"load average at start: {_load()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="tokfiles-") as tmp:
         work = Path(tmp)
         cases = [("lines", args.lines, [1, args.files])]
@@ -107,31 +135,22 @@ def main() -> None:
         for label, n, counts in cases:
             lines = (real_lines(n) if label == "lines"
                      else [f"tiny document {i}." for i in range(n)])
-            base = base_cpu = None
-            for n_files in counts:
-                src = work / f"{label}-{n_files}"
-                size = write_split(src, lines, n_files)
-                runs = [tokenize(src, work / f"out-{label}-{n_files}", tree, args.workers)
-                        for _ in range(args.repeat)]
-                dt, out = min(runs, key=lambda r: r[0])
-                base = base or dt
-                base_cpu = base_cpu or out["cpu_seconds"]
-                rows.append({"case": f"{n:,} {label} in {n_files:,} files", "files": n_files,
-                             "lines": n, "mbytes": round(size / 1e6, 3), "seconds": round(dt, 2),
-                             "files_per_s": round(n_files / dt, 1),
-                             "mb_per_s": round(size / 1e6 / dt, 3),
-                             "ratio_vs_1_file": round(dt / base, 2),
-                             "cpu_seconds": round(out["cpu_seconds"], 2),
-                             "cpu_ratio_vs_1_file": round(out["cpu_seconds"] / base_cpu, 2),
-                             "all_seconds": [round(r[0], 2) for r in runs],
-                             "documents": out["documents"], "tokens": out["tokens"],
-                             "parts": out.get("parts")})
-                row = rows[-1]
-                print(f"{row['case']:<34} {dt:8.2f} s {row['files_per_s']:>10,.1f} "
-                      f"files/s {row['mb_per_s']:>8.3f} MB/s  x{row['ratio_vs_1_file']} of 1 "
-                      f"file  cpu {row['cpu_seconds']:.2f} s x{row['cpu_ratio_vs_1_file']}"
-                      f"  parts {row['parts']}", flush=True)
-    body = {"bench": "tokenize_files_cpu", "tree": str(tree), "workers": args.workers,
+            sizes = {k: write_split(work / f"{label}-{k}", lines, k) for k in counts}
+            runs: dict[tuple[str, int], list] = {(t, k): [] for t, _ in trees for k in counts}
+            for _ in range(args.repeat):  # interleaved: a change of load hits every case
+                for name, tree in trees:
+                    for k in counts:
+                        runs[name, k].append(tokenize(work / f"{label}-{k}",
+                                                      work / f"out-{label}-{k}-{name}", tree,
+                                                      args.workers))
+            for name, _ in trees:
+                base = min(r[0] for r in runs[name, counts[0]])
+                base_cpu = min(r[1]["cpu_seconds"] for r in runs[name, counts[0]])
+                for k in counts:
+                    rows.append(_row(label, n, k, sizes[k], runs[name, k], base, base_cpu, name))
+    print(f"load average at end: {_load()}", flush=True)
+    body = {"bench": "tokenize_files_cpu", "tree": args.tree, "before": args.before,
+            "workers": args.workers, "load_average_end": _load(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(body, indent=1))

@@ -93,8 +93,8 @@ def test_an_interrupted_run_is_resumed_from_its_finished_parts(tmp_path: Path,
     with pytest.raises(KeyboardInterrupt):
         tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
     left = tmp_path / "r.parts-tmp"
-    assert sorted(p.name for p in left.glob("part-*.json")) == ["part-00000.json",
-                                                                "part-00001.json"]
+    assert sorted(p.name for p in left.glob("part-*.json")) == ["part-00000-0000.json",
+                                                                "part-00001-0000.json"]
     assert not Path(f"{tmp_path}/r.bin").exists()  # no dataset that looks whole
     calls.clear()
     monkeypatch.setattr(tokenize_mod, "write_texts", lambda *a, **k: calls.append(1) or
@@ -116,3 +116,102 @@ def test_stale_leftovers_of_another_run_are_cleared(tmp_path: Path) -> None:
     stats = tokenize_to_indexed(sorted(many.rglob("*.jsonl")), tmp_path / "s",
                                 fixture_dir() / "gpt-neox-tokenizer.json")
     assert stats.documents == 20 and not left.exists()
+
+
+def test_a_resume_redoes_the_parts_whose_files_changed(tmp_path: Path, monkeypatch) -> None:
+    many, _ = _many(tmp_path, 60)
+    files = sorted(many.rglob("*.jsonl"))
+    tok = fixture_dir() / "gpt-neox-tokenizer.json"
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_BYTES", 1000)
+    groups = parts_mod.group_files(parts_mod.file_stats([str(f) for f in files]), 1)
+    real = tokenize_mod.write_texts
+    calls = []
+
+    def interrupted_at_the_third_part(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(tokenize_mod, "write_texts", interrupted_at_the_third_part)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    # a file of the finished first part changes (same size, new content and time)
+    changed = Path(groups[0][1].path)
+    changed.write_text(changed.read_text().replace("quick", "QUICK"))
+    calls.clear()
+    monkeypatch.setattr(tokenize_mod, "write_texts", lambda *a, **k: calls.append(1) or
+                        real(*a, **k))
+    tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    assert len(calls) == len(groups) - 1  # part 0 again, part 1 reused, the rest
+    monkeypatch.setattr(tokenize_mod, "write_texts", real)
+    tokenize_to_indexed(files, tmp_path / "fresh", tok, workers=1)
+    assert _bytes(tmp_path / "r") == _bytes(tmp_path / "fresh")
+    texts = [json.loads(f.read_text())["text"] for f in files]
+    tokenize_to_indexed(files, tmp_path / "fresh2", tok, workers=2)  # parts in 2 processes
+    assert _bytes(tmp_path / "fresh2") == _bytes(tmp_path / "fresh")
+    assert any("QUICK" in t for t in texts)
+
+
+def test_groups_are_given_as_they_fill_and_grow_round_by_round(monkeypatch) -> None:
+    monkeypatch.setattr(parts_mod, "GROUP_MIN_BYTES", 1000)
+    monkeypatch.setattr(parts_mod, "GROUP_MAX_BYTES", 4000)
+    stats = [parts_mod.FileStat(f"f{i:04d}", 100, 0) for i in range(1000)]
+    groups = parts_mod.group_files(stats, workers=1)  # a round: 4 groups
+    assert [len(g) for g in groups[:16]] == [10] * 4 + [20] * 4 + [40] * 8
+    assert [f for g in groups for f in g] == stats
+    seen = []
+    stream = parts_mod.stream_groups((seen.append(f) or f for f in stats), len(stats), 1)
+    assert len(next(stream)) == 10 and len(seen) == 11  # no need to look at every file first
+
+
+def test_many_files_are_split_by_count_and_cut_into_parts_as_they_are_read(
+        tmp_path: Path, monkeypatch) -> None:
+    """Above STAT_FILES_MAX files the driver stats nothing: groups by count, each cut by
+    the workers into parts of about GROUP_MAX_BYTES; interrupted, changed and resumed, the
+    dataset is still the one of a single file holding the same lines."""
+    many, one = _many(tmp_path, 60)
+    files = sorted(many.rglob("*.jsonl"))
+    tok = fixture_dir() / "gpt-neox-tokenizer.json"
+    tokenize_to_indexed([one], tmp_path / "o", tok, workers=1)
+    monkeypatch.setattr(parts_mod, "STAT_FILES_MAX", 10)
+    monkeypatch.setattr(parts_mod, "GROUP_MAX_BYTES", 300)  # about 4 files a part
+    real_stat = parts_mod.stat_files
+    stat_calls = []
+    monkeypatch.setattr(parts_mod, "stat_files",
+                        lambda paths: stat_calls.append(1) or real_stat(paths))
+    stats = tokenize_to_indexed(files, tmp_path / "c", tok, workers=1)
+    assert not stat_calls  # sizes and times came with the open files
+    assert stats.parts > 8 and stats.documents == 60  # 4 groups (1 worker), each cut
+    assert _bytes(tmp_path / "c") == _bytes(tmp_path / "o")
+    tokenize_to_indexed(files, tmp_path / "c2", tok, workers=2)  # 8 groups, 2 processes
+    assert _bytes(tmp_path / "c2") == _bytes(tmp_path / "o")
+
+    real = tokenize_mod.write_texts
+    calls = []
+
+    def interrupted_at_the_sixth_part(*a, **k):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(tokenize_mod, "write_texts", interrupted_at_the_sixth_part)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    left = tmp_path / "r.parts-tmp"
+    finished = sorted(left.glob("part-*.json"))
+    first_group = sorted(left.glob("part-00000-*.json"))
+    assert len(finished) == 5 and 1 < len(first_group) < 5
+    second = json.loads(first_group[1].read_text())  # the 2nd part of group 0 changes
+    changed = Path(str(files[second["start"]]))
+    changed.write_text(changed.read_text().replace("quick", "QUICK"))
+    calls.clear()
+    monkeypatch.setattr(tokenize_mod, "write_texts", lambda *a, **k: calls.append(1) or
+                        real(*a, **k))
+    stats = tokenize_to_indexed(files, tmp_path / "r", tok, workers=1)
+    reused = 1 + (len(finished) - len(first_group))  # part 0 of group 0, the later groups'
+    assert len(calls) == stats.parts - reused and not left.exists()
+    monkeypatch.setattr(tokenize_mod, "write_texts", real)
+    tokenize_to_indexed(files, tmp_path / "fresh", tok, workers=1)
+    assert _bytes(tmp_path / "r") == _bytes(tmp_path / "fresh") != _bytes(tmp_path / "o")

@@ -234,7 +234,7 @@ def test_a_killed_worker_is_an_error_not_a_hang(tmp_path: Path) -> None:
     shards = [write_jsonl(tmp_path / f"s{k}.jsonl", [{"text": t} for t in TEXTS])
               for k in range(3)]
     tok = fixture_dir() / "gpt-neox-tokenizer.json"
-    jobs = [([str(s)], str(tok), False, str(tmp_path / f"part-{k}"), "text", False)
+    jobs = [([str(s)], str(tok), False, str(tmp_path / f"part-{k}"), "text", False, None)
             for k, s in enumerate(shards)]
     import threading
 

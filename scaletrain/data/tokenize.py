@@ -1,11 +1,13 @@
 """Documents (JSONL / Parquet with a `text` field) -> a Megatron indexed dataset, in parallel.
 
-Input files (those of `--input`, in sorted order) are packed into groups of about equal
-bytes and tokenized by a pool of processes (or Ray tasks), each group into its own partial
-`.bin/.idx` (the tokenizer is loaded once per worker); the parts are then appended in file
-order, so the output is byte-identical whatever the number of workers or files. An
-interrupted run's finished parts are reused by the next run (`tokenize_parts`). Each
-document becomes one sequence (= one document in the index): [BOS] tokens EOS.
+Input files (those of `--input`, in sorted order) are packed into groups (`tokenize_parts`)
+and tokenized by a pool of processes (or Ray tasks), each group into partial `.bin/.idx`
+files (the tokenizer is loaded once per worker; forked workers get the driver's); the parts
+are then appended in file order, so the output is byte-identical whatever the number of
+workers or files. A small clean JSON-lines file is read in one read (`small_jsonl`). An
+interrupted run's finished parts are reused by the next run where their files are
+unchanged. Each document becomes one sequence (= one document in the index): [BOS] tokens
+EOS.
 
 Malformed input is treated as curation treats it: a bad record (invalid UTF-8 or JSON, no
 text field, a compressed file that ends early) is counted, skipped and named with its file
@@ -18,10 +20,12 @@ metaspace pre-tokenizers split anyway), so its memory stays bounded by the piece
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,13 +35,18 @@ import numpy as np
 
 from scaletrain.curate.io.paths import InputError, expand_inputs
 from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, json_records
+from scaletrain.data import tokenize_parts as parts_plan
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
+from scaletrain.data.small_jsonl import read_small_jsonl
 from scaletrain.data.tokenize_parts import (
+    FileStat,
     PartsDir,
-    file_stats,
-    group_files,
+    finished_parts,
     mark_finished,
-    plan_fingerprint,
+    part_name,
+    plan_groups,
+    run_fingerprint,
+    stat_files,
 )
 from scaletrain.data.tokenizer import TextTokenizer
 
@@ -143,6 +152,34 @@ def read_documents(path: str | Path, text_key: str = "text", report: ReadReport 
     except (OSError, EOFError) as e:  # not readable from its first byte
         report.add(str(path), f"cannot read the file ({type(e).__name__}: {e}); check that "
                               "it is complete and its suffix matches its compression")
+
+
+def group_texts(files: list[str], text_key: str, report: ReadReport,
+                known: list[tuple[int, int]] | None = None, seen: list[FileStat] | None = None,
+                limit: int | None = None) -> Iterator[str]:
+    """The documents of `files` in order: a small clean JSON-lines file in one read
+    (`read_small_jsonl`), any other through `read_documents`. `known`: each file's (size,
+    mtime_ns) as the caller's `stat` found them ((-1, -1): not known). Each file read goes
+    to `seen` with its size and modification time; with `limit`, no file is started once
+    the files read hold `limit` bytes."""
+    read = 0
+    for k, f in enumerate(files):
+        if limit is not None and k and read >= limit:
+            return
+        size, mtime_ns = known[k] if known else (-1, -1)
+        small = read_small_jsonl(f, text_key, size, mtime_ns)
+        if small is None:
+            st = next(stat_files([f]))
+            read += max(st.size, 0)
+            if seen is not None:
+                seen.append(st)
+            yield from read_documents(f, text_key, report)
+        else:
+            read += small.size
+            if seen is not None:
+                seen.append(FileStat(f, small.size, small.mtime_ns))
+            report.empty += small.empty
+            yield from small.texts
 
 
 def _parquet_texts(path: str | Path, text_key: str, report: ReadReport) -> Iterator[str]:
@@ -258,20 +295,52 @@ def _worker_tokenizer(path: str, add_bos: bool) -> TextTokenizer:
     return _TOKENIZERS[key]
 
 
-def _tokenize_group(job: tuple[list[str], str, bool, str, str, bool]) -> dict[str, Any]:
-    """One group of files into one partial dataset and its marker (a worker process or Ray
-    task); the texts of small files are batched together."""
-    files, tok_path, add_bos, out_prefix, text_key, strict = job
-    tok = _worker_tokenizer(tok_path, add_bos)
-    report = ReadReport(strict=strict)
-    texts = (t for f in files for t in read_documents(f, text_key, report))
-    with IndexedDatasetWriter(out_prefix, tok.dtype) as w:
-        stats = write_texts(tok, texts, w)
-    stats.malformed, stats.malformed_examples = report.malformed, report.examples
-    stats.empty = report.empty
-    result = asdict(stats)
-    mark_finished(out_prefix, result)
-    return result
+def _tokenize_group(job: tuple) -> dict[str, Any]:
+    """One group of files (a worker process or Ray task) into partial datasets of at most
+    about GROUP_MAX_BYTES of input each, cut between files as they are read, each with its
+    marker; the texts of small files are batched together. The parts an earlier run finished
+    from the same files (sizes and modification times unchanged) are reused as they are.
+    `known`: each file's (size, mtime_ns) as the driver's `stat` found them, or (-1, -1)."""
+    files, tok_path, add_bos, group, text_key, strict, known = job
+    done = finished_parts(group, files)
+    stats = TokenizeStats()
+    made = [part for part, _, _ in done]
+    for _, _, r in done:
+        stats.add(TokenizeStats(**r))
+    pos = done[-1][1] if done else 0
+    report = ReadReport(strict=strict)  # one per group: it logs the first few malformed
+    tok = _worker_tokenizer(tok_path, add_bos) if pos < len(files) else None
+    while tok is not None and pos < len(files):
+        part = part_name(group, len(made))
+        before = (report.malformed, len(report.examples), report.empty)
+        seen: list[FileStat] = []
+        texts = group_texts(files[pos:], text_key, report, known[pos:] if known else None,
+                            seen, parts_plan.GROUP_MAX_BYTES)
+        with IndexedDatasetWriter(part, tok.dtype) as w:
+            part_stats = write_texts(tok, texts, w)
+        part_stats.malformed = report.malformed - before[0]
+        part_stats.malformed_examples = report.examples[before[1]:]
+        part_stats.empty = report.empty - before[2]
+        part_stats.files = len(seen)
+        mark_finished(part, pos, seen, asdict(part_stats))
+        stats.add(part_stats)
+        made.append(part)
+        pos += len(seen)
+    return {"stats": asdict(stats), "parts": made, "reused": len(done)}
+
+
+def _init_worker(workers: int) -> None:
+    """A pool worker: ends with its driver, and encodes with this machine's share of cores
+    (the pool is the parallelism; a thread pool per worker on top only contends)."""
+    from scaletrain.curate.executors.lifeline import bind_to_parent
+
+    bind_to_parent()
+    if "TOKENIZERS_PARALLELISM" not in os.environ and "RAYON_NUM_THREADS" not in os.environ:
+        share = (os.cpu_count() or 1) // max(workers, 1)
+        if share <= 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        else:  # read when the (Rust) thread pool starts: at this worker's first encode
+            os.environ["RAYON_NUM_THREADS"] = str(share)
 
 
 class WorkerDied(TokenizeError):
@@ -290,63 +359,80 @@ def _start_method() -> str:
     return "fork"
 
 
-def _run_jobs(jobs: list[tuple], workers: int, executor: str, fn: Any = None
+def _run_jobs(jobs: Iterable[tuple], workers: int, executor: str, fn: Any = None
               ) -> Iterator[dict[str, Any]]:
-    """`fn` (default: `_tokenize_group`) of each job; results in job order. A worker process
-    that dies (killed, out of memory) is a `WorkerDied` error, not a wait for ever."""
+    """`fn` (default: `_tokenize_group`) of each job; results in job order. Jobs may still
+    be coming (a stream): each is started as soon as it arrives, and a result is given as
+    soon as it and those before it are finished. One job runs in this process (no worker to
+    start). A worker process that dies (killed, out of memory) is a `WorkerDied` error, not a
+    wait for ever."""
     fn = fn or _tokenize_group
     if executor == "ray":
-        try:
-            import ray
-        except ImportError:
-            raise TokenizeError("--executor ray needs ray: pip install 'ray[data]'") from None
-        if not ray.is_initialized():
-            ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
-        task = ray.remote(fn)
-        refs = [task.remote(j) for j in jobs]
-        for r in refs:
-            try:
-                yield ray.get(r)
-            except Exception as e:
-                cause = getattr(e, "cause", e)
-                if isinstance(cause, InputError):  # --strict: the malformed record, as is
-                    raise InputError(str(cause)) from None
-                raise
+        yield from _run_ray(list(jobs), workers, fn)
         return
     if executor != "local":
         raise TokenizeError(f"--executor: unknown executor '{executor}' (local or ray)")
-    if workers <= 1 or len(jobs) == 1:
-        yield from map(fn, jobs)
+    stream = iter(jobs)
+    if workers <= 1:
+        yield from map(fn, stream)
+        return
+    first = list(itertools.islice(stream, 2))
+    if len(first) < 2:
+        yield from map(fn, first)
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    from scaletrain.curate.executors.lifeline import bind_to_parent
+    def result(job: tuple, fut: Any) -> dict[str, Any]:
+        try:
+            return fut.result()
+        except BrokenProcessPool:
+            first_file = job[0][0] if isinstance(job[0], list) and job[0] else job[0]
+            raise WorkerDied(
+                f"a worker process died (killed, or out of memory?) while tokenizing "
+                f"'{first_file}' or files beside it; the finished parts are kept: run again "
+                "to go on, with fewer --workers if memory is short") from None
 
     # (multiprocessing.Pool would wait for ever for the job of a worker that was killed;
     # this pool reports it.)
-    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp.get_context(_start_method()),
-                               initializer=bind_to_parent)
+    pool = ProcessPoolExecutor(workers, mp.get_context(_start_method()),
+                               initializer=_init_worker, initargs=(workers,))
+    pending: deque[tuple[tuple, Any]] = deque()
     try:
-        futures = [pool.submit(fn, j) for j in jobs]
-        for j, fut in zip(jobs, futures):
-            try:
-                yield fut.result()
-            except BrokenProcessPool:
-                first = j[0][0] if isinstance(j[0], list) and j[0] else j[0]
-                raise WorkerDied(
-                    f"a worker process died (killed, or out of memory?) while tokenizing "
-                    f"'{first}' or files beside it; the finished parts are kept: run again "
-                    "to go on, with fewer --workers if memory is short") from None
+        for job in itertools.chain(first, stream):
+            pending.append((job, pool.submit(fn, job)))
+            while pending and pending[0][1].done():
+                yield result(*pending.popleft())
+        while pending:
+            yield result(*pending.popleft())
     finally:  # on an error, the jobs not started are not started
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_ray(jobs: list[tuple], workers: int, fn: Any) -> Iterator[dict[str, Any]]:
+    try:
+        import ray
+    except ImportError:
+        raise TokenizeError("--executor ray needs ray: pip install 'ray[data]'") from None
+    if not ray.is_initialized():
+        ray.init(num_cpus=workers or None, include_dashboard=False, log_to_driver=False)
+    task = ray.remote(fn)
+    refs = [task.remote(j) for j in jobs]
+    for r in refs:
+        try:
+            yield ray.get(r)
+        except Exception as e:
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, InputError):  # --strict: the malformed record, as is
+                raise InputError(str(cause)) from None
+            raise
 
 
 def tokenize_to_indexed(
     inputs: list[str] | list[Path],
     output: str | Path,
-    tokenizer: str | Path,
+    tokenizer: str | Path | TextTokenizer,
     workers: int = 1,
     executor: str = "local",
     add_bos: bool = False,
@@ -355,14 +441,18 @@ def tokenize_to_indexed(
 ) -> TokenizeStats:
     """Tokenize every input file into the indexed dataset `output` (PREFIX.bin/.idx).
 
-    Files are tokenized in groups of about equal bytes (`group_files`), one partial dataset
-    per group in `PREFIX.parts-tmp/`, then appended in file order: the output is the same
-    whatever the number of workers or groups. An interrupted run leaves its finished parts;
-    the same command again reuses them. Malformed records are skipped and counted
+    Files are tokenized in groups (`plan_groups`), each into partial datasets in
+    `PREFIX.parts-tmp/`, then appended in file order: the output is the same whatever the
+    number of workers or groups. An interrupted run leaves its finished parts; the same
+    command again reuses those whose files are unchanged. `tokenizer`: a path, or a
+    `TextTokenizer` loaded with this `add_bos`. Malformed records are skipped and counted
     (`stats.malformed`, examples with file and line); with `strict` the first one raises
     `MalformedRecord`. A run that reads no document raises `TokenizeError`; in both cases
     nothing is written."""
-    tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad tokenizer
+    if isinstance(tokenizer, TextTokenizer):  # loaded by the caller (with this add_bos)
+        tok = tokenizer
+    else:
+        tok = TextTokenizer.load(tokenizer, add_bos=add_bos)  # fail early on a bad one
     prefix = strip_prefix(output)
     sidecar = Path(f"{prefix}.tokenizer.json")
     # An earlier dataset at this prefix goes first: an interrupted run then leaves no
@@ -370,51 +460,61 @@ def tokenize_to_indexed(
     # one). The sidecar is replaced before the index, which is renamed last.
     for old in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
         old.unlink(missing_ok=True)
-    files = file_stats([os.fspath(f) for f in inputs])
-    groups = group_files(files, workers)
+    paths = [os.fspath(f) for f in inputs]
     parts = PartsDir(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    fingerprint = plan_fingerprint(groups, tok.path, {"add_bos": add_bos, "text_key": text_key,
-                                                      "dtype": str(tok.dtype)})
+    found = parts.open(run_fingerprint(tok.path, {"add_bos": add_bos, "text_key": text_key,
+                                                  "dtype": str(tok.dtype)}))
     if tok.path is not None:  # this process's worker (workers=1) needs no second load
         _TOKENIZERS.clear()
         _TOKENIZERS[_tokenizer_key(str(tok.path), add_bos)] = tok
-    found = parts.open(fingerprint)
-    done = {i: r for i in range(len(groups)) if (r := parts.finished(i)) is not None}
-    if found:
-        log.info("resuming: %d of %d parts were finished by an earlier run", len(done),
-                 len(groups))
-    jobs = [([f.path for f in g], str(tok.path), add_bos, parts.part(i), text_key, strict)
-            for i, g in enumerate(groups) if i not in done]
+    planned: list[int] = []  # files per group, as the groups are made
+    planned_all = False
+
+    def jobs() -> Iterator[tuple]:
+        nonlocal planned_all
+        for i, g in enumerate(plan_groups(paths, workers)):
+            planned.append(len(g))
+            yield ([f.path for f in g], str(tok.path), add_bos, parts.group(i), text_key,
+                   strict, [(f.size, f.mtime_ns) for f in g])
+        planned_all = True
+
     stats = TokenizeStats()
-    for r in done.values():
-        stats.add(TokenizeStats(**r))
+    made: list[list[str]] = []  # each group's parts
+    reused = 0
     t0 = time.perf_counter()
     keep_parts = False
     try:
-        for i, r in enumerate(_run_jobs(jobs, workers, executor)):
-            stats.add(TokenizeStats(**r))
+        for i, r in enumerate(_run_jobs(jobs(), workers, executor)):
+            stats.add(TokenizeStats(**r["stats"]))
+            made.append(r["parts"])
+            reused += r["reused"]
             dt = time.perf_counter() - t0
-            log.info("tokenized part %d/%d (%d files): %d documents, %d tokens so far "
-                     "(%.0f tokens/s)", len(done) + i + 1, len(groups), len(jobs[i][0]),
-                     stats.documents, stats.tokens, stats.tokens / max(dt, 1e-9))
+            log.info("tokenized group %d%s (%d files, %d parts%s): %d documents, %d tokens so "
+                     "far (%.0f tokens/s)", i + 1, f"/{len(planned)}" if planned_all else "",
+                     planned[i], len(r["parts"]),
+                     f", {r['reused']} reused" if r["reused"] else "", stats.documents,
+                     stats.tokens, stats.tokens / max(dt, 1e-9))
+        if found:
+            log.info("resumed: %d of %d parts were finished by an earlier run", reused,
+                     sum(map(len, made)))
         if stats.documents == 0:
             raise TokenizeError(nothing_read(stats, len(inputs)))
         if tok.path is not None and tok.path.resolve() != sidecar.resolve():
             shutil.copyfile(tok.path, f"{sidecar}.tmp")
             os.replace(f"{sidecar}.tmp", sidecar)
         with IndexedDatasetWriter(prefix, tok.dtype) as w:  # .bin, then .idx, renamed last
-            for i in range(len(groups)):
-                w.append_dataset(parts.part(i))
+            for part in itertools.chain.from_iterable(made):
+                w.append_dataset(part)
     except (KeyboardInterrupt, WorkerDied):
         # the next run goes on from the finished parts (if any finished)
-        keep_parts = any(parts.finished(i) for i in range(len(groups)))
+        keep_parts = parts.any_finished()
         raise
     finally:
         if not keep_parts:
             parts.remove()
     stats.seconds = time.perf_counter() - t0
-    stats.files, stats.parts = len(inputs), len(groups)
+    stats.files, stats.parts = len(inputs), sum(map(len, made))
     return stats
 
 

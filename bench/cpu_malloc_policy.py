@@ -8,14 +8,15 @@ For one process, DDP (2 ranks), ZeRO-3 (2 ranks) and TP 2 x DP 2 (4 ranks) on th
 preset at 128 tokens (`SEQ`; 128 is the setting of `tests/distributed/test_cpu_peak.py`; bf16
 autocast where the CPU has AVX-512 bf16), every rank builds the real `Trainer` under torchrun
 (gloo). `trainer` runs the trainer's own policy (its defaults: `training.cpu_mmap_threshold_mb`
-4, `training.cpu_malloc_trim` true, `train/host_allocator.py`); every other policy turns the
-trainer's off and applies its own before the trainer is built:
+4, `training.cpu_malloc_trim` true, `train/host_allocator.py`: what `mmap4m+fwd` does, plus a
+trim before the memory baseline); every other policy turns the trainer's off and applies its
+own before the trainer is built:
 
 - `default`: glibc as it comes (dynamic mmap threshold, raised up to 32 MiB);
 - `mmapNk` / `mmapNm`: `mallopt(M_MMAP_THRESHOLD, N KiB / MiB)` (which also stops the raise);
 - `...+trim`: `malloc_trim(0)` after every optimizer step as well;
-- `...+ftrim`: `malloc_trim(0)` after every forward pass of the model and every optimizer step
-  (what the trainer does);
+- `...+ftrim`: `malloc_trim(0)` after every forward pass of the model and every optimizer step;
+- `...+fwd`: `malloc_trim(0)` after every forward pass only;
 - `...+arena1`: `mallopt(M_ARENA_MAX, 1)` as well (one heap for every thread, gloo's included);
 - `...+pad`: `M_TOP_PAD` 0 and `M_TRIM_THRESHOLD` 128 KiB as well (give the heap's top back).
 
@@ -47,10 +48,11 @@ LAYOUTS = {  # name: (ranks, flags)
     "ZeRO-3 2": (2, ["--parallel.data_parallel", "zero3"]),
     "TP2 x DP2": (4, ["--parallel.tp", "2", "--parallel.data_parallel", "ddp"]),
 }
-POLICIES = ["default", "trainer", "mmap128k", "mmap512k", "mmap1m"]
+POLICIES = ["default", "trainer", "mmap4m+fwd", "mmap128k", "mmap512k", "mmap1m"]
 """The policies run when none is named (screens also ran mmap256k, mmap4m, mmap16m,
 default+trim, mmap4m+arena1, mmap4m+pad, default+ftrim, mmap1m+ftrim:
-bench/results/cpu_malloc_policy_screen*.txt)."""
+bench/results/cpu_malloc_policy_screen*.txt; `cpu_malloc_policy.*` in bench/results holds a
+sweep of the thresholds whose `trainer` rows were the earlier policy, mmap4m+ftrim)."""
 
 
 def common_flags(output: Path, cache: Path, steps: int) -> list[str]:
@@ -115,7 +117,7 @@ def worker(out_dir: str, policy: str, argv: list[str]) -> None:
         return out
 
     trainer.run_step = timed_step  # type: ignore[method-assign]
-    if "ftrim" in policy.split("+"):  # also trim once the forward pass has returned
+    if {"ftrim", "fwd"} & set(policy.split("+")):  # trim once the forward pass has returned
         trainer.model.register_forward_hook(lambda *_: None if malloc_trim() else None)
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))

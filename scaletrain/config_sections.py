@@ -174,12 +174,12 @@ class TrainingConfig:
     system when freed, smaller ones come from the C heap (`mallopt(M_MMAP_THRESHOLD)`, set
     before the data and model are built). With `cpu_malloc_trim` it keeps the peak memory what
     the plan states (docs/plan.md); 0 leaves glibc's threshold as it comes (it then rises to
-    32 MiB and the heap keeps freed tensors resident: 6-40 % above the plan).
+    32 MiB and the heap keeps freed tensors resident: 7-38 % above the plan).
     `MALLOC_MMAP_THRESHOLD_` in the environment takes precedence."""
     cpu_malloc_trim: bool = True
-    """CPU runs on glibc: give the C heap's free pages back to the system after every forward
-    pass and optimizer step (`malloc_trim(0)`), so freed temporaries do not stay resident
-    under the peak. Costs CPU time (pages faulted in again): false turns it off."""
+    """CPU runs on glibc: give the C heap's free pages back to the system before the memory
+    baseline and after every forward pass (`malloc_trim(0)`), so freed temporaries do not stay
+    resident under the peak. Costs CPU time (pages faulted in again): false turns it off."""
 
 
 @dataclass

@@ -24,9 +24,9 @@ its memory baseline, taken after the data is loaded and before the model is buil
 
 Not counted: glibc's heap fragmentation, which the trainer's allocator policy keeps out of
 the peak (`train/host_allocator.py`: a fixed 4 MiB mmap threshold and `malloc_trim` after each
-forward pass and step; measured within 2 % of this plan in `bench/cpu_malloc_policy.py`). With
-glibc's allocator as it comes (`training.cpu_mmap_threshold_mb 0`, `training.cpu_malloc_trim
-false`) the heap keeps freed tensors resident: 6-40 % above the plan on the debug model.
+forward pass; measured within 3 % of this plan in `bench/cpu_malloc_policy.py`). With glibc's
+allocator as it comes (`training.cpu_mmap_threshold_mb 0`, `training.cpu_malloc_trim false`)
+the heap keeps freed tensors resident: 7-38 % above the plan on the debug model.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The C allocator policy of a CPU training run (glibc only): a fixed mmap threshold, and the
-heap's free pages given back after each forward pass and each step.
+heap's free pages given back after each forward pass.
 
 On CPU every tensor comes from the C library's `malloc`. glibc serves blocks below its mmap
 threshold from its heap, and by default raises that threshold to the size of the largest
 mmapped block freed (up to 32 MiB). After the first training step most activations, gradients
 and FSDP buffers therefore come from the heap, and the freed ones stay resident wherever later
-blocks do not fit exactly: the peak resident set was 6-40 % above the plan on the debug model,
+blocks do not fit exactly: the peak resident set was 7-38 % above the plan on the debug model,
 most with FSDP (ZeRO-3) and tensor parallelism (`bench/cpu_malloc_policy.py`, docs/plan.md
 "The allocator policy of CPU runs").
 
@@ -15,14 +15,15 @@ The policy has two parts, each with its config field:
   (logits, large activations, FSDP's all-gathered layers) are mmapped and go back to the system
   when freed. It acts on blocks allocated from then on, so the trainer calls it before it loads
   the data and builds the model.
-- `trim_after_forward` and `malloc_trim` (`training.cpu_malloc_trim`): `malloc_trim(0)` once
-  the model's forward pass has returned and after each optimizer step gives the heap's free
-  pages back (glibc releases whole free pages inside the heap, not only its top), so the
-  temporaries of the forward pass do not stay resident under the backward pass's peak.
+- `malloc_trim` and `trim_after_forward` (`training.cpu_malloc_trim`): `malloc_trim(0)` once
+  before the trainer's memory baseline and after every forward pass of the model gives the
+  heap's free pages back (glibc releases whole free pages inside the heap, not only its top),
+  so the forward pass's freed temporaries do not stay resident under the backward pass's peak.
 
 A fixed threshold alone is not enough: small tensors (tensor-parallel shards of a few hundred
 KiB) fragment the heap as much as large ones, and fixing the threshold that low (128-512 KiB)
-cost more CPU time per step than trimming (the page faults of every block mmapped anew).
+cost more CPU time per step than trimming (the page faults of every block mmapped anew); a
+second trim after the optimizer step cost more and kept no less.
 
 Left alone: a non-glibc C library (musl, macOS: nothing is done), a threshold of 0, and a
 process whose environment already sets the threshold (`MALLOC_MMAP_THRESHOLD_`, or

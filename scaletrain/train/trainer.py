@@ -125,15 +125,15 @@ class Trainer:
         self.resume_from, self.resume_settings = self._find_resume()
         self._build_data()
         # CPU: the heap's free pages go back before the baseline (what preparing the data freed
-        # would otherwise hide training's own pages), after each forward pass and each step
-        self.trim_heap = (self.device.type == "cpu" and cfg.training.cpu_malloc_trim
-                          and glibc() is not None)
-        if self.trim_heap:
+        # would otherwise hide training's own pages) and after each forward pass
+        trim_heap = (self.device.type == "cpu" and cfg.training.cpu_malloc_trim
+                     and glibc() is not None)
+        if trim_heap:
             malloc_trim()
         self.mem_baseline = MemoryBaseline(self.device)  # peaks are reported above it
         self.model_args = self._model_args()
         self.model = self._build_model()  # initialized from training.seed, as in one process
-        if self.trim_heap:
+        if trim_heap:
             trim_after_forward(self.model)
         # Then each rank's own training stream (dropout): see `train/rng.py`.
         self.rng_stream = rng.rng_stream(self.dp_rank, self.par.cp_rank, self.par.dims.cp,
@@ -392,8 +392,6 @@ class Trainer:
         """One optimizer step over the micro-batches (every layout); device tensors back."""
         out = self.step_fn(batches)
         self.schedule.step()
-        if self.trim_heap:
-            malloc_trim()
         return out
 
     def train_step(self, batches: list[Batch]) -> tuple[float, float]:

@@ -7,7 +7,8 @@ Each row of the data file is one published figure with the recipe's settings and
 
 - `ours`: the `scaletrain plan` command of the run our trainer would make of that recipe (the
   same model, method, LoRA rank and targets, batch, sequence length, activation checkpointing,
-  optimizer, GPUs and FSDP, CPU offload), run in-process; the command is printed.
+  optimizer, GPUs and FSDP, CPU offload; `training.fused_loss` with chunks of 1/8 of the
+  tokens where the recipe chunks its loss), run in-process; the command is printed.
 - `matched`: our formulas with what torchtune's recipe does differently put in:
   * model states: bf16 parameters with no fp32 masters (torchtune trains in pure bf16;
     FSDP shards bf16; QLoRA's NF4 as `finetune_estimate` counts it next to bf16), bf16
@@ -52,10 +53,12 @@ def load_rows(path: Path = DATA) -> list[dict[str, Any]]:
     return tomllib.loads(path.read_text())["row"]
 
 
-def plan_argv(row: dict[str, Any], param_dtype: str | None = None) -> list[str]:
+def plan_argv(row: dict[str, Any], param_dtype: str | None = None,
+              fused_loss: bool = True) -> list[str]:
     """`scaletrain plan` arguments of the run our trainer makes of `row`'s recipe. Our QLoRA
     keeps fp32 parameters (`finetune` refuses bf16 ones), our LoRA and full runs bf16
-    parameters with fp32 masters; `param_dtype` overrides that."""
+    parameters with fp32 masters; `param_dtype` overrides that. Where the recipe chunks its
+    loss ours runs `training.fused_loss` with chunks of the same tokens (`fused_loss`)."""
     argv = ["--model", row["model"], "--method", row["method"], "--mbs", str(row["mbs"]),
             "--seq-len", str(row["seq"]), "--precision", "bf16",
             "--recompute", "full" if row["ac"] else "none",
@@ -64,6 +67,8 @@ def plan_argv(row: dict[str, Any], param_dtype: str | None = None) -> list[str]:
     if row["method"] in ("lora", "qlora"):
         argv += ["--lora-rank", str(row["lora_rank"]),
                  "--lora-targets", ",".join(row["lora_targets"])]
+    if fused_loss and row["loss"] == "chunked":
+        argv += ["--fused-loss", "--loss-chunk", str(row["mbs"] * row["seq"] // CE_CHUNKS)]
     if row["gpus"] > 1:
         argv += ["--dp", str(row["gpus"]), "--zero", "3"]
         if row["fsdp_cpu_offload"]:
@@ -146,17 +151,18 @@ def differences(row: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     out = []
     loss = ours["memory_bytes"]["logits_loss"] + ours["activation_bytes"].get("loss", 0)
     if row["loss"] == "chunked":
-        out.append("loss: torchtune's chunked cross-entropy (matched); ours keeps full "
-                   f"logits, fp32 log-softmax and gradients, {loss / GIB:.2f} GiB (our "
-                   "fine-tuning refuses training.fused_loss)")
+        out.append("loss: torchtune's chunked cross-entropy keeps the bf16 logits of "
+                   "every chunk (matched); ours runs training.fused_loss with chunks of as "
+                   f"many tokens, no logits kept (its loss terms: {loss / GIB:.2f} GiB)")
     if row["act_offload"]:
         out.append("activation offloading: torchtune keeps the checkpointed block inputs on "
                    "the host (matched)")
     if row["compile"]:
         out.append("torch.compile: fuses elementwise ops (fewer saved tensors); not planned")
-    if row["gpus"] > 1 and not row["fsdp_cpu_offload"]:
-        out.append("FSDP: our trainer keeps fp32 shards of every weight (ours), torchtune "
-                   "bf16 shards (matched)")
+    if row["gpus"] > 1 and not row["fsdp_cpu_offload"] and row["method"] != "full":
+        out.append("FSDP: both trainers keep bf16 shards of the frozen base (ours with "
+                   "--param-dtype bf16); ours keeps fp32 shards of the trainable parameters "
+                   "(the masters), torchtune bf16 ones")
     if row["gpus"] > 1:
         out.append("FSDP: our root unit (embedding, norm, head) stays gathered from forward "
                    "through backward; torchtune's is gathered at the end of forward"
@@ -184,8 +190,8 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         argv = plan_argv(row)
         ours = run_plan(argv)
-        bf16 = ours if "--param-dtype bf16" in shlex.join(argv) \
-            else run_plan(plan_argv(row, "bf16"))
+        # matched: our bf16 plan with the full logits, which torchtune's loss then replaces
+        bf16 = run_plan(plan_argv(row, "bf16", fused_loss=False))
         peak, mem = matched_peak(row, bf16)
         published = int(row["published_gib"] * GIB)
         results.append({

@@ -131,8 +131,8 @@ def test_fused_loss_refused_where_it_cannot_run() -> None:
     model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=11, multiple_of=8,
                                   max_seq_len=8))
     assert fused_loss_problem(model, False) is None
-    assert "fine-tuning" in fused_loss_problem(model, True)
-    assert "fine-tuning" in fused_loss_problem(torch.nn.Linear(2, 2), False)
+    assert "language-model head" in fused_loss_problem(model, True)
+    assert "language-model head" in fused_loss_problem(torch.nn.Linear(2, 2), False)
 
 
 def test_fp8_refused_with_exit_2(tmp_path: Path) -> None:

@@ -329,8 +329,10 @@ def test_dry_run_refuses_what_the_run_refuses(bases: dict[str, Path], tmp_path: 
     argv = ft_argv(tmp_path / "run", bases["hf"], bases["sft"], "lora", "sft")
     assert finetune_cmd.main([*argv, "--finetune.train_biases", "true", "--dry-run"]) == 2
     assert "train_biases is not supported" in capsys.readouterr().err
-    assert finetune_cmd.main([*argv, "--training.fused_loss", "true", "--dry-run"]) == 2
-    assert "set training.fused_loss false for fine-tuning" in capsys.readouterr().err
+    classify = ft_argv(tmp_path / "run", bases["hf"], bases["cls"], "lora", "classification")
+    assert finetune_cmd.main([*classify, "--training.fused_loss", "true", "--dry-run"]) == 2
+    assert "set training.fused_loss false with --task classification" in \
+        capsys.readouterr().err
     missing = ft_argv(tmp_path / "run", tmp_path / "nowhere", bases["sft"], "lora", "sft")
     assert finetune_cmd.main([*missing, "--dry-run"]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -215,8 +215,9 @@ def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> No
     # every weight gathered, only the trainable gradients reduce-scattered.
     fsdp_pre = mem("--dp", "2", "--zero", "3")
     fsdp_lora = mem("--method", "lora", "--lora-rank", "16", "--dp", "2", "--zero", "3")
-    # (FSDP keeps fp32 shards whatever the parameter dtype; the trainable ones are masters)
-    assert fsdp_lora["memory_bytes"]["weights"] == (want.total - want.trainable) * 4 // 2
+    # (bf16 parameters: the frozen shards are bf16, the trainable ones fp32 masters)
+    assert fsdp_lora["memory_bytes"]["weights"] == (want.total - want.trainable) * 2 // 2
+    assert fsdp_lora["memory_bytes"]["master_weights"] == want.trainable * 4 // 2
     assert fsdp_lora["memory_bytes"]["optimizer"] == lora["memory_bytes"]["optimizer"] // 2
     comm, pre_comm = fsdp_lora["comm_bytes_per_step"], fsdp_pre["comm_bytes_per_step"]
     assert comm["all_gather"] == pre_comm["all_gather"] > 0

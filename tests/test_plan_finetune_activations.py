@@ -69,14 +69,17 @@ def _planned(args: ModelArgs, spec: ActivationSpec, method: str, options: dict[s
 
 
 def _check(args: ModelArgs, method: str, options: dict[str, Any], num_labels: int | None,
-           precision: str, ac: AC, sizes: tuple[tuple[int, int], ...]) -> None:
+           precision: str, ac: AC, sizes: tuple[tuple[int, int], ...],
+           fused_loss: bool = False) -> None:
     dtype, param_dtype = PRECISIONS[precision]
     for mbs, seq in sizes:
         measured = measure_saved_bytes(args, mbs, seq, dtype, param_dtype, ac,
+                                       fused_loss=fused_loss, loss_chunk=7,
                                        finetune=_hook(method, options, num_labels))
         spec = ActivationSpec(mbs=mbs, seq_len=seq, compute_dtype=dtype,
                               residual_dtype=param_dtype, kernels="cpu", recompute=ac.mode,
-                              every=ac.every, scope=ac.scope)
+                              every=ac.every, scope=ac.scope, fused_loss=fused_loss,
+                              loss_chunk=7)
         planned, casts = _planned(args, spec, method, options, num_labels)
         assert 0 <= measured.activations - planned <= 8 * mbs, (mbs, seq)
         assert casts == measured.weight_copies, (mbs, seq)
@@ -100,6 +103,28 @@ def test_finetune_saved_bytes_equal_the_plan(shape: str, method: str, precision:
 def test_finetune_recomputation_equals_the_plan(method: str, mode: AC) -> None:
     name, options = METHODS[method]
     _check(SHAPES["gqa"], name, options, None, "autocast", mode, ((3, 40),))
+
+
+@pytest.mark.parametrize(("shape", "method", "precision"), [
+    ("gqa", "full", "autocast"), ("tied", "train-last", "bf16"), ("gqa", "lora", "autocast"),
+    ("tied", "lora-norms", "fp32"), ("gqa", "lora-dropout", "bf16")])
+def test_fused_loss_saved_bytes_equal_the_plan(shape: str, method: str, precision: str) -> None:
+    """`training.fused_loss`: the chunked head + loss keeps the hidden states' gradient (and
+    the head weight's when it trains) instead of logits; the measured bytes drop by the
+    planned difference."""
+    name, options = METHODS[method]
+    _check(SHAPES[shape], name, options, None, precision, AC(), ((3, 24),), fused_loss=True)
+
+
+def test_fused_loss_keeps_fewer_bytes_than_the_logits() -> None:
+    """Measured: a LoRA step with the fused loss saves (tokens x vocabulary) fp32 fewer
+    bytes for backward than with logits."""
+    args = SHAPES["gqa"]
+    plain, fused = (measure_saved_bytes(args, 2, 32, "bf16", "fp32", AC(), fused_loss=f,
+                                        finetune=_hook("lora", {}, None)) for f in (False, True))
+    saved = plain.activations + plain.weight_copies - fused.activations - fused.weight_copies
+    tokens = 2 * 32
+    assert saved >= 4 * tokens * args.vocab_size  # the log-softmax, at least
 
 
 def test_full_language_modelling_is_pretraining() -> None:

@@ -24,7 +24,11 @@ def test_host_bytes_from_the_dimensions() -> None:
     sharded = host_load_bytes(a, "lora", 8)
     assert sharded == {"sharded": True, "quantized_on_load": False,
                        "weights": -(-total * 4 // 8), "in_flight": largest * 6,
-                       "peak": -(-total * 4 // 8) + largest * 6}
+                       "peak": -(-total * 4 // 8) + largest * 6, "base_dtype": "fp32"}
+    # LoRA with bf16 parameters: the frozen base's shards kept in bf16, read without a cast
+    bf16 = host_load_bytes(a, "lora", 8, param_bytes=2)
+    assert (bf16["weights"], bf16["in_flight"], bf16["base_dtype"]) == \
+        (-(-total * 2 // 8), largest * 4, "bf16")
     assert host_load_bytes(a, "lora", 1)["weights"] == total * 4
     # QLoRA (one process, DDP, FSDP): the block linears as NF4 (codes, 8-bit scales per 64,
     # fp32 scales per 256 scales, offset), the rest in fp32, each tensor split over the ranks

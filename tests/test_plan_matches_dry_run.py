@@ -84,6 +84,18 @@ HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
+def _hf_base_under_torchrun(path, world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real (tiny) HF base and SFT data in `path` (the dry run reads no weights, but checks
+    their names and shapes), and `world` ranks as torchrun would set them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in HF_CONFIG.items()
+                                         if k not in ("architectures", "model_type")})
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    (path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
 @pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_plan_method_defaults_equal_the_finetune_dry_run(
@@ -91,14 +103,7 @@ def test_plan_method_defaults_equal_the_finetune_dry_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`plan --method M` plans what `finetune --finetune.method M` runs by default (its own
     preset; data parallelism is DDP there, not pretraining's ZeRO-3)."""
-    transformers = pytest.importorskip("transformers")
-    # a real (tiny) base: the dry run reads no weights, but checks their names and shapes
-    config = transformers.LlamaConfig(**{k: v for k, v in HF_CONFIG.items()
-                                         if k not in ("architectures", "model_type")})
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    _hf_base_under_torchrun(tmp_path, world, monkeypatch)
     dry = _json(capsys, ["finetune", "--dry-run", "--json", "--base", str(tmp_path),
                          "--finetune.data", str(tmp_path / "sft.jsonl"),
                          "--finetune.method", method], ok=(0, 3))
@@ -107,6 +112,31 @@ def test_plan_method_defaults_equal_the_finetune_dry_run(
     assert plan["layout"]["zero"] == dry["layout"]["zero"] == 0
     assert plan["finetune"]["trainable"] == dry["finetune"]["trainable"]
     assert plan["memory_bytes"] == dry["memory_bytes"]
+
+
+@pytest.mark.parametrize(("method", "world"), [("lora", 1), ("full", 2)])
+def test_plan_fused_loss_equals_the_finetune_dry_run(
+        method: str, world: int, tmp_path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan --method M --fused-loss --loss-chunk N` plans what `finetune` runs with
+    `training.fused_loss` (no logits kept, one chunk's buffers), and keeps less than the
+    logits path."""
+    _hf_base_under_torchrun(tmp_path, world, monkeypatch)
+    base = ["finetune", "--dry-run", "--json", "--base", str(tmp_path), "--finetune.data",
+            str(tmp_path / "sft.jsonl"), "--finetune.method", method]
+    dry = _json(capsys, [*base, "--training.fused_loss", "true",
+                         "--training.loss_chunk_tokens", "64"], ok=(0, 3))
+    plan_argv = ["plan", "--model", str(tmp_path), "--method", method, "--kernels", "cpu",
+                 "--dp", str(world), "--json"]
+    plan = _json(capsys, [*plan_argv, "--fused-loss", "--loss-chunk", "64"], ok=(0,))
+    assert plan["memory_bytes"] == dry["memory_bytes"]
+    assert plan["activation_bytes"] == dry["activation_bytes"]
+    plain = _json(capsys, plan_argv, ok=(0,))
+    for key in ("activations", "logits_loss"):
+        assert plan["memory_bytes"][key] < plain["memory_bytes"][key], key
+    # a classification head has no vocabulary logits: refused by both, in one line
+    assert cli([*plan_argv, "--fused-loss", "--num-labels", "3"]) == 2
+    assert "--task classification" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("param_dtype", ["default", "bf16"])
@@ -134,3 +164,37 @@ def test_search_commands_carry_the_parameter_dtype_they_plan(
         dry = _json(capsys, ["train", *flags, "--dry-run", "--json"], ok=(0, 3))
         assert dry["layout"]["param_dtype"] == want
         assert c["memory_bytes_per_gpu"] == dry["memory_bytes"]["peak"], c["command"]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("layout", ["1 rank", "DDP x 2", "ZeRO-3 x 2"])
+def test_plan_method_bf16_params_equal_the_finetune_dry_run(
+        method: str, layout: str, tmp_path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `--param-dtype bf16` (`precision.param_dtype bf16`) both sides plan the frozen base
+    in bf16 (2 bytes, no master) and the trainable parameters with fp32 masters, in every
+    layout (`tests/distributed/test_finetune_bf16_frozen.py` measures the trainer's bytes)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in HF_CONFIG.items()
+                                         if k not in ("architectures", "model_type")})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    world, zero = {"1 rank": (1, "0"), "DDP x 2": (2, "0"), "ZeRO-3 x 2": (2, "3")}[layout]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    dry = _json(capsys, ["finetune", "--dry-run", "--json", "--base", str(tmp_path),
+                         "--finetune.data", str(tmp_path / "sft.jsonl"),
+                         "--finetune.method", method, "--precision.dtype", "bf16",
+                         "--precision.param_dtype", "bf16", "--parallel.data_parallel",
+                         "zero3" if zero == "3" else "ddp"], ok=(0, 3))
+    plan = _json(capsys, ["plan", "--model", str(tmp_path), "--method", method, "--kernels",
+                          "cpu", "--dp", str(world), "--zero", zero, "--precision", "bf16",
+                          "--param-dtype", "bf16", "--json"], ok=(0,))
+    assert plan["layout"]["param_dtype"] == dry["layout"]["param_dtype"] == "bf16"
+    assert plan["memory_bytes"] == dry["memory_bytes"]
+    mem, ft = plan["memory_bytes"], plan["finetune"]
+    shard = 2 if zero == "3" else 1
+    frozen = ft["total"] - ft["trainable"]
+    # frozen 2 bytes; trainable: fp32 shards (FSDP) or bf16 weights + fp32 masters
+    assert mem["weights"] == (2 * frozen + (0 if zero == "3" else 2 * ft["trainable"])) // shard
+    assert mem["master_weights"] == 4 * ft["trainable"] // shard

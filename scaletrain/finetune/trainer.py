@@ -30,6 +30,7 @@ from scaletrain.finetune import data as ftdata
 from scaletrain.finetune.base import FinetuneError, check_base_manifest, load_base
 from scaletrain.finetune.base_pin import base_record, check_base
 from scaletrain.finetune.freeze import memory_report, param_report
+from scaletrain.finetune.frozen_dtype import store_frozen
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
 from scaletrain.finetune.lora import LoRASettings, parse_targets
 from scaletrain.finetune.methods import apply_method, with_head
@@ -38,7 +39,7 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
-from scaletrain.plan.finetune import finetune_layout_problem
+from scaletrain.plan.finetune import FUSED_LOSS_CLASSIFICATION, finetune_layout_problem
 from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
@@ -112,9 +113,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"precision.fp8 runs the base's linears as torchao float8 linears, "
                           f"which --method {ft.method} wraps with adapters; use fp8 with "
                           "--method full or freeze, or set precision.fp8 none")
-    if cfg.training.fused_loss:
-        raise ConfigError("training.fused_loss needs the plain decoder (language-model "
-                          "pre-training); set training.fused_loss false for fine-tuning")
+    if cfg.training.fused_loss and ft.task == "classification":
+        raise ConfigError(FUSED_LOSS_CLASSIFICATION)
 
 
 def with_ddp_default(cfg: Config) -> Config:
@@ -295,6 +295,9 @@ class FinetuneTrainer(Trainer):
         model = with_head(backbone, len(self.labels or []) if ft.task == "classification"
                           else None, self.cfg.training.seed)
         model.train()
+        # precision.param_dtype bf16: the frozen base in bf16 in every layout, before it is
+        # sharded or read (`frozen_dtype.py`); the trainable parameters follow pre-training
+        store_frozen(model, self.cfg.precision.param_dtype)
         self.params = param_report(model)  # of the whole model, before any sharding
         self.memory = memory_report(model)
         log.info("%s fine-tuning (%s): %s of %s parameters trainable (%.2f%%)", ft.method,
@@ -341,29 +344,29 @@ class FinetuneTrainer(Trainer):
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         """Under torchrun, after `_tensor_parallel`: DDP over the data-parallel ranks (frozen
-        parameters are not reduced; with TP, replicas of the sharded model whose gradients the
-        step sums), or FSDP's ZeRO-2/3 with `parallel.data_parallel zero2|zero3` (each block a
-        unit; frozen parameters are sharded too and get no gradient, QLoRA's NF4 codes and
-        scales as well)."""
+        parameters are not reduced; with TP or 16-bit parameters, replicas whose gradients the
+        step sums, as in pre-training), or FSDP's ZeRO-2/3 with `parallel.data_parallel
+        zero2|zero3` (each block a unit, gathered in `par.fsdp_param_dtype`; frozen parameters
+        are sharded too and get no gradient, QLoRA's NF4 codes and scales as well)."""
         d, cfg = self.par.dims, self.cfg.parallel
         mode = self.par.mode
         backbone = model.backbone if isinstance(model, SequenceClassifier) else model
         dp = d.dp_replicate * d.dp_shard
         if mode == "ddp":
-            if d.tp == 1:
+            if d.tp == 1 and self.par.ddp_wrapped:  # fp32 parameters (16-bit: replicas)
                 from scaletrain.parallel.ddp import apply_ddp
 
                 if self.sharded_load:  # QLoRA, read before DDP broadcasts the replicas
                     self._materialize(model, backbone)
 
                 return apply_ddp(model, self.par.mesh["dp_cp"], cfg.bucket_cap_mb)
-            if dp > 1:  # replicas of the TP-sharded model: the step sums their gradients
+            if dp > 1:  # replicas (of the TP-sharded model): the step sums their gradients
                 self.par.grad_sync_group = self.par.mesh.group("dp_cp")
             return model
         from scaletrain.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, self.par.mesh["dp_shard_cp"], layers=backbone.layers,
-                   reshard_after_forward=mode == "zero3", param_dtype=cfg.fsdp_param_dtype,
+                   reshard_after_forward=mode == "zero3", param_dtype=self.par.fsdp_param_dtype,
                    reduce_dtype=cfg.fsdp_reduce_dtype, cpu_offload=cfg.cpu_offload)
         return model
 
@@ -416,6 +419,11 @@ class FinetuneTrainer(Trainer):
 
     def model_forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**x)
+
+    def hidden_forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Final-norm hidden states (`training.fused_loss`, SFT): the trainer's chunked head
+        and cross-entropy take them with the labels, never building the logits."""
+        return self.model(**x, hidden=True)
 
     def save_checkpoint(self) -> Path:
         path = super().save_checkpoint()

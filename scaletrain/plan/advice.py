@@ -42,7 +42,7 @@ class Advice:
         return f"{self.change}: peak {self.plan.peak_bytes / GIB:.2f} GiB ({cost})"
 
 
-def _changes(lay: Layout, finetune: bool) -> Iterator[tuple[str, Layout]]:
+def _changes(lay: Layout) -> Iterator[tuple[str, Layout]]:
     d = lay.dims
     for mode in ("partial", "full"):
         if lay.recompute != mode and not (lay.recompute == "full" and mode == "partial"):
@@ -56,7 +56,7 @@ def _changes(lay: Layout, finetune: bool) -> Iterator[tuple[str, Layout]]:
                        + (" --parallel.dp_shard -1 --parallel.dp_replicate 1"
                           if dims != d else ""),
                        lay.replace(zero=zero, dims=dims))
-    if not lay.fused_loss and not finetune:  # fine-tuning refuses the fused loss
+    if not lay.fused_loss:  # (a classification fine-tuning plan refuses it: skipped)
         yield "--training.fused_loss true", lay.replace(fused_loss=True)
     if lay.fsdp and lay.gather_dtype == "fp32" and lay.precision == "bf16":
         yield "--parallel.fsdp_param_dtype bf16", lay.replace(fsdp_param_dtype="bf16")
@@ -111,7 +111,7 @@ def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
     does, the ones that save the most."""
     base = plan.layout
     out: list[Advice] = []
-    for change, lay in _changes(base, plan.finetune is not None):
+    for change, lay in _changes(base):
         if layout_problems(plan.args, lay):
             continue
         try:

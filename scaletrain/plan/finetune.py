@@ -8,12 +8,18 @@ import dataclasses
 from typing import Any
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.estimate import Plan, PlanError, peak_bytes
+from scaletrain.plan.estimate import Layout, Plan, PlanError, peak_bytes
 from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.plan.finetune_host import host_load_bytes
 from scaletrain.plan.memory import offload_states, state_bytes
 
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
+
+
+FUSED_LOSS_CLASSIFICATION = (
+    "training.fused_loss chunks the language-model head and loss; a classification head has "
+    "no vocabulary logits: set training.fused_loss false with --task classification "
+    "(plan: drop --fused-loss)")
 
 
 def finetune_layout_problem(method: str, *, tp: int, pp: int, cp: int, ep: int,
@@ -52,8 +58,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     blocks in front of the first trainable one keep nothing, frozen linears keep no input,
     adapters keep their r-wide intermediate, a classification head keeps (batch x labels)
     logits instead of (tokens x vocabulary). `full` language modelling is pretraining's
-    estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2,
-    fused loss) keep the pretraining activations, an upper bound.
+    estimate. Models outside `finetune_activations.supported` (MoE, Qwen3, Gemma 2, GPT-2)
+    keep the pretraining activations, an upper bound.
     """
     from scaletrain.models.args import count_params
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
@@ -68,17 +74,20 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             classification=num_labels is not None)
         if problem:
             raise PlanError(problem)
+    if lay.fused_loss and num_labels is not None:
+        raise PlanError(FUSED_LOSS_CLASSIFICATION)
     per = state_bytes(lay.precision, lay.stored_dtype, lay.optimizer, lay.grad_convention)
-    # FSDP with 16-bit parameters keeps fp32 shards of every parameter, frozen ones too, and
-    # gathers them in 16 bits (`Parallelism.fsdp_param_dtype`): the trainable shards are the
-    # master weights, as in pre-training, and a frozen weight is 4 bytes, not 2.
+    # 16-bit parameters: frozen weights are stored in 16 bits in every layout (no master:
+    # `finetune/frozen_dtype.py`). FSDP keeps fp32 shards of the trainable ones and gathers
+    # every weight in 16 bits (`Parallelism.fsdp_param_dtype`): those shards are the master
+    # weights, as in pre-training; elsewhere trainable weights are 16-bit with fp32 masters.
     fsdp16 = lay.fsdp and lay.stored_dtype != "fp32"
     try:
         ft = estimate(plan.args, method, rank=rank, train_last=train_last,
                       freeze_first=freeze_first, num_labels=num_labels,
                       targets=targets or tuple(TARGETS), train_norms=train_norms,
                       freeze_embeddings=freeze_embeddings,
-                      weight_bytes=4 if fsdp16 else int(per.weights))
+                      weight_bytes=int(per.weights))
     except ValueError as e:
         raise PlanError(str(e)) from None
     # Tensor parallelism splits the weights as in pre-training (the embedding, head and block
@@ -94,8 +103,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                                                              targets or tuple(TARGETS), 1)
     shard = lay.shard_group if lay.fsdp else 1
     weight_bytes = int(ft.weight_bytes * tp_share)
-    if fsdp16:  # the trainable fp32 shards count as master weights
-        weight_bytes = max(weight_bytes - trainable * 4, 0)
+    if fsdp16:  # the trainable fp32 shards count as master weights, not as weights
+        weight_bytes = max(weight_bytes - int(trainable * per.weights), 0)
     states = {"weights": weight_bytes // shard,
               "gradients": int(trainable * per.gradients / shard),
               "master_weights": int(trainable * (4 if fsdp16 else per.master_weights) / shard),
@@ -124,7 +133,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             "method_activations": own_activations,
             # TP ranks read their shards too (the replicated norms, KiB, counted as split);
             # QLoRA quantizes while it reads
-            "host_load_bytes": host_load_bytes(plan.args, method, shard * d.tp)}
+            "host_load_bytes": host_load_bytes(plan.args, method, shard * d.tp,
+                                               param_bytes=_sharded_base_bytes(method, lay))}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.
     share = trainable / plan.params_per_rank
@@ -144,6 +154,13 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
                                cpu_offload_bytes=offloaded, finetune=info,
                                activation_breakdown=breakdown,
                                comm_bytes_per_step=comm, comm_bytes_by_dim=by_dim)
+
+
+def _sharded_base_bytes(method: str, lay: Layout) -> int:
+    """Bytes per element of the base a sharded load keeps on each rank: 2 for LoRA with
+    16-bit parameters (its base is frozen, stored in bf16: `finetune/frozen_dtype.py`),
+    else fp32 (trainable parameters; `freeze`'s frozen parts counted at 4, an upper bound)."""
+    return 2 if method == "lora" and lay.stored_dtype != "fp32" else 4
 
 
 def _adapted_block_share(args: ModelArgs, method: str, rank: int,

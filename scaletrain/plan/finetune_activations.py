@@ -24,6 +24,10 @@ this module to the measured bytes):
 - the classification head (`SequenceClassifier`) runs the final norm over every token but no
   LM head: it keeps the last-token gather's indices, the score's (batch, dim) input and a
   (batch, labels) fp32 log-softmax with int64 targets;
+- the language-model head and loss keep the head's input and the fp32 log-softmax of every
+  token; with `training.fused_loss` (`train/chunked_loss.py`) they keep instead the gradient
+  of the final-norm output (its dtype) and, when the head trains, of the head weight (fp32);
+  no autocast copy of the head weight is kept either;
 - recomputation: a checkpointed block (or attention) keeps its input only when something in it
   needs a gradient, and no weight copies.
 
@@ -79,8 +83,7 @@ def supported(args: ModelArgs, spec: ActivationSpec) -> bool:
     """Whether `finetune_activation_bytes` models this model and layout exactly."""
     return (args.arch == "llama" and not args.is_moe and not args.qk_norm
             and not args.post_norms and args.attn_softcap is None
-            and args.final_softcap is None and spec.tp == spec.cp == 1
-            and not spec.fused_loss)
+            and args.final_softcap is None and spec.tp == spec.cp == 1)
 
 
 def _norm_part(args: ModelArgs, spec: ActivationSpec, input_grad: bool, weight: bool) -> int:
@@ -177,8 +180,8 @@ def kept_weight_casts(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockT
         grad = g["out"]
     if num_labels is not None:
         n += num_labels * args.dim
-    elif lm_head or grad or final_norm:
-        n += args.vocab_size * args.dim
+    elif (lm_head or grad or final_norm) and not spec.fused_loss:  # (the fused loss casts
+        n += args.vocab_size * args.dim  # the head chunk by chunk and keeps no copy)
     return c * n
 
 
@@ -216,6 +219,10 @@ def finetune_activation_bytes(args: ModelArgs, spec: ActivationSpec, blocks: lis
         b_ = spec.mbs
         head += 16 * b_ + c * b_ * h
         loss = 4 * b_ * num_labels + 8 * b_ + 4
+    elif spec.fused_loss:  # the gradients forward computed: d loss / d h (h's dtype) and,
+        # when the head trains, d loss / d W (fp32); no logits, log-softmax or targets
+        head += r * t * h if hidden_grad else 0
+        loss = 4 * args.vocab_size * h if lm_head else 0
     else:
         head += _inputs(args, spec, 1) if lm_head else 0
         loss = 4 * t * args.vocab_size + 8 * t + 4 if hidden_grad or lm_head else 0

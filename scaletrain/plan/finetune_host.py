@@ -3,7 +3,9 @@
 
 - FSDP (ZeRO-2/3 over N ranks) and/or tensor parallelism (T ranks), LoRA/full/freeze: each
   rank holds its shards of the base in fp32 (about base / (N x T)) plus one tensor region in
-  flight, read in the stored dtype and cast: at most the largest tensor in both dtypes.
+  flight, read in the stored dtype and cast: at most the largest tensor in both dtypes. LoRA
+  with `precision.param_dtype bf16` keeps its (frozen) shards in bf16 (`param_bytes` 2); the
+  frozen parts of `freeze` are bf16 too, counted at 4 bytes here (an upper bound).
 - QLoRA (FSDP over N ranks; DDP and one process: N = 1): each rank holds its shards of the
   quantized base (block linears as NF4 codes and scales, ~0.52 byte per weight; the rest in
   fp32), plus one whole block weight in flight (read in the stored dtype, cast to fp32 and
@@ -59,9 +61,10 @@ def nf4_bytes(numel: int) -> int:
     return (numel + 1) // 2 + blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 4
 
 
-def host_load_bytes(args: ModelArgs, method: str, shards: int, stored_bytes: int = 2
-                    ) -> dict[str, int | bool]:
-    """Per-rank host bytes of the base's load: `weights` (the rank's shards, or the whole base),
+def host_load_bytes(args: ModelArgs, method: str, shards: int, stored_bytes: int = 2,
+                    param_bytes: int = LOAD_BYTES) -> dict[str, int | bool]:
+    """Per-rank host bytes of the base's load: `weights` (the rank's shards in `param_bytes`
+    per element, or the whole base in fp32),
     `in_flight` (the largest tensor, read in `stored_bytes` per element and cast to fp32; QLoRA
     layer by layer: also quantized) and `peak`; `sharded` says whether each rank holds 1/shards
     and `quantized_on_load` whether the base is quantized as it is read (QLoRA, on any number
@@ -78,11 +81,12 @@ def host_load_bytes(args: ModelArgs, method: str, shards: int, stored_bytes: int
                         max(other) * cast)
     else:
         sizes = quantized + other
-        total = sum(sizes) * LOAD_BYTES
-        weights = -(-total // shards) if sharded else total
-        in_flight = max(sizes) * cast
+        kept = param_bytes if sharded else LOAD_BYTES
+        weights = -(-sum(sizes) * kept // shards) if sharded else sum(sizes) * kept
+        in_flight = max(sizes) * (stored_bytes + kept)
     return {"sharded": sharded, "quantized_on_load": streamed, "weights": weights,
-            "in_flight": in_flight, "peak": weights + in_flight}
+            "in_flight": in_flight, "peak": weights + in_flight,
+            "base_dtype": "bf16" if sharded and not streamed and param_bytes == 2 else "fp32"}
 
 
 __all__ = ["host_load_bytes", "tensor_sizes", "split_sizes", "nf4_bytes", "LOAD_BYTES"]

@@ -64,8 +64,8 @@ def fused_loss_problem(model: Any, custom_forward: bool) -> str | None:
     """Why `training.fused_loss` cannot run with this model (None when it can). Every parallel
     layout runs it: vocabulary-parallel under TP, on the last stage under PP."""
     if custom_forward or not isinstance(model, Transformer):
-        return ("training.fused_loss needs the plain decoder (language-model pre-training); "
-                "set training.fused_loss false for fine-tuning")
+        return ("training.fused_loss needs the plain decoder's language-model head "
+                "(pre-training, fine-tuning --task sft); set training.fused_loss false")
     return None
 
 
@@ -399,13 +399,14 @@ class Trainer:
         from scaletrain.train.chunked_loss_tp import vocab_parallel_linear_cross_entropy
 
         problem = fused_loss_problem(self.core,
-                                     type(self).model_forward is not Trainer.model_forward)
+                                     type(self).model_forward is not Trainer.model_forward
+                                     and type(self).hidden_forward is Trainer.hidden_forward)
         if problem:
             raise ConfigError(problem)
         chunk, cap = self.cfg.training.loss_chunk_tokens, self.model_args.final_softcap
         if chunk < 1:
             raise ConfigError(f"training.loss_chunk_tokens must be >= 1, got {chunk}")
-        model, core = self.model, self.core
+        core = self.core
 
         def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             w = core.output.weight  # read now: FSDP swaps in the gathered weight in forward
@@ -413,10 +414,13 @@ class Trainer:
                 return vocab_parallel_linear_cross_entropy(h, w, y, chunk, cap)
             return chunked_linear_cross_entropy(h, w, y, chunk, cap)
 
-        def forward(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-            return model(x, positions=positions, hidden=True)
+        return loss, self.hidden_forward
 
-        return loss, forward
+    def hidden_forward(self, x: Any, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states of one micro-batch's inputs: `model_forward` without
+        the head (`training.fused_loss`); a trainer that overrides `model_forward` overrides
+        this too, or the fused loss is refused."""
+        return self.model(x, positions=positions, hidden=True)
 
     @property
     def core(self) -> Any:

@@ -1,18 +1,20 @@
 """QLoRA's base loaded layer by layer on CPU (`finetune.qlora_load`): load time and peak host
-RSS per rank for 1, 2 and 4 ranks (gloo) under FSDP2, against the whole-base load QLoRA did
-before (the fp32 base read on each process, then quantized).
+RSS per rank on one process and for 2 and 4 ranks (gloo) under FSDP2, against the whole-base
+load QLoRA did before (the fp32 base read on each process, then quantized).
 
     python bench/qlora_load_cpu.py --base /tmp/llama-05b --make --ranks 1 2 4 \
         --out bench/results/qlora_load_cpu.json
 
 `--make` first writes a random Llama base with transformers (`bench/finetune_load_cpu.py`'s
 `make_base`; by default ~0.5B parameters: dim 1536, 16 layers, MLP 4096, vocabulary 32000,
-stored bf16 in shards of `--shard-size`). Each rank builds the model on the meta device with
-empty NF4 layers and LoRA adapters (r=8, every projection), shards it with FSDP2 and fills it
-(`materialize_qlora`). Peak RSS is the rise of `VmHWM` over the process's RSS just before
-loading (bitsandbytes imported and one layer quantized first), so imports and the process group
-are not counted. `--whole` adds the previous path on one process (whole fp32 base, then
-quantized) as the baseline.
+stored bf16 in shards of `--shard-size`). One rank (`one`) is the trainer's path without
+torchrun: the model built on the meta device with empty NF4 layers, filled layer by layer
+(`materialize_qlora`), the layers made bitsandbytes `Linear4bit`, then the LoRA adapters (r=8,
+every projection). Several ranks (`fsdp`): each rank builds the model on the meta device with
+empty NF4 layers and LoRA adapters, shards it with FSDP2 and fills it. Peak RSS is the rise of
+`VmHWM` over the process's RSS just before loading (bitsandbytes imported and one layer
+quantized first), so imports and the process group are not counted. `--whole` adds the
+previous path on one process (whole fp32 base, then quantized) as the baseline.
 """
 
 from __future__ import annotations
@@ -42,27 +44,38 @@ def warm_up() -> None:
     _reference(torch.float32)
 
 
-def build_meta(directory: Path, whole: bool = False) -> tuple[Any, Any]:
+def build_meta(directory: Path, whole: bool = False, load: bool = False) -> tuple[Any, Any]:
     """(model with LoRA adapters over NF4 layers, base) as the trainer builds them: on the meta
-    device with empty NF4 layers, or (`whole`) from the whole fp32 base quantized after it."""
+    device with empty NF4 layers (`load`: filled layer by layer before the adapters are made,
+    as bitsandbytes layers: one process), or (`whole`) from the whole fp32 base quantized after
+    it."""
     from scaletrain.finetune.lora import LoRASettings
     from scaletrain.finetune.methods import apply_method
+    from scaletrain.finetune.qlora_load import materialize_qlora
     from scaletrain.models.hf import hf_model_args, load_hf_checkpoint
     from scaletrain.models.transformer import Transformer
 
     args = hf_model_args(directory)
+    base = argparse.Namespace(directory=directory, args=args, report=None)
     if whole:
         model = load_hf_checkpoint(directory, dtype=torch.float32)[0]
     else:
         with torch.device("meta"):
             model = Transformer(args)
-    apply_method(model, "qlora", lora=LoRASettings(), quant_dtype=torch.float32, seed=0)
-    return model, argparse.Namespace(directory=directory, args=args)
+
+    def fill(meta: Any) -> None:
+        base.report = materialize_qlora(meta, meta, base, torch.device("cpu"),
+                                        bitsandbytes=True)
+
+    apply_method(model, "qlora", lora=LoRASettings(), quant_dtype=torch.float32, seed=0,
+                 load_quantized=fill if load else None)
+    return model, base
 
 
 def load_on_rank(directory: Path, mode: str = "fsdp") -> tuple[Any, dict[str, Any]]:
     """This rank's QLoRA load of HF base `directory`: `fsdp` (sharded over every rank of the
-    process group, filled layer by layer), `ddp` (whole NF4 layers, filled layer by layer) or
+    process group, filled layer by layer), `ddp` (whole NF4 layers, filled layer by layer),
+    `one` (one process, no process group: filled layer by layer as bitsandbytes layers) or
     `whole` (one process: the fp32 base read, then quantized: the path before)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -76,10 +89,12 @@ def load_on_rank(directory: Path, mode: str = "fsdp") -> tuple[Any, dict[str, An
     reset_peak_rss()
     before = current_rss_bytes()
     start = time.perf_counter()
-    model, base = build_meta(directory, whole=mode == "whole")
+    model, base = build_meta(directory, whole=mode == "whole", load=mode == "one")
     nbytes = None
     if mode == "whole":
         shardable_nf4(model)
+    elif mode == "one":
+        nbytes = base.report.bytes_read
     else:
         if mode == "fsdp":
             mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
@@ -96,12 +111,12 @@ def load_on_rank(directory: Path, mode: str = "fsdp") -> tuple[Any, dict[str, An
 
 
 def plan_peak(directory: Path, world: int, stored_bytes: int) -> int:
-    """What `scaletrain plan --method qlora --dp WORLD --zero 3` states for this base's load."""
+    """What `scaletrain plan --method qlora --dp WORLD --zero 3` (one process: no --dp) states
+    for this base's load."""
     from scaletrain.models.hf import hf_model_args
     from scaletrain.plan.finetune_host import host_load_bytes
 
-    return int(host_load_bytes(hf_model_args(directory), "qlora", world, stored_bytes,
-                               distributed=True)["peak"])
+    return int(host_load_bytes(hf_model_args(directory), "qlora", world, stored_bytes)["peak"])
 
 
 def _rank_main(rank: int, world: int, port: int, directory: str, mode: str, out: str) -> None:
@@ -110,6 +125,10 @@ def _rank_main(rank: int, world: int, port: int, directory: str, mode: str, out:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    if mode in ("one", "whole"):  # one process, no process group
+        _, result = load_on_rank(Path(directory), mode)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        return
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _, result = load_on_rank(Path(directory), mode)
@@ -160,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ranks':>5} {'path':>6} {'load s (max)':>12} {'peak RSS rise MiB (max)':>24} "
           f"{'plan MiB':>9} {'kept MiB/rank':>14}")
     runs = [(1, "whole")] if a.whole else []
-    runs += [(w, "fsdp") for w in a.ranks]
+    runs += [(w, "one" if w == 1 else "fsdp") for w in a.ranks]
     for world, mode in runs:
         results = run(a.base, world, mode)
-        planned = plan_peak(a.base, world, size) if mode == "fsdp" else None
+        planned = plan_peak(a.base, world, size) if mode != "whole" else None
         row = {"ranks": world, "path": mode, "per_rank": results,
                "load_seconds_max": max(r["seconds"] for r in results),
                "peak_rss_rise_max": max(r["peak_rise"] for r in results),

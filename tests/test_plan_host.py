@@ -1,7 +1,7 @@
 """`plan --method` states host RAM per rank at the base's load (`plan/finetune_host.py`): the
-rank's fp32 shards of the base under FSDP and/or TP (the whole base otherwise, and for QLoRA)
-plus the largest tensor in flight, counted from the model's own parameters (an independent
-count from the preset's dimensions here)."""
+rank's fp32 shards of the base under FSDP and/or TP (the whole base otherwise; QLoRA: its part
+of the 4-bit base, on one process too) plus the largest tensor in flight, counted from the
+model's own parameters (an independent count from the preset's dimensions here)."""
 
 from __future__ import annotations
 
@@ -29,11 +29,9 @@ def test_host_bytes_from_the_dimensions() -> None:
     bf16 = host_load_bytes(a, "lora", 8, param_bytes=2)
     assert (bf16["weights"], bf16["in_flight"], bf16["base_dtype"]) == \
         (-(-total * 2 // 8), largest * 4, "bf16")
-    whole = host_load_bytes(a, "qlora", 1)  # QLoRA on one process reads the fp32 base
-    assert not whole["sharded"] and whole["weights"] == total * 4
     assert host_load_bytes(a, "lora", 1)["weights"] == total * 4
-    # QLoRA under torchrun: the block linears as NF4 (codes, 8-bit scales per 64, fp32 scales
-    # per 256 scales, offset), the rest in fp32, each tensor split over the ranks
+    # QLoRA (one process, DDP, FSDP): the block linears as NF4 (codes, 8-bit scales per 64,
+    # fp32 scales per 256 scales, offset), the rest in fp32, each tensor split over the ranks
     linears = {"wq": a.dim * a.dim, "wk": a.dim * h, "wv": a.dim * h, "wo": a.dim * a.dim,
                "w1": a.dim * a.hidden_dim, "w2": a.dim * a.hidden_dim, "w3": a.dim * a.hidden_dim}
 
@@ -42,14 +40,15 @@ def test_host_bytes_from_the_dimensions() -> None:
 
     rest = total - a.n_layers * sum(linears.values())
     for ranks in (8, 1):
-        q = host_load_bytes(a, "qlora", ranks, distributed=True)
+        q = host_load_bytes(a, "qlora", ranks)
         shard = a.n_layers * sum(-(-nf4(n) // ranks) for n in linears.values()) \
             + sum(-(-n * 4 // ranks) for n in (a.vocab_size * a.dim,) * 2) \
             + (rest - 2 * a.vocab_size * a.dim) * 4 // ranks  # the norms: 8192 per rank
         assert q["quantized_on_load"] and q["sharded"] == (ranks > 1), q
         assert q["weights"] == shard, (q["weights"], shard)
         assert q["in_flight"] == largest * 6, q  # the embedding's region still dominates
-    assert host_load_bytes(a, "qlora", 8, distributed=True)["peak"] < 12 * 2**30  # not 268 GiB
+    assert host_load_bytes(a, "qlora", 8)["peak"] < 12 * 2**30  # not 268 GiB
+    assert host_load_bytes(a, "qlora", 1)["peak"] < 47 * 2**30  # one process: not 268 GiB
 
 
 def test_nf4_sizes_are_bitsandbytes() -> None:
@@ -78,6 +77,17 @@ def test_plan_prints_and_writes_host_ram(capsys: pytest.CaptureFixture[str]) -> 
     assert plan_cmd.main([*argv, "--json"]) == 0
     host = json.loads(capsys.readouterr().out)["finetune"]["host_load_bytes"]
     assert host["sharded"] and host["peak"] == host["weights"] + host["in_flight"]
+
+
+def test_plan_of_one_qlora_process_states_the_4bit_base(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --method qlora` with no --dp: one process quantizing as it reads (the trainer's
+    `qlora_load` path), not the fp32 base."""
+    assert plan_cmd.main(["--model", "llama3-70b", "--method", "qlora", "--json"]) == 0
+    host = json.loads(capsys.readouterr().out)["finetune"]["host_load_bytes"]
+    assert host == host_load_bytes(PRESETS["llama3-70b"], "qlora", 1)
+    assert host["quantized_on_load"] and not host["sharded"]
+    assert host["weights"] < 0.16 * host_load_bytes(PRESETS["llama3-70b"], "lora", 1)["weights"]
 
 
 def test_plan_under_tensor_parallel_reads_shards(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,8 @@ and the activation measurement (`train/saved_bytes.py`) share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -15,10 +17,15 @@ def apply_method(backbone: nn.Module, method: str, *, lora: LoRASettings | None 
                  freeze_embeddings: bool = True, freeze_first: int = 0,
                  train_last: int | None = None, norms: bool = False,
                  quant_dtype: torch.dtype | None = None, device: torch.device | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, load_quantized: Callable[[nn.Module], None] | None = None
+                 ) -> None:
     """Freeze (`freeze`), or quantize the block linears to NF4 (`qlora`, compute dtype
     `quant_dtype`) and wrap the targets with adapters (`lora`, `qlora`; `norms`: train the
-    norms too), in place; `full` changes nothing."""
+    norms too), in place; `full` changes nothing. A QLoRA `backbone` on the meta device gets
+    empty NF4 layers; `load_quantized` (one process: `qlora_load.materialize_qlora`) then fills
+    it before the adapters are made, on the device of its weights as from a loaded base;
+    without it the adapters are made on the CPU and the base is read once the layout is
+    applied."""
     if method == "freeze":
         freeze_layers(backbone, embeddings=freeze_embeddings, first=freeze_first,
                       train_last=train_last)
@@ -30,6 +37,8 @@ def apply_method(backbone: nn.Module, method: str, *, lora: LoRASettings | None 
                 from scaletrain.finetune.qlora_load import empty_nf4
 
                 quantize_blocks(backbone, quant_dtype or torch.float32, make=empty_nf4)
+                if load_quantized is not None:
+                    load_quantized(backbone)
             else:
                 quantize_blocks(backbone, quant_dtype or torch.float32)
                 if device is not None:

@@ -17,6 +17,12 @@ fp32) plus one whole weight in flight (`plan/finetune_host.py` states it).
 Under torchrun the ranks share the work: layer i is read and quantized by rank i % N and
 broadcast whole (0.52 byte per weight) to the others, each keeping its region; so each rank
 reads and quantizes 1/N of the block weights.
+
+One process loads the same way (`bitsandbytes=True`), before the adapters are made: the meta
+model's block linears become empty NF4 layers, are filled one at a time, and are then handed
+back as the bitsandbytes `Linear4bit` layers one QLoRA process has always trained
+(`qlora_shard.to_bitsandbytes`, over the same bytes); its peak host memory is the 4-bit base
+(plus the rest in fp32) and one weight in flight, not the fp32 base.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from scaletrain.checkpoint.sharded_load import (
 )
 from scaletrain.finetune.base_sharded import checkpoint_name, materialize
 from scaletrain.finetune.qlora import BLOCK_SIZE, check_cpu_rows, to_nf4
-from scaletrain.finetune.qlora_shard import NF4Linear
+from scaletrain.finetune.qlora_shard import NF4Linear, bitsandbytes_nf4
 from scaletrain.inference.loader import LoadedModel
 
 log = logging.getLogger("scaletrain.finetune")
@@ -165,10 +171,12 @@ def fill_nf4(layers: Mapping[str, NF4Linear], read_whole: ReadWhole,
 
 @torch.no_grad()
 def materialize_qlora(model: nn.Module, backbone: nn.Module, base: LoadedModel,
-                      device: torch.device) -> LoadReport:
+                      device: torch.device, bitsandbytes: bool = False) -> LoadReport:
     """Fill `model` (built from `base` on the meta device with empty NF4 layers, then given its
     layout; `backbone` is the `Transformer` inside it): the other parameters by region reads
-    (`base_sharded.materialize`), the NF4 layers quantized one at a time (module docstring)."""
+    (`base_sharded.materialize`), the NF4 layers quantized one at a time (module docstring).
+    `bitsandbytes` (one process, no layout): the filled layers are then made bitsandbytes
+    `Linear4bit` layers."""
     from scaletrain.models.hf import CONFIG_NAME, hf_slices
 
     with LoadTimer() as timer:
@@ -193,6 +201,8 @@ def materialize_qlora(model: nn.Module, backbone: nn.Module, base: LoadedModel,
 
             kept = fill_nf4(layers, read_native, group)
             quantized_read = native_read
+        if bitsandbytes:
+            bitsandbytes_nf4(model)
     report = timer.report(dense.bytes_read + quantized_read)
     rank, size = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
     log.info("QLoRA base loaded in %.2f s: %d layers quantized one at a time (%d by this "

@@ -18,6 +18,10 @@ runs; the layer then dequantizes exactly the matrix one process dequantizes (bit
 (the nested scales' offset is a mean over the whole layer), before sharding. DDP broadcasts and
 never reduces the parameters (they take no gradient). The two 4-bit code books (16 and 256
 values) are buffers, the same on every rank.
+
+On one process the layers are loaded in this form too (`qlora_load`, one layer at a time) and
+then handed back as the bitsandbytes layers one QLoRA process has always trained
+(`to_bitsandbytes`: the same tensors, no copy of the codes).
 """
 
 from __future__ import annotations
@@ -96,4 +100,37 @@ def shardable_nf4(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["NF4Linear", "shardable_nf4"]
+def to_bitsandbytes(layer: NF4Linear) -> nn.Module:
+    """The bitsandbytes `Linear4bit` holding `layer`'s quantization (whole, materialized): what
+    `qlora.to_nf4` makes from the dense weight, over the same packed codes (not copied)."""
+    bnb = _bnb()
+    q = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                          compute_dtype=layer.compute_dtype, compress_statistics=True,
+                          quant_type=layer.quant_type, device="meta")
+    state = layer.quant_state()
+    # the fp32 scales as tensors of their own, not views of this layer's byte parameters
+    state.offset = state.offset.clone()
+    state.state2.absmax = state.state2.absmax.clone()
+    q.weight = bnb.nn.Params4bit(layer.weight.detach().view(-1, 1), requires_grad=False,
+                                 quant_state=state, blocksize=layer.blocksize,
+                                 compress_statistics=True, quant_type=layer.quant_type,
+                                 bnb_quantized=True)
+    if layer.bias is not None:
+        q.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
+    return q
+
+
+def bitsandbytes_nf4(model: nn.Module) -> int:
+    """Replace every `NF4Linear` of `model` (also those inside LoRA layers) by the bitsandbytes
+    layer holding the same quantization (`to_bitsandbytes`); returns the count."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, NF4Linear):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, to_bitsandbytes(module))
+            count += 1
+    return count
+
+
+__all__ = ["NF4Linear", "shardable_nf4", "to_bitsandbytes", "bitsandbytes_nf4"]

@@ -163,6 +163,7 @@ class FinetuneTrainer(Trainer):
                      "%s", max(r["seconds"] for r in self.load_reports),
                      worst["peak_rss_bytes"] / 2**20,
                      "whole base on each process" if not self.sharded_load
+                     else "4-bit layers quantized one at a time" if not self.par.enabled
                      else "4-bit layers quantized one at a time on each replica"
                      if self.ft.method == "qlora" and self.par.mode == "ddp"
                      else "sharded: each rank read its shards")
@@ -186,10 +187,10 @@ class FinetuneTrainer(Trainer):
     def _build_data(self) -> None:
         cfg, ft = self.cfg, self.ft
         # Under FSDP or TP each rank reads only the parts it will hold, once the layout is
-        # applied (`base_sharded`); QLoRA under torchrun quantizes one layer at a time, keeping
-        # its part (`qlora_load`)
-        self.sharded_load = self.par.enabled and (self.par.mode in ("zero2", "zero3")
-                                                  or self.par.dims.tp > 1 or ft.method == "qlora")
+        # applied (`base_sharded`); QLoRA quantizes one layer at a time, keeping its part
+        # under torchrun (`qlora_load`), on one process before the adapters are made
+        self.sharded_load = ft.method == "qlora" or self.par.enabled and (
+            self.par.mode in ("zero2", "zero3") or self.par.dims.tp > 1)
         with verification(cfg.checkpoint.verify), LoadTimer() as timer:
             self.base = load_base(ft.base, "cpu" if ft.method == "qlora" else self.device,
                                   weights=not self.sharded_load)
@@ -286,7 +287,9 @@ class FinetuneTrainer(Trainer):
                      freeze_first=ft.freeze_first, train_last=ft.train_last,
                      norms=ft.train_norms,
                      quant_dtype=compute_dtype(ft.quant_compute_dtype, self.dtype),
-                     device=self.device, seed=self.cfg.training.seed)
+                     device=self.device, seed=self.cfg.training.seed,
+                     load_quantized=None if self.par.enabled or ft.method != "qlora"
+                     else lambda meta: self._materialize(meta, meta))
         if ft.method in ("full", "freeze"):  # frozen linears run fp8 forward matmuls too
             apply_fp8(backbone, self.cfg.precision.fp8, self.device)
         model = with_head(backbone, len(self.labels or []) if ft.task == "classification"
@@ -369,9 +372,12 @@ class FinetuneTrainer(Trainer):
 
     def _materialize(self, model: nn.Module, backbone: nn.Module) -> None:
         """Each rank reads its parts of the base into the laid-out meta model (TP, FSDP, both:
-        `base_sharded`); QLoRA's 4-bit layers are quantized one at a time (`qlora_load`)."""
+        `base_sharded`); QLoRA's 4-bit layers are quantized one at a time (`qlora_load`; on
+        one process, then made bitsandbytes layers)."""
         if self.ft.method == "qlora":
-            from scaletrain.finetune.qlora_load import materialize_qlora as fill
+            from scaletrain.finetune.qlora_load import materialize_qlora
+
+            fill = functools.partial(materialize_qlora, bitsandbytes=not self.par.enabled)
         else:
             from scaletrain.finetune.base_sharded import materialize as fill
         with verification(self.cfg.checkpoint.verify):

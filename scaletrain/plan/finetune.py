@@ -132,9 +132,8 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
             # pre-training's (full fine-tuning's, an upper bound for frozen parts)
             "method_activations": own_activations,
             # TP ranks read their shards too (the replicated norms, KiB, counted as split);
-            # QLoRA under torchrun quantizes while it reads
+            # QLoRA quantizes while it reads
             "host_load_bytes": host_load_bytes(plan.args, method, shard * d.tp,
-                                               distributed=d.world_size > 1,
                                                param_bytes=_sharded_base_bytes(method, lay))}
     # DDP all-reduces and FSDP reduce-scatters the gradients of trainable parameters only;
     # FSDP all-gathers every weight.

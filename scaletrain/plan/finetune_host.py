@@ -6,14 +6,15 @@
   flight, read in the stored dtype and cast: at most the largest tensor in both dtypes. LoRA
   with `precision.param_dtype bf16` keeps its (frozen) shards in bf16 (`param_bytes` 2); the
   frozen parts of `freeze` are bf16 too, counted at 4 bytes here (an upper bound).
-- QLoRA under torchrun (FSDP over N ranks, or DDP: N = 1): each rank holds its shards of the
+- QLoRA (FSDP over N ranks; DDP and one process: N = 1): each rank holds its shards of the
   quantized base (block linears as NF4 codes and scales, ~0.52 byte per weight; the rest in
   fp32), plus one whole block weight in flight (read in the stored dtype, cast to fp32 and
   quantized) or one region of another tensor.
-- One process and DDP without TP (LoRA/full/freeze), and QLoRA on one process (which reads the
-  fp32 base, then quantizes it): the whole base in fp32, plus the largest tensor in flight.
+- One process and DDP without TP (LoRA/full/freeze): the whole base in fp32, plus the largest
+  tensor in flight.
 Measured against this bound: `bench/finetune_load_cpu.py`, `bench/qlora_load_cpu.py`,
-`tests/distributed/test_sharded_load.py`, `tests/distributed/test_qlora_load.py`.
+`tests/distributed/test_sharded_load.py`, `tests/distributed/test_qlora_load.py`,
+`tests/test_qlora_load.py` (one process).
 """
 
 from __future__ import annotations
@@ -61,17 +62,16 @@ def nf4_bytes(numel: int) -> int:
 
 
 def host_load_bytes(args: ModelArgs, method: str, shards: int, stored_bytes: int = 2,
-                    distributed: bool = False,
                     param_bytes: int = LOAD_BYTES) -> dict[str, int | bool]:
     """Per-rank host bytes of the base's load: `weights` (the rank's shards in `param_bytes`
     per element, or the whole base in fp32),
     `in_flight` (the largest tensor, read in `stored_bytes` per element and cast to fp32; QLoRA
     layer by layer: also quantized) and `peak`; `sharded` says whether each rank holds 1/shards
-    and `quantized_on_load` whether QLoRA quantizes as it reads (under torchrun, `distributed`).
-    """
+    and `quantized_on_load` whether the base is quantized as it is read (QLoRA, on any number
+    of processes)."""
     quantized, other = split_sizes(args)
-    streamed = method == "qlora" and distributed
-    sharded = shards > 1 and (method != "qlora" or streamed)
+    streamed = method == "qlora"
+    sharded = shards > 1
     cast = stored_bytes + LOAD_BYTES
     if streamed:
         n = max(shards, 1)

@@ -106,8 +106,7 @@ def _host_lines(host: dict | None) -> list[str]:
     else:
         dtype = host.get("base_dtype", "fp32")
         how = (f"its shards of the {dtype} base" if host["sharded"]
-               else "the whole fp32 base (one process, DDP without TP, or QLoRA on one "
-               "process)")
+               else "the whole fp32 base (one process, or DDP without TP)")
         cast = "read bf16, cast to fp32" if dtype == "fp32" else "read bf16"
     return [f"host RAM per rank while loading the base: {host['peak'] / GIB:.2f} GiB = {how} "
             f"{host['weights'] / GIB:.2f} GiB + the largest tensor in flight "

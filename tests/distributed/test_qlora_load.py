@@ -69,7 +69,7 @@ def _entry(rank: int, world: int, base: str, out: str) -> None:
     # Measured: FSDP, the first load of this process (a second load reuses the heap the first
     # freed, so its RSS rise would say nothing)
     fsdp, measured = load_on_rank(directory, "fsdp")
-    plan = host_load_bytes(args, "qlora", world, 2, distributed=True)
+    plan = host_load_bytes(args, "qlora", world, 2)
     measured["plan_peak"], measured["plan_weights"] = plan["peak"], plan["weights"]
     ddp = load_on_rank(directory, "ddp")[0]  # whole NF4 layers on each replica
     ref = build_meta(directory, whole=True)[0]  # one QLoRA process: the fp32 base quantized
@@ -95,7 +95,7 @@ def test_qlora_base_is_quantized_layer_by_layer(tmp_path: Path) -> None:
     base = make_base(tmp_path / "base", DIMS, "30MB", torch.bfloat16)
     fp32 = base_sizes(base, torch.float32)
     run_ranks(_entry, WORLD, str(base), str(tmp_path))
-    plan_ddp = host_load_bytes(hf_model_args(base), "qlora", 1, 2, distributed=True)["peak"]
+    plan_ddp = host_load_bytes(hf_model_args(base), "qlora", 1, 2)["peak"]
     for rank in range(WORLD):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["nf4_params"] == 4 * 7 * DIMS["num_hidden_layers"], got

@@ -99,16 +99,9 @@ def _rank_main(rank: int, world: int, port: int, directory: str, mode: str, out:
 
 
 def run(directory: Path, mode: str, world: int = 2) -> list[dict[str, Any]]:
-    import tempfile
+    from bench._spawn import spawn_json
 
-    import torch.multiprocessing as mp
-
-    from bench.fused_loss_tp_cpu import free_port
-
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(world, free_port(), str(directory), mode, out),
-                           nprocs=world, start_method="spawn")
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    return spawn_json(_rank_main, world, str(directory), mode)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench._spawn
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUTS = {  # name: (ranks, flags)
@@ -127,17 +128,9 @@ def worker(out_dir: str, policy: str, argv: list[str]) -> None:
 
 
 def launch(ranks: int, policy: str, flags: list[str], env: dict[str, str]) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "records")
-        out.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(ranks), __file__, "--worker", str(out), policy, *flags,
-               "--output", str(Path(tmp, "run"))]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(done.stderr[-3000:])
-        return sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")),
-                      key=lambda r: r["rank"])
+    from bench._spawn import torchrun_records
+
+    return torchrun_records(__file__, ranks, [policy, *flags], env)
 
 
 def main() -> None:

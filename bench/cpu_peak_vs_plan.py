@@ -35,11 +35,12 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench._spawn
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUTS = {  # name: (ranks, flags)
@@ -100,15 +101,9 @@ def worker(out_dir: str, argv: list[str]) -> None:
 
 def launch(ranks: int, flags: list[str], env: dict[str, str]) -> list[dict]:
     """Run the worker on `ranks` processes; each rank's record."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "records")
-        out.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(ranks), __file__, "--worker", str(out), *flags,
-               "--output", str(Path(tmp, "run"))]
-        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-        return sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")),
-                      key=lambda r: r["rank"])
+    from bench._spawn import torchrun_records
+
+    return torchrun_records(__file__, ranks, flags, env)
 
 
 def main() -> None:

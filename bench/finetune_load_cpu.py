@@ -125,13 +125,18 @@ def run(directory: Path, world: int, dtype: str) -> list[dict[str, Any]]:
     return spawn_json(_rank_main, world, str(directory), dtype)
 
 
+def add_base_arguments(p: argparse.ArgumentParser, shard_size: str) -> None:
+    """The base options the load benches share: the folder, and how `--make` writes it."""
+    p.add_argument("--base", type=Path, required=True, help="HF base directory")
+    p.add_argument("--make", action="store_true", help="write a random base there first")
+    p.add_argument("--shard-size", default=shard_size, help="--make: safetensors shard size")
+    p.add_argument("--store-dtype", default="bfloat16", help="--make: stored dtype")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="HF base directory")
-    p.add_argument("--make", action="store_true", help="write a random base there first")
-    p.add_argument("--shard-size", default="500MB", help="--make: safetensors shard size")
-    p.add_argument("--store-dtype", default="bfloat16", help="--make: stored dtype")
+    add_base_arguments(p, shard_size="500MB")
     p.add_argument("--dtype", default="float32", help="dtype the model is loaded in")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", type=Path, default=None)

@@ -105,14 +105,11 @@ def run(directory: Path, mode: str, world: int = 2) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.finetune_load_cpu import base_sizes, make_base
+    from bench.finetune_load_cpu import add_base_arguments, base_sizes, make_base
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="HF base directory")
-    p.add_argument("--make", action="store_true", help="write a random base there first")
-    p.add_argument("--shard-size", default="500MB", help="--make: safetensors shard size")
-    p.add_argument("--store-dtype", default="bfloat16", help="--make: stored dtype")
+    add_base_arguments(p, shard_size="500MB")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)

@@ -145,14 +145,11 @@ def run(directory: Path, world: int, mode: str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.finetune_load_cpu import base_sizes, make_base
+    from bench.finetune_load_cpu import add_base_arguments, base_sizes, make_base
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="HF base directory")
-    p.add_argument("--make", action="store_true", help="write a random base there first")
-    p.add_argument("--shard-size", default="300MB", help="--make: safetensors shard size")
-    p.add_argument("--store-dtype", default="bfloat16", help="--make: stored dtype")
+    add_base_arguments(p, shard_size="300MB")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--whole", action="store_true",
                    help="also the previous path (whole fp32 base, then quantized) on 1 rank")

@@ -12,20 +12,17 @@ dtype), and FSDP/TP shard bf16 tensors.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from scaletrain.train.precision import cast_params_
-
-DTYPES = {"bf16": torch.bfloat16}
+from scaletrain.train.precision import DTYPES, cast_params_
 
 
 def store_frozen(model: nn.Module, param_dtype: str) -> int:
     """Store the frozen floating-point parameters of `model` in `param_dtype` (a no-op for
     fp32); returns how many parameters were cast. Integer tensors (4-bit codes) are left."""
-    dtype = DTYPES.get(param_dtype)
-    if dtype is None:
+    if param_dtype == "fp32":
         return 0
+    dtype = DTYPES[param_dtype]
     frozen = [p for p in model.parameters()
               if not p.requires_grad and p.is_floating_point() and p.dtype != dtype]
     cast_params_(frozen, dtype)

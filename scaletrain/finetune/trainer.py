@@ -161,12 +161,7 @@ class FinetuneTrainer(Trainer):
             worst = max(self.load_reports, key=lambda r: r["peak_rss_bytes"])
             log.info("base load: %.2f s (slowest rank), peak host RSS %.1f MiB (largest rank), "
                      "%s", max(r["seconds"] for r in self.load_reports),
-                     worst["peak_rss_bytes"] / 2**20,
-                     "whole base on each process" if not self.sharded_load
-                     else "4-bit layers quantized one at a time" if not self.par.enabled
-                     else "4-bit layers quantized one at a time on each replica"
-                     if self.ft.method == "qlora" and self.par.mode == "ddp"
-                     else "sharded: each rank read its shards")
+                     worst["peak_rss_bytes"] / 2**20, self._load_path())
         self.flops_per_token = self._flops_per_token()
         if self.is_main:
             self._write_meta()
@@ -384,6 +379,16 @@ class FinetuneTrainer(Trainer):
             self.load_report = fill(model, backbone, self.base,
                                     torch.device("cpu") if self.cfg.parallel.cpu_offload
                                     else self.device)
+
+    def _load_path(self) -> str:
+        """How the base was read, in words (for the load log line)."""
+        if not self.sharded_load:
+            return "whole base on each process"
+        if not self.par.enabled:  # (one process: QLoRA)
+            return "4-bit layers quantized one at a time"
+        if self.ft.method == "qlora" and self.par.mode == "ddp":
+            return "4-bit layers quantized one at a time on each replica"
+        return "sharded: each rank read its shards"
 
     def _write_meta(self) -> None:
         ft = self.ft

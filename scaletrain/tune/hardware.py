@@ -17,10 +17,10 @@ import torch
 from scaletrain.host import available_ram_bytes, host_ram_bytes
 from scaletrain.plan.cpu_device import matmul_tflops
 from scaletrain.plan.hardware import Device, match_device
+from scaletrain.train.precision import DTYPES
 
 CPU_LOOPBACK_GBS = 2.0
 CPU_LOOPBACK_LATENCY_US = 50.0
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cpu_device(precision: str, ranks_per_node: int) -> Device:
@@ -30,7 +30,7 @@ def cpu_device(precision: str, ranks_per_node: int) -> Device:
     known = match_device("cpu")
     if known is not None:
         return dataclasses.replace(known, memory_gib=ram_gib)
-    peak = matmul_tflops(_DTYPES.get(precision, torch.float32)) / ranks_per_node
+    peak = matmul_tflops(DTYPES.get(precision, torch.float32)) / ranks_per_node
     return Device("cpu (measured here)", ram_gib, {precision: peak},
                   intra_node_gbs=CPU_LOOPBACK_GBS, inter_node_gbs=CPU_LOOPBACK_GBS,
                   gpus_per_node=ranks_per_node, intra_latency_us=CPU_LOOPBACK_LATENCY_US,

@@ -127,6 +127,52 @@ def test_training_step_with_fused_loss_equals_plain(tmp_path: Path) -> None:
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_no_gradient_buffers_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad (evaluation) the loss is the same and no (vocab x dim) fp32 weight
+    gradient nor hidden-state gradient is allocated, although the weight requires grad."""
+    h = torch.randn(6, 8)
+    w = torch.randn(30, 8, requires_grad=True)
+    y = torch.randint(0, 30, (6,))
+    ref = chunked_linear_cross_entropy(h, w, y, chunk=4).detach()
+    sizes: list[tuple[int, ...]] = []
+    zeros = torch.zeros
+
+    def recording_zeros(*shape, **kwargs):  # type: ignore[no-untyped-def]
+        sizes.append(tuple(shape[0]) if shape and isinstance(shape[0], torch.Size) else shape)
+        return zeros(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", recording_zeros)
+    with torch.no_grad():
+        out = chunked_linear_cross_entropy(h, w, y, chunk=4)
+    assert out == ref
+    assert (30, 8) not in sizes
+
+
+def test_validation_with_fused_loss_equals_plain_without_logits(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """Validation follows the training step's loss path: with `training.fused_loss` the same
+    validation loss as the plain path, and the model is never asked for whole logits."""
+    cache = tmp_path / "cache"
+    common = ("--training.micro_batch_size", "2", "--precision.dtype", "fp32",
+              "--training.eval_sequences", "4")
+    plain = Trainer(tiny_config(tmp_path / "a", cache, *common))
+    fused = Trainer(tiny_config(tmp_path / "b", cache, *common, "--training.fused_loss", "true",
+                                "--training.loss_chunk_tokens", "5"))
+    fused.model.load_state_dict(plain.model.state_dict())
+    heads: list[bool] = []
+    forward = Transformer.forward
+
+    def recording_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        heads.append(not kwargs.get("hidden", False))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", recording_forward)
+    loss_f = fused.evaluate()
+    assert heads and not any(heads)  # every forward returned hidden states
+    assert loss_f == pytest.approx(plain.evaluate(), rel=1e-6)
+
+
 def test_fused_loss_refused_where_it_cannot_run() -> None:
     model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=11, multiple_of=8,
                                   max_seq_len=8))

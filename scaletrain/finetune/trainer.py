@@ -43,7 +43,6 @@ from scaletrain.plan.finetune import FUSED_LOSS_CLASSIFICATION, finetune_layout_
 from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
-from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.metrics import truncate_jsonl
 from scaletrain.train.trainer import Trainer, TrainResult
 
@@ -472,8 +471,9 @@ class FinetuneTrainer(Trainer):
 
         classify = self.ft.task == "classification"
         loss = evaluate(self.model, self.par, self.val_data, 0, self.mbs, self.device,
-                        self.dtype, cross_entropy_sum, prepare=self.eval_prepare,
-                        forward=self.model_forward, on_batch=collect if classify else None)
+                        self.dtype, self.eval_loss, prepare=self.eval_prepare,
+                        forward=self.eval_forward, on_batch=collect if classify else None,
+                        hidden=self.cfg.training.fused_loss)
         if classify:
             parts = self.par.gather_objects((torch.cat(preds), torch.cat(golds)))
             scores = classification_scores(torch.cat([p for p, _ in parts]),

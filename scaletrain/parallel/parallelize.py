@@ -459,12 +459,13 @@ class Parallelism:
         return total
 
     def pipeline_eval_batch(self, x: torch.Tensor, y: torch.Tensor,
-                            loss_fn: Callable[..., torch.Tensor]
+                            loss_fn: Callable[..., torch.Tensor], hidden: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward-only pass of one batch through the stages in order, with point-to-point
         hand-overs (torch's schedule `eval` runs backward actions for multi-stage schedules).
         Returns (token-loss sum, valid-token count) of this rank's context-parallel share, both
-        zero outside the last stage."""
+        zero outside the last stage. `hidden`: the last stage gives `loss_fn` the final-norm
+        hidden states (the fused loss applies the head), else the logits."""
         assert self.mesh is not None
         x, y, _ = self.shard_batch(x, y)  # context parallel: this rank's chunks
         group = self.mesh.group("pp")
@@ -482,12 +483,12 @@ class Parallelism:
                 shape = (x.shape[0], x.shape[1] // shards, self.hidden_dim)
                 h = torch.empty(shape, dtype=torch.float32, device=self.device)
                 dist.recv(h, src=owner[sid - 1], group=group)
-            stage, hidden = mine[sid], mine[sid].hidden
-            stage.hidden = False  # evaluation takes logits and the plain loss
+            stage, kept = mine[sid], mine[sid].hidden
+            stage.hidden = hidden
             try:
                 out = stage(x if sid == 0 else h)
             finally:
-                stage.hidden = hidden
+                stage.hidden = kept
             if sid == n_stages - 1:
                 part = loss_fn(out, y)
                 loss = (part.full_tensor() if isinstance(part, DTensor) else part).double()

@@ -124,4 +124,6 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets:
     rank's vocabulary slice (see the module docstring)."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if not torch.is_grad_enabled():  # evaluation: no gradient buffers (the weight's own
+        h, weight = h.detach(), weight.detach()  # requires_grad does not say so)
     return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, softcap, shard)

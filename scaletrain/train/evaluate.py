@@ -76,9 +76,11 @@ def evaluate(model: nn.Module, par: Parallelism, dataset: Any, n_sequences: int,
              loss_fn: Callable[..., torch.Tensor],
              prepare: Callable[[Any, torch.Tensor], Batch] | None = None,
              forward: Callable[[Any], torch.Tensor] | None = None,
-             on_batch: BatchHook | None = None) -> torch.Tensor:
+             on_batch: BatchHook | None = None, hidden: bool = False) -> torch.Tensor:
     """Mean validation loss over `n_sequences` sequences (0: the whole set), a device tensor
-    equal on every rank. `prepare(x, y)` moves a batch to the device (default: `.to`)."""
+    equal on every rank. `prepare(x, y)` moves a batch to the device (default: `.to`).
+    `hidden`: `forward` (and a pipeline's last stage) gives the final-norm hidden states and
+    `loss_fn` applies the head itself (`training.fused_loss`)."""
     prepare = prepare or (lambda x, y: (x.to(device), y.to(device)))
     forward = forward or model
     was_training = model.training
@@ -91,10 +93,10 @@ def evaluate(model: nn.Module, par: Parallelism, dataset: Any, n_sequences: int,
                                              par.dp_size):
                 x, y = prepare(x, y)
                 if par.schedule is not None:
-                    loss, valid = par.pipeline_eval_batch(x, y, loss_fn)
+                    loss, valid = par.pipeline_eval_batch(x, y, loss_fn, hidden=hidden)
                 else:
                     xs, ys, positions = par.shard_batch(x, y)
-                    logits = (model(xs, positions=positions) if positions is not None
+                    logits = (forward(xs, positions=positions) if positions is not None
                               else forward(xs))
                     loss, valid = loss_fn(logits, ys), count_valid(ys)
                     if on_batch is not None:

@@ -130,6 +130,10 @@ class Trainer:
         step_loss, step_forward = (lambda logits, y: self.loss_fn(logits, y)), self.model_forward
         if cfg.training.fused_loss:
             step_loss, step_forward = self._fused_loss()
+        # Validation takes the training step's loss path: with the fused loss it never builds
+        # the (tokens x vocabulary) logits either, so it fits where the training step does.
+        self.eval_loss, self.eval_forward = ((step_loss, step_forward) if cfg.training.fused_loss
+                                             else (cross_entropy_sum, self.model_forward))
         if self.par.dims.pp > 1:
             self.par.attach_pipeline(self.model, step_loss, self.ga,
                                      lambda: precision.autocast(self.device, self.dtype),
@@ -455,8 +459,9 @@ class Trainer:
         """Validation loss over `training.eval_sequences` sequences, split over the
         data-parallel ranks (a device tensor, equal on every rank)."""
         return evaluate(self.model, self.par, self.val_data, self.cfg.training.eval_sequences,
-                        self.mbs, self.device, self.dtype, cross_entropy_sum,
-                        prepare=self.eval_prepare, forward=self.model_forward)
+                        self.mbs, self.device, self.dtype, self.eval_loss,
+                        prepare=self.eval_prepare, forward=self.eval_forward,
+                        hidden=self.cfg.training.fused_loss)
 
     def eval_prepare(self, x: Any, y: torch.Tensor) -> Batch:
         return x.to(self.device), y.to(self.device)

@@ -29,8 +29,8 @@ FUSED = ["--training.fused_loss", "true", "--training.loss_chunk_tokens", "100"]
 
 
 def _run(argv: list[str]) -> dict[str, Any]:
-    """Losses of STEPS steps, the whole reduced gradients of the first (before its update)
-    and the calls of the chunked loss."""
+    """Losses of STEPS steps, the whole reduced gradients of the first (before its update),
+    the validation loss after them, and the calls of the chunked loss in each."""
     from scaletrain.finetune.trainer import FinetuneTrainer
 
     calls = []
@@ -47,9 +47,12 @@ def _run(argv: list[str]) -> dict[str, Any]:
         losses, grads = train_steps(trainer, STEPS, lambda: {
             n.replace("_fsdp_wrapped_module.", ""): full_value(p.grad).detach().clone()
             for n, p in trainer.core.named_parameters() if p.grad is not None})
+        train_calls = len(calls)
+        val = trainer.evaluate()  # validation takes the training step's loss path
     finally:
         fn.forward = staticmethod(plain)  # type: ignore[method-assign]
-    return {"losses": losses, "grads": grads, "fused_calls": len(calls)}
+    return {"losses": losses, "grads": grads, "fused_calls": train_calls, "val": val,
+            "val_calls": len(calls) - train_calls}
 
 
 def _entry(rank: int, world: int, jobs: list[list[str]], out_dir: str) -> None:
@@ -66,6 +69,8 @@ def _argv_of(out: Path, base: Path, data: Path, method: str, mbs: int, mode: str
 
 def _close(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
     assert got["fused_calls"] == STEPS * 2 and ref["fused_calls"] == 0, what  # GA 2
+    assert got["val_calls"] > 0 and ref["val_calls"] == 0, what
+    assert abs(got["val"] - ref["val"]) <= TOL * abs(ref["val"]), (what, got["val"], ref["val"])
     for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= TOL * abs(b), (what, got["losses"], ref["losses"])
     assert got["grads"].keys() == ref["grads"].keys() and ref["grads"]

@@ -37,6 +37,13 @@ def test_bus_bandwidth_matches_published_nccl_tests(kind: str, n: int, per_node:
     assert H100.busbw_gbs(kind, BIG, n, per_node) == pytest.approx(published, rel=0.05)
 
 
+def test_all_reduce_over_248_nodes_of_8_h200_matches_nccl_tests() -> None:
+    # nccl-tests#283: 1,984 H200 (248 nodes, 8 NICs each), 512 MiB all-reduce, default
+    # algorithm: "typically around 350G" of bus bandwidth.
+    h200 = Fabric(get_device("H200"))
+    assert h200.busbw_gbs("all_reduce", 512 * 2**20, 1984, 8) == pytest.approx(350.0, rel=0.05)
+
+
 def test_cross_node_bus_bandwidth_is_k_nics_per_group_capped_by_the_node() -> None:
     h100 = get_device("H100")
     nic = h100.inter_node_gbs * 1e9 * NETWORK_EFFICIENCY

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.models.args import get_preset
-from scaletrain.plan.collectives import Fabric
+from scaletrain.plan.collectives import (
+    LAUNCH_S,
+    NETWORK_EFFICIENCY,
+    NVLINK_RING_EFFICIENCY,
+    Fabric,
+)
 from scaletrain.plan.hardware import get_device
 from scaletrain.plan.search import Cluster, search
 
@@ -23,14 +28,56 @@ BIG = 8 * 2**30  # nccl-tests' largest size (-e 8G), where busbw peaks
     # Across nodes, one NDR 400 Gb/s NIC per GPU: 46-48 GB/s per NIC (nccl-tests#290).
     ("all_reduce", 2, 1, 47.0),
     ("all_gather", 16, 1, 47.0),
-    # Two full nodes: each rank's bytes leave through its own NIC, one NIC's bandwidth per
-    # rank (not 8 x 47 GB/s: the training collectives of docs/plan.md's calibration table
-    # measured at one NIC's worth; a derived row, not an nccl-tests figure).
-    ("all_reduce", 16, 8, 47.0),
+    # Two full nodes: NCCL stripes the rings over the 8 NICs of a node, capped by the ring
+    # inside the node (~370-400 GB/s across 8xH100 nodes with 8 NDR NICs, nccl-tests#212).
+    ("all_reduce", 16, 8, 370.0),
 ])
 def test_bus_bandwidth_matches_published_nccl_tests(kind: str, n: int, per_node: int,
                                                     published: float) -> None:
     assert H100.busbw_gbs(kind, BIG, n, per_node) == pytest.approx(published, rel=0.05)
+
+
+def test_all_reduce_over_248_nodes_of_8_h200_matches_nccl_tests() -> None:
+    # nccl-tests#283: 1,984 H200 (248 nodes, 8 NICs each), 512 MiB all-reduce, default
+    # algorithm: "typically around 350G" of bus bandwidth.
+    h200 = Fabric(get_device("H200"))
+    assert h200.busbw_gbs("all_reduce", 512 * 2**20, 1984, 8) == pytest.approx(350.0, rel=0.05)
+
+
+def test_cross_node_bus_bandwidth_is_k_nics_per_group_capped_by_the_node() -> None:
+    h100 = get_device("H100")
+    nic = h100.inter_node_gbs * 1e9 * NETWORK_EFFICIENCY
+    node_ring = h100.intra_node_gbs * 1e9 * NVLINK_RING_EFFICIENCY
+    # one rank per node (data parallel under TP 8): one NIC
+    assert H100.bus_bandwidth("all_gather", 16, 1) == pytest.approx(nic)
+    # k ranks per node: k NICs, as long as the node's ring carries them
+    for k in (2, 4, 6):
+        assert H100.bus_bandwidth("reduce_scatter", 8 * k, k) == pytest.approx(k * nic)
+    # 8 per node: 8 NICs (376 GB/s) exceed the NVLink ring (370 GB/s), which caps it
+    assert 8 * nic > node_ring
+    assert H100.bus_bandwidth("all_gather", 64, 8) == pytest.approx(node_ring)
+    # A100 nodes: 8 HDR NICs (188 GB/s) below the NVLink ring
+    a100 = Fabric(get_device("A100"))
+    assert a100.bus_bandwidth("all_gather", 64, 8) == pytest.approx(8 * 25e9 * NETWORK_EFFICIENCY)
+    # DeepSpeed's 2021 ZeRO-3 (stripe_nics=False): one NIC per rank whatever k
+    one_nic = Fabric(h100, stripe_nics=False)
+    assert one_nic.bus_bandwidth("all_gather", 64, 8) == pytest.approx(nic)
+    # inside one node nothing changes
+    assert one_nic.bus_bandwidth("all_gather", 8, 8) == H100.bus_bandwidth("all_gather", 8, 8)
+
+
+def test_ring_latency_pays_the_network_on_the_steps_that_cross_nodes() -> None:
+    dev = get_device("H100")
+    tiny = 8.0  # bytes: latency only
+    intra, inter = dev.intra_latency_us * 1e-6, dev.inter_latency_us * 1e-6
+    # 64 ranks on 8 nodes: 7 network steps, 56 NVLink steps (NCCL's tuning model)
+    t = H100.time("all_gather", tiny, 64, 8)
+    assert t == pytest.approx(LAUNCH_S + 56 * intra + 7 * 1.5 * inter, rel=1e-3)
+    # one rank per node on a rail-optimized fabric: every step crosses, one hop each
+    t = H100.time("all_gather", tiny, 64, 1)
+    assert t == pytest.approx(LAUNCH_S + 63 * inter, rel=1e-3)
+    # latency grows with the ranks even when the bandwidth does not
+    assert H100.time("all_gather", tiny, 1536, 8) > 20 * H100.time("all_gather", tiny, 64, 8)
 
 
 def test_latency_dominates_small_messages_and_trees_win_on_many_nodes() -> None:

@@ -10,16 +10,24 @@ time = alpha x (latency steps of the algorithm) + (bytes each rank moves) / bus 
   (trees win for small messages on many nodes).
 - NVLink SHARP (NVLS): inside one NVSwitch node an all-reduce runs in the switch, which nccl-tests
   shows as a higher bus bandwidth than the ring's.
-- Hierarchy: a group of n ranks with k of them per node. Inside one node it runs over NVLink;
-  across nodes every rank uses its own NIC (one per GPU) and the group's bus bandwidth is one
-  NIC's, whatever k: a ring is not credited with the k NICs of a node. nccl-tests does show
-  up to k x NIC for one isolated collective of 8 GPUs per node (8 rings, one per NIC), but
-  the data-parallel collectives of training runs measured at one NIC's worth: ZeRO-3 without
-  model parallelism over 384-2240 A100s (Narayanan et al. 2021, Table 2) runs at 44-144
-  TFLOP/s, which the step-time model reproduces with one NIC per rank and not with eight
-  (`plan/calibration/published_runs.toml`, `tests/test_plan_calibration.py`). On a
+- Hierarchy: a group of n ranks with k of them per node. Inside one node it runs over NVLink.
+  Across nodes NCCL spreads a ring's channels over the NICs of the group's GPUs in each node
+  (one NIC per GPU), so the group's bus bandwidth is k NICs' worth, capped by the ring inside
+  the node: NICs next to the GPUs add bandwidth up to the NVLink bandwidth (NCCL's maintainer,
+  NVIDIA/nccl#412); nccl-tests measured ~350 GB/s of all-reduce bus bandwidth over 248 nodes of
+  8 H200 with 8 NICs each (NVIDIA/nccl-tests#283); PyTorch FSDP's MPT-13B sweep on H100
+  (llm-foundry's benchmark table) runs at 393/391/395/394 TFLOP/s on 8/16/32/64 GPUs, flat from
+  one node to eight although its ~100 GB of gathers and reduce-scatters per GPU and step would
+  need 2-3 NICs per GPU. A group with one rank per node (data parallel under TP 8) gets one NIC.
+  `stripe_nics=False` gives every rank one NIC whatever k: DeepSpeed's 2021 ZeRO-3 as measured
+  (Narayanan et al. 2021, Table 2; fitted, `plan/calibration/`).
+- Latency (alpha): a ring's first chunk passes every rank once per pass, so its latency is the
+  sum of its hops. As NCCL's own tuning model (`src/graph/tuning.cc`, `ncclTopoTuneModel`),
+  the nInterSteps = nodes - 1 steps per pass that cross nodes pay the network's latency, the
+  other n - nodes NVLink's. Latency grows with n: a ring over 1,536 ranks on 192 nodes pays
+  1,535 hops, ~6 ms per all-gather, whatever its size (each FSDP block pays it per gather). On a
   rail-optimized fabric (`Device.rail_optimized`) a group of one GPU per node stays on one
-  leaf switch; other cross-node groups pay more switch hops (latency).
+  leaf switch; other cross-node steps pay 1.5 switch hops on average.
 
 Calibration (H100 SXM nodes, 8 GPUs and 8 ConnectX-7 NDR 400 Gb/s NICs each), from NVIDIA
 engineers' answers on the nccl-tests tracker (sources in docs/plan.md): ring bus bandwidth
@@ -52,6 +60,9 @@ class Fabric:
 
     device: Device
     gpus_per_node: int = 8
+    stripe_nics: bool = True
+    """Across nodes a group with k ranks per node gets k NICs (NCCL's rings striped over
+    them); False: one NIC per rank whatever k (DeepSpeed's 2021 ZeRO-3, `plan/calibration/`)."""
 
     def _intra(self) -> float:
         return self.device.intra_node_gbs * 1e9 * NVLINK_RING_EFFICIENCY
@@ -65,17 +76,29 @@ class Fabric:
             if kind == "all_reduce" and dev.name in NVLS_DEVICES and n > 2:
                 return dev.intra_node_gbs * 1e9 * NVLS_ALLREDUCE_GAIN
             return self._intra()
-        # Across nodes each rank's bytes leave through its own NIC: one NIC's bandwidth per
-        # rank, however many ranks of the group share its node (docs/plan.md, "Collectives").
-        return dev.inter_node_gbs * 1e9 * NETWORK_EFFICIENCY
+        # Across nodes NCCL stripes the ring's channels over the NICs of the group's GPUs in
+        # a node: k ranks per node -> k NICs, capped by the ring inside the node
+        # (docs/plan.md, "Collectives at scale").
+        nics = per_node if self.stripe_nics else 1
+        network = nics * dev.inter_node_gbs * 1e9 * NETWORK_EFFICIENCY
+        return min(network, self._intra()) if dev.intra_node_gbs > 0 else network
 
-    def _alpha(self, n: int, per_node: int) -> tuple[float, float]:
-        """(seconds per ring step, seconds per tree step) for this group."""
+    def _network_step(self, one_per_node: bool) -> float:
+        """Seconds of latency of one step across nodes: one switch hop on a rail-optimized
+        fabric between same-rank GPUs, 1.5 on average otherwise."""
         dev = self.device
-        if n <= per_node:
-            return dev.intra_latency_us * 1e-6, dev.intra_latency_us * 1e-6
-        hops = 1.0 if (dev.rail_optimized and per_node == 1) else 1.5
-        return dev.inter_latency_us * 1e-6 * hops, dev.inter_latency_us * 1e-6 * hops
+        hops = 1.0 if (dev.rail_optimized and one_per_node) else 1.5
+        return dev.inter_latency_us * 1e-6 * hops
+
+    def _ring_latency(self, passes: int, n: int, per_node: int) -> float:
+        """Seconds of latency of `passes` ring passes over `n` ranks (n - 1 steps each): the
+        steps that cross nodes pay the network's latency, the others NVLink's (NCCL's tuning
+        model)."""
+        intra = self.device.intra_latency_us * 1e-6
+        nodes = math.ceil(n / per_node)
+        if nodes <= 1:
+            return passes * (n - 1) * intra
+        return passes * ((n - nodes) * intra + (nodes - 1) * self._network_step(per_node == 1))
 
     def time(self, kind: str, size: float, n: int, per_node: int) -> float:
         """Seconds for one collective of `size` bytes (the full tensor) over `n` ranks."""
@@ -83,19 +106,18 @@ class Fabric:
             return 0.0
         per_node = max(1, min(per_node, n))
         bw = self.bus_bandwidth(kind, n, per_node)
-        ring_step, tree_step = self._alpha(n, per_node)
         moved = (n - 1) / n * size
         if kind in ("all_gather", "reduce_scatter"):
-            return LAUNCH_S + (n - 1) * ring_step + moved / bw
+            return LAUNCH_S + self._ring_latency(1, n, per_node) + moved / bw
         if kind != "all_reduce":
             raise ValueError(f"unknown collective '{kind}'")
-        ring = LAUNCH_S + 2 * (n - 1) * ring_step + 2 * moved / bw
+        ring = LAUNCH_S + self._ring_latency(2, n, per_node) + 2 * moved / bw
         nodes = n / per_node
         if nodes <= 1:
             return ring
         intra_step = self.device.intra_latency_us * 1e-6
-        tree = (LAUNCH_S + 2 * math.log2(nodes) * tree_step + 2 * (per_node - 1) * intra_step
-                + 2 * moved / bw)
+        tree = (LAUNCH_S + 2 * math.log2(nodes) * self._network_step(per_node == 1)
+                + 2 * (per_node - 1) * intra_step + 2 * moved / bw)
         return min(ring, tree)
 
     def p2p(self, size: float, across_nodes: bool) -> float:

@@ -9,8 +9,8 @@ Layouts are pruned by memory before they are timed; ties go to the simpler layou
 Step time = (compute + exposed tensor/context/pipeline communication) x (1 + bubble) +
 data-parallel communication not hidden behind compute (`step_time`); compute at the device's
 attainable matmul and attention rates (`compute_time`); communication by the alpha-beta model
-of `plan.collectives` (one NIC per rank across nodes). Calibrated against published measured
-runs: `plan/calibration/`, docs/plan.md.
+of `plan.collectives` (across nodes, a group gets the NICs of its GPUs in each node).
+Calibrated against published measured runs: `plan/calibration/`, docs/plan.md.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class Cluster:
     """Share of device memory kept free for the CUDA context, NCCL and fragmentation."""
     efficiency: float | None = None
     """Fraction of peak a large matmul reaches; None: the device's `gemm_efficiency`."""
+    dp_stripes_nics: bool = True
+    """Data-parallel collectives across nodes get the NICs of the group's GPUs in a node
+    (NCCL, what the trainer's FSDP2 and DDP run); False: one NIC per rank, as DeepSpeed's 2021
+    ZeRO-3 measured (`plan/calibration/`, docs/plan.md)."""
 
     @property
     def usable_bytes(self) -> float:
@@ -157,10 +161,10 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     """Estimated seconds per optimizer step and its parts.
 
     Communication uses the alpha-beta model of `plan.collectives` (ring or tree, NVLink inside
-    a node, one NIC per rank across nodes). Tensor, context, expert and pipeline communication
-    is on the critical path (the trainer does not overlap it). Data-parallel communication:
-    `_dp_exposed` (FSDP per block with a prefetch depth of one, DDP behind the last backward,
-    and the contention cost of what hides).
+    a node, across nodes the NICs of the group's GPUs in each node). Tensor, context, expert
+    and pipeline communication is on the critical path (the trainer does not overlap it).
+    Data-parallel communication: `_dp_exposed` (FSDP per block with a prefetch depth of one,
+    DDP behind the last backward, and the contention cost of what hides).
     """
     lay, args = plan.layout, plan.args
     d = lay.dims
@@ -210,7 +214,8 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
         if args.tie_embeddings:  # the embedding's gradient: first <-> last stage, exposed
             tied = 4.0 * args.vocab_size * args.dim / d.tp
             pp += fabric.time("all_reduce", tied, 2, 1 if across or d.pp > gpn else 2)
-    dp = _dp_exposed(plan, fabric, compute, layers, sp.total)
+    dp_fabric = Fabric(cluster.device, gpn, stripe_nics=cluster.dp_stripes_nics)
+    dp = _dp_exposed(plan, dp_fabric, compute, layers, sp.total)
     busy = compute + tp + cp + ep + pp
     bubble = busy * plan.bubble_fraction
     times = {"compute": compute, "tp_comm": tp, "cp_comm": cp, "ep_comm": ep, "pp_comm": pp,

@@ -29,6 +29,13 @@ except ModuleNotFoundError:  # Python 3.10
 TABLE = Path(__file__).with_name("published_runs.toml")
 BAND = (0.75, 1.33)
 """predicted / measured stays inside this band for every row (tested)."""
+DEEPSPEED_ZERO3_2021 = "deepspeed-zero3-2021"
+"""`framework` of the runs measured with DeepSpeed's ZeRO-3 of 2021 (Narayanan et al. 2021,
+Table 2): their sharded data-parallel collectives get one NIC per GPU across nodes, whatever
+the GPUs per node (fitted: their step time stays constant as the GPUs double at a fixed global
+batch, bandwidth-bound at ~21 GB/s per GPU; docs/plan.md). Rows without a `framework` run on
+NCCL's rings, as the trainer's FSDP2 does."""
+FRAMEWORKS = (DEEPSPEED_ZERO3_2021,)
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,12 @@ class Run:
     group: str | None = None
     assumed: list[str] = field(default_factory=list)
     outside_band: str | None = None
+    framework: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.framework is not None and self.framework not in FRAMEWORKS:
+            raise ValueError(f"{self.name}: unknown framework '{self.framework}' "
+                             f"(known: {', '.join(FRAMEWORKS)})")
 
     @property
     def dp(self) -> int:
@@ -91,7 +104,8 @@ class Run:
             dev = dataclasses.replace(dev, inter_node_gbs=self.inter_node_gbs)
         if self.memory_gib is not None:
             dev = dataclasses.replace(dev, memory_gib=self.memory_gib)
-        return Cluster(dev, self.gpus, self.gpus_per_node)
+        return Cluster(dev, self.gpus, self.gpus_per_node,
+                       dp_stripes_nics=self.framework != DEEPSPEED_ZERO3_2021)
 
     def flops_per_token(self, plan: Plan) -> float:
         return plan.hardware_flops_per_token if self.flops == "hardware" \

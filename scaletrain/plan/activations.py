@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from scaletrain.config_sections import TrainingConfig
 from scaletrain.models.args import ModelArgs
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -80,7 +81,7 @@ class ActivationSpec:
     DTensor's path, which saves the gathered input."""
     fused_loss: bool = False
     """`training.fused_loss`: the head and cross-entropy chunk by chunk (`train/chunked_loss`)."""
-    loss_chunk: int = 4096
+    loss_chunk: int = TrainingConfig.loss_chunk_tokens
     """Tokens per chunk of the fused loss (`training.loss_chunk_tokens`)."""
 
     @property

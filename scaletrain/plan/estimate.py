@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from scaletrain.config_sections import ParallelConfig, PrecisionConfig
+from scaletrain.config_sections import ParallelConfig, PrecisionConfig, TrainingConfig
 from scaletrain.models.args import ModelArgs, count_active_params, count_params
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.feasibility import RunLayout, mode_for_zero, reshards_after_forward
@@ -87,7 +87,7 @@ class Layout:
     kernels: Literal["cpu", "cuda"] = "cuda"
     fused_loss: bool = False
     """`training.fused_loss`: no logits tensor; one chunk of `loss_chunk` tokens at a time."""
-    loss_chunk: int = 4096
+    loss_chunk: int = TrainingConfig.loss_chunk_tokens
     fp8: str = "none"
     """`precision.fp8` (carried for the trainer's layout check; memory and time are estimated
     as for `precision`)."""

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaletrain.config_sections import TrainingConfig
 from scaletrain.runtime import matmul_dtype
 from scaletrain.train.loss import IGNORE_INDEX
 
-DEFAULT_CHUNK = 4096
+DEFAULT_CHUNK = TrainingConfig.loss_chunk_tokens
 
 
 @dataclass(frozen=True)

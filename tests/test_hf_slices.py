@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scaletrain.checkpoint import sharded_load
 from scaletrain.models.hf import from_hf_state_dict, hf_model_args, hf_slices
 from scaletrain.models.hf_files import read_hf_weights
 from tests.family_helpers import hf_model
@@ -38,8 +39,7 @@ def _regions(shape: tuple[int, ...], g: torch.Generator) -> list[tuple[slice, ..
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "gpt2", "mixtral", "qwen3_moe"])
-def test_regions_equal_the_whole_conversion(tmp_path, family):
+def _saved(tmp_path, family):
     if family == "gpt2":
         model = _gpt2()
     elif family == "llama":
@@ -51,6 +51,11 @@ def test_regions_equal_the_whole_conversion(tmp_path, family):
     else:
         model = hf_model(family)
     model.save_pretrained(tmp_path, max_shard_size="40KB")
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gpt2", "mixtral", "qwen3_moe"])
+def test_regions_equal_the_whole_conversion(tmp_path, family):
+    _saved(tmp_path, family)
     args = hf_model_args(tmp_path)
     whole = from_hf_state_dict(read_hf_weights(tmp_path), args)
     g = torch.Generator().manual_seed(0)
@@ -70,3 +75,32 @@ def test_regions_equal_the_whole_conversion(tmp_path, family):
         # a dtype cast on the way
         name = next(iter(whole))
         assert reader.read(name, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mixtral"])
+def test_fill_regions_reads_in_blocks_of_rows(tmp_path, family, monkeypatch):
+    """`fill_regions` reads a region in blocks of dim-0 rows of at most READ_BLOCK_BYTES (in
+    the target's dtype): every tensor ends up equal to the whole conversion, no read exceeds
+    the block (or one row), and the bytes read are the tensors' (a transposed Conv1D, stacked
+    experts)."""
+    _saved(tmp_path, family)
+    args = hf_model_args(tmp_path)
+    whole = from_hf_state_dict(read_hf_weights(tmp_path), args)
+    limit = 1024
+    monkeypatch.setattr(sharded_load, "READ_BLOCK_BYTES", limit)
+    names = [n for n in whole if not n.endswith("router.expert_bias")]
+    targets = {n: torch.empty(whole[n].shape) for n in names}
+    biggest = []
+    with hf_slices(tmp_path, args) as reader:
+        def read(name, region, dtype):
+            got = reader.read(name, region, dtype)
+            row = got[0].numel() * got.element_size() if got.dim() else got.element_size()
+            biggest.append(got.numel() * got.element_size() > max(limit, row))
+            return got
+
+        sharded_load.fill_regions(targets, read)
+        assert reader.bytes_read == sum(whole[n].numel() * whole[n].element_size()
+                                        for n in names)
+    assert len(biggest) > len(names) and not any(biggest)
+    for n in names:
+        assert torch.equal(targets[n], whole[n].float()), n

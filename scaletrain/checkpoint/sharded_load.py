@@ -10,7 +10,8 @@ only the part of each tensor it owns.
 
 A rank's region of a tensor is the one `DTensor.__create_chunk_list__` reports (the chunk DCP
 saves for it), so the placements FSDP2 and tensor parallel produce are all covered. Peak host
-memory per rank: its shards (about the model / N) plus the largest tensor region in flight.
+memory per rank: its shards (about the model / N) plus one tensor region in flight, at most
+`READ_BLOCK_BYTES` of dim-0 rows (and that block in the stored dtype).
 """
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ logger = logging.getLogger(__name__)
 
 ReadRegion = Callable[[str, Region, torch.dtype], torch.Tensor]
 """(checkpoint name, region of the full tensor, dtype) -> that region's values."""
+
+READ_BLOCK_BYTES = 256 * 2**20
+"""A region larger than this (in its parameter's dtype) is read in blocks of dim-0 rows of at
+most this size, so the tensor in flight stays small (a 128K x 8,192 embedding is 4 GiB in
+fp32, 6 GiB with its bf16 read)."""
+
+
+def block_rows(shape: tuple[int, ...], element_size: int, limit: int | None = None) -> int:
+    """Dim-0 rows of a tensor of `shape` read at a time (at least one; `limit` bytes, default
+    READ_BLOCK_BYTES)."""
+    limit = READ_BLOCK_BYTES if limit is None else limit
+    row = element_size
+    for n in shape[1:]:
+        row *= n
+    return max(1, limit // max(row, 1))
 
 
 def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Region]:
@@ -62,14 +78,25 @@ def fill_regions(targets: Mapping[str, torch.Tensor], read: ReadRegion) -> int:
         local, region = local_region(target)
         if local.numel() == 0:
             continue  # an FSDP rank past the end of a short dim 0
-        values = read(name, region, local.dtype)
-        if tuple(values.shape) != tuple(local.shape):
-            raise ValueError(f"{name}: read a region of shape {tuple(values.shape)} for a local "
-                             f"shard of shape {tuple(local.shape)}")
-        local.copy_(values)
+        if local.dim() == 0:
+            _copy_region(name, local, region, read)
+        else:
+            rows = block_rows(tuple(local.shape), local.element_size())
+            first = region[0]
+            for start in range(0, local.shape[0], rows):
+                stop = min(start + rows, local.shape[0])
+                part = (slice(first.start + start, first.start + stop), *region[1:])
+                _copy_region(name, local[start:stop], part, read)
         nbytes += local.numel() * local.element_size()
-        del values
     return nbytes
+
+
+def _copy_region(name: str, local: torch.Tensor, region: Region, read: ReadRegion) -> None:
+    values = read(name, region, local.dtype)
+    if tuple(values.shape) != tuple(local.shape):
+        raise ValueError(f"{name}: read a region of shape {tuple(values.shape)} for a local "
+                         f"shard of shape {tuple(local.shape)}")
+    local.copy_(values)
 
 
 def load_native_regions(targets: Mapping[str, torch.Tensor], directory: str | os.PathLike,
@@ -135,6 +162,7 @@ class LoadTimer:
         return LoadReport(self.seconds, bytes_read, peak_rss_bytes())
 
 
-__all__ = ["local_region", "fill_regions", "load_native_regions", "read_native_tensors",
+__all__ = ["local_region", "fill_regions", "block_rows", "READ_BLOCK_BYTES",
+           "load_native_regions", "read_native_tensors",
            "LoadReport", "LoadTimer",
            "ReadRegion"]

@@ -3,13 +3,14 @@
 
 - FSDP (ZeRO-2/3 over N ranks) and/or tensor parallelism (T ranks), LoRA/full/freeze: each
   rank holds its shards of the base in fp32 (about base / (N x T)) plus one tensor region in
-  flight, read in the stored dtype and cast: at most the largest tensor in both dtypes. LoRA
+  flight, read in the stored dtype and cast: at most `READ_BLOCK_BYTES` (256 MiB) of one
+  tensor's rows in both dtypes (an upper bound: the whole region's rows, not the rank's). LoRA
   with `precision.param_dtype bf16` keeps its (frozen) shards in bf16 (`param_bytes` 2); the
   frozen parts of `freeze` are bf16 too, counted at 4 bytes here (an upper bound).
 - QLoRA (FSDP over N ranks; DDP and one process: N = 1): each rank holds its shards of the
   quantized base (block linears as NF4 codes and scales, ~0.52 byte per weight; the rest in
   fp32), plus one whole block weight in flight (read in the stored dtype, cast to fp32 and
-  quantized) or one region of another tensor.
+  quantized) or one block of rows of another tensor (the embedding: 256 MiB, not 6 GiB).
 - One process and DDP without TP (LoRA/full/freeze): the whole base in fp32, plus the largest
   tensor in flight.
 Measured against this bound: `bench/finetune_load_cpu.py`, `bench/qlora_load_cpu.py`,
@@ -19,9 +20,14 @@ Measured against this bound: `bench/finetune_load_cpu.py`, `bench/qlora_load_cpu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from scaletrain.checkpoint.sharded_load import block_rows
 from scaletrain.models.args import ModelArgs
+
+Shape = tuple[int, ...]
 
 LOAD_BYTES = 4  # the trainer loads the base in fp32 (FSDP's mixed precision casts on gather)
 NF4_BLOCK = 64  # weights per 8-bit scale (`finetune.qlora.BLOCK_SIZE`)
@@ -35,10 +41,10 @@ def tensor_sizes(args: ModelArgs) -> list[int]:
     return quantized + other
 
 
-def split_sizes(args: ModelArgs) -> tuple[list[int], list[int]]:
-    """(element counts of the weights QLoRA stores as NF4: every plain linear inside the
-    blocks but MoE routers, as `finetune.qlora.quantize_blocks` picks them; of the other
-    parameters, a tied head counted once)."""
+def split_shapes(args: ModelArgs) -> tuple[list[Shape], list[Shape]]:
+    """(shapes of the weights QLoRA stores as NF4: every plain linear inside the blocks but
+    MoE routers, as `finetune.qlora.quantize_blocks` picks them; of the other parameters, a
+    tied head counted once)."""
     from torch import nn
 
     from scaletrain.models.transformer import Transformer
@@ -48,10 +54,27 @@ def split_sizes(args: ModelArgs) -> tuple[list[int], list[int]]:
     picked = {id(m.weight) for block in model.layers.values()
               for name, m in block.named_modules()
               if type(m) is nn.Linear and not name.endswith("router.gate")}
-    quantized, other = [], []
+    quantized: list[Shape] = []
+    other: list[Shape] = []
     for p in model.parameters():
-        (quantized if id(p) in picked else other).append(p.numel())
+        (quantized if id(p) in picked else other).append(tuple(p.shape))
     return quantized, other
+
+
+def split_sizes(args: ModelArgs) -> tuple[list[int], list[int]]:
+    """The element counts of `split_shapes`."""
+    return tuple([math.prod(s) for s in part] for part in split_shapes(args))  # type: ignore
+
+
+def region_in_flight(shapes: list[Shape], stored_bytes: int, kept_bytes: int) -> int:
+    """Bytes of the largest region read at once (`checkpoint.sharded_load.fill_regions`:
+    blocks of dim-0 rows of at most READ_BLOCK_BYTES in the kept dtype), held in the stored
+    dtype and the kept one."""
+    most = 0
+    for shape in shapes:
+        rows = min(shape[0], block_rows(shape, kept_bytes)) if shape else 1
+        most = max(most, rows * math.prod(shape[1:]))
+    return most * (stored_bytes + kept_bytes)
 
 
 def nf4_bytes(numel: int) -> int:
@@ -65,28 +88,34 @@ def host_load_bytes(args: ModelArgs, method: str, shards: int, stored_bytes: int
                     param_bytes: int = LOAD_BYTES) -> dict[str, int | bool]:
     """Per-rank host bytes of the base's load: `weights` (the rank's shards in `param_bytes`
     per element, or the whole base in fp32),
-    `in_flight` (the largest tensor, read in `stored_bytes` per element and cast to fp32; QLoRA
-    layer by layer: also quantized) and `peak`; `sharded` says whether each rank holds 1/shards
-    and `quantized_on_load` whether the base is quantized as it is read (QLoRA, on any number
-    of processes)."""
-    quantized, other = split_sizes(args)
+    `in_flight` (the largest read at once, in `stored_bytes` per element and cast: a whole
+    tensor on the whole-base path, a block of rows of a region on the sharded path, a whole
+    block linear for QLoRA, which quantizes it) and `peak`; `sharded` says whether each rank
+    holds 1/shards and `quantized_on_load` whether the base is quantized as it is read (QLoRA,
+    on any number of processes)."""
+    quantized_shapes, other_shapes = split_shapes(args)
+    quantized = [math.prod(q) for q in quantized_shapes]
     streamed = method == "qlora"
     sharded = shards > 1
     cast = stored_bytes + LOAD_BYTES
     if streamed:
         n = max(shards, 1)
+        other = [math.prod(o) for o in other_shapes]
         weights = sum(-(-nf4_bytes(q) // n) for q in quantized) + \
             sum(-(-o * LOAD_BYTES // n) for o in other)
         in_flight = max(max(quantized, default=0) * cast + nf4_bytes(max(quantized, default=0)),
-                        max(other) * cast)
+                        region_in_flight(other_shapes, stored_bytes, LOAD_BYTES))
     else:
-        sizes = quantized + other
+        shapes = quantized_shapes + other_shapes
+        sizes = [math.prod(s) for s in shapes]
         kept = param_bytes if sharded else LOAD_BYTES
         weights = -(-sum(sizes) * kept // shards) if sharded else sum(sizes) * kept
-        in_flight = max(sizes) * (stored_bytes + kept)
+        in_flight = (region_in_flight(shapes, stored_bytes, kept) if sharded
+                     else max(sizes) * (stored_bytes + kept))
     return {"sharded": sharded, "quantized_on_load": streamed, "weights": weights,
             "in_flight": in_flight, "peak": weights + in_flight,
             "base_dtype": "bf16" if sharded and not streamed and param_bytes == 2 else "fp32"}
 
 
-__all__ = ["host_load_bytes", "tensor_sizes", "split_sizes", "nf4_bytes", "LOAD_BYTES"]
+__all__ = ["host_load_bytes", "tensor_sizes", "split_sizes", "split_shapes", "region_in_flight",
+           "nf4_bytes", "LOAD_BYTES"]

@@ -109,5 +109,5 @@ def _host_lines(host: dict | None) -> list[str]:
                else "the whole fp32 base (one process, or DDP without TP)")
         cast = "read bf16, cast to fp32" if dtype == "fp32" else "read bf16"
     return [f"host RAM per rank while loading the base: {host['peak'] / GIB:.2f} GiB = {how} "
-            f"{host['weights'] / GIB:.2f} GiB + the largest tensor in flight "
+            f"{host['weights'] / GIB:.2f} GiB + the largest read in flight "
             f"{host['in_flight'] / GIB:.2f} GiB ({cast})"]

@@ -106,7 +106,7 @@ def _estimate_main(argv: list[str]) -> int:
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
                              freeze_first=a.freeze_first, num_labels=a.num_labels,
                              targets=targets, lora_dropout=a.lora_dropout)
-    note = calibration_note(plan.layout) if a.method == "pretrain" else None
+    note = calibration_note(plan.layout)
     if a.json:
         print(json.dumps({**plan_json(plan, device), "calibration_note": note}, indent=2))
     else:
@@ -148,6 +148,7 @@ def _layout(a: argparse.Namespace, cfg: Config, device: Device | None) -> Layout
         vpp=a.vpp, schedule=a.schedule or ("Interleaved1F1B" if a.vpp > 1 else par.pp_schedule),
         cpu_offload=given(a.cpu_offload, par.cpu_offload),
         fsdp_param_dtype=given(a.fsdp_param_dtype, par.fsdp_param_dtype),
+        fsdp_reduce_dtype=par.fsdp_reduce_dtype,
         precision=resolve_precision(a.precision, cfg, device), param_dtype=a.param_dtype,
         grad_convention=a.grad_convention, optimizer=a.optimizer, offload=a.offload,
         recompute=given(a.recompute, ac.mode), every=given(a.every, ac.every),

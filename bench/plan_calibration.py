@@ -1,7 +1,7 @@
 """Predicted against published TFLOP/s per GPU for every row of the calibration table, and where
 the search ranks each published layout among the layouts it evaluates.
 
-    python bench/plan_calibration.py [--rank] [--untied] [--json OUT.json]
+    python bench/plan_calibration.py [--rank] [--untied] [--one-nic] [--json OUT.json]
 
 `--rank` runs the layout search for each run's model, cluster and batch and prints the rank the
 published layout's predicted step time would take among the fitting layouts (1 = the search's
@@ -9,6 +9,9 @@ first choice), the search's own rank of its best layout with the published degre
 dp), how many layouts fit, whether the search itself evaluated the published layout (`yes`),
 and the search's seconds. `--untied` plans the GPT-style rows with untied embeddings (a planner or
 trainer that refuses tied embeddings under PP can then rank them; one embedding matrix more).
+`--one-nic` predicts every row with one NIC's worth per rank across nodes for the
+data-parallel collectives (`Fabric.stripe_nics=False`, as the DeepSpeed 2021 rows), the
+physics before NCCL's striped rings.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import dataclasses
 import json
 import time
 
-from scaletrain.plan.calibration import BAND, load_runs, predict
+from scaletrain.plan.calibration import BAND, DEEPSPEED_ZERO3_2021, load_runs, predict
 from scaletrain.plan.estimate import Layout
 from scaletrain.plan.search import search
 
@@ -50,6 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rank", action="store_true")
     p.add_argument("--untied", action="store_true")
+    p.add_argument("--one-nic", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     rows = []
@@ -59,6 +63,8 @@ def main() -> None:
     for run in load_runs():
         if a.untied and isinstance(run.model, dict):
             run = dataclasses.replace(run, model={**run.model, "tie_embeddings": False})
+        if a.one_nic:
+            run = dataclasses.replace(run, framework=DEEPSPEED_ZERO3_2021)
         pred = predict(run)
         row = {"name": run.name, "gpu": run.gpu, "gpus": run.gpus, "measured": pred.measured_tflops,
                "predicted": round(pred.predicted_tflops, 1), "ratio": round(pred.ratio, 3),

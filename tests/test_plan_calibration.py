@@ -90,3 +90,25 @@ def test_zero3_without_model_parallelism_loses_at_scale() -> None:
     ptdp = by_name["GPT-3 175B, PTD-P TP 8 x PP 12, 1536 GPUs"]
     assert ptdp.predicted_tflops > 2 * zero3.predicted_tflops
     assert zero3.times["dp_comm_exposed"] > zero3.times["compute"]
+
+
+def test_thin_network_rows_tell_striped_rings_from_one_nic_per_gpu() -> None:
+    """fms-fsdp's Llama 2 FSDP runs: 400/800 Gb/s per node, so one NIC's worth per GPU is 1/8 of
+    the node's link. Striped over the node (a ring's channels on every GPU's share) the
+    predictions stay in the band; with one NIC's worth per rank they fall far below it."""
+    rows = [r for r in RUNS if "fms-fsdp" in r.source]
+    assert len(rows) == 8 and sum(r.dp_shard is not None for r in rows) == 2
+    for run in rows:
+        assert run.inter_node_gbs is not None and run.inter_node_gbs * 8 <= 100
+        if run.dp_shard is not None:  # HSDP: one rank per node in the replicas' all-reduce
+            continue
+        one_nic = dataclasses.replace(run, framework=DEEPSPEED_ZERO3_2021)
+        assert predict(one_nic).ratio < BAND[0] < predict(run).ratio, run.name
+
+
+def test_hsdp_rows_shard_inside_the_node_and_replicate_across() -> None:
+    run = next(r for r in RUNS if r.dp_shard is not None)
+    dims = run.layout().dims
+    assert (dims.dp_shard, dims.dp_replicate) == (8, run.gpus // 8)
+    with pytest.raises(ValueError, match="dp_shard"):
+        dataclasses.replace(run, dp_shard=7)

@@ -21,6 +21,7 @@ from scaletrain.commands._plan_args import (
 )
 from scaletrain.config import resolve_batch
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
+from scaletrain.plan.calibration.measured_range import calibration_note
 from scaletrain.plan.estimate import Layout, PlanError, check_dims, estimate, plan_json
 from scaletrain.plan.finetune import METHODS, finetune_plan
 from scaletrain.plan.from_config import host_process
@@ -105,10 +106,13 @@ def _estimate_main(argv: list[str]) -> int:
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
                              freeze_first=a.freeze_first, num_labels=a.num_labels,
                              targets=targets, lora_dropout=a.lora_dropout)
+    note = calibration_note(plan.layout)
     if a.json:
-        print(json.dumps(plan_json(plan, device), indent=2))
+        print(json.dumps({**plan_json(plan, device), "calibration_note": note}, indent=2))
     else:
         print(format_plan(plan, device))
+        if note:  # the layout relies on a regime the calibration table did not measure
+            print(f"calibration: {note}")
         if device is not None and plan.peak_bytes > device.memory_bytes:
             from scaletrain.plan.advice import advice_lines
 
@@ -144,6 +148,7 @@ def _layout(a: argparse.Namespace, cfg: Config, device: Device | None) -> Layout
         vpp=a.vpp, schedule=a.schedule or ("Interleaved1F1B" if a.vpp > 1 else par.pp_schedule),
         cpu_offload=given(a.cpu_offload, par.cpu_offload),
         fsdp_param_dtype=given(a.fsdp_param_dtype, par.fsdp_param_dtype),
+        fsdp_reduce_dtype=par.fsdp_reduce_dtype,
         precision=resolve_precision(a.precision, cfg, device), param_dtype=a.param_dtype,
         grad_convention=a.grad_convention, optimizer=a.optimizer, offload=a.offload,
         recompute=given(a.recompute, ac.mode), every=given(a.every, ac.every),

@@ -17,6 +17,7 @@ from scaletrain.commands._plan_args import (
     resolve_precision,
     train_defaults,
 )
+from scaletrain.plan.calibration.measured_range import calibration_note
 from scaletrain.plan.estimate import Layout, PlanError
 from scaletrain.plan.from_config import host_process
 from scaletrain.plan.search import Cluster, alternatives, search, why_lost
@@ -105,7 +106,8 @@ def main(argv: list[str]) -> int:
     fitting, every = search(args, cluster, a.seq_len, a.gbs_tokens, base, max_zero=a.max_zero,
                             model=a.model, refused=refused)
     if a.json:
-        print(json.dumps([c.to_json() for c in fitting[:a.top]], indent=2))
+        print(json.dumps([{**c.to_json(), "calibration_note": calibration_note(c.layout)}
+                          for c in fitting[:a.top]], indent=2))
         return 0 if fitting else 1
     if not every:
         reasons = "; ".join(f"{why} ({n} layouts)" for why, n in
@@ -135,6 +137,9 @@ def main(argv: list[str]) -> int:
               f"{j['zero']:>4} {j['mbs']:>4} {j['ga']:>5} {j['recompute']:>9} "
               f"{j['memory_bytes_per_gpu'] / GIB:>8.1f} {j['step_time_s']:>8.2f} "
               f"{j['mfu']:>6.1%}  {_overhead(c)}")
+        note = calibration_note(c.layout)
+        if note:  # the layout relies on a regime the calibration table did not measure
+            print(f"{'':>3}! {note}")
     print("\ncommands:")
     for i, c in enumerate(fitting[:a.top], 1):
         print(f"{i:>2} {c.command}")

@@ -44,14 +44,18 @@ def dry_run(cfg: Config, as_json: bool = False) -> int:
 def report(plan: Plan, device: Device | None, as_json: bool, prog: str) -> int:
     """Print the plan (text with advice when it does not fit, or JSON); the exit code."""
     from scaletrain.plan.advice import advice_lines
+    from scaletrain.plan.calibration.measured_range import calibration_note
     from scaletrain.plan.estimate import plan_json
     from scaletrain.plan.text import format_plan
 
     fits = device is None or plan.peak_bytes <= device.memory_bytes
+    note = calibration_note(plan.layout)
     if as_json:
-        print(json.dumps(plan_json(plan, device), indent=2))
+        print(json.dumps({**plan_json(plan, device), "calibration_note": note}, indent=2))
     else:
         print(format_plan(plan, device))
+        if note:  # the layout relies on a regime the calibration table did not measure
+            print(f"calibration: {note}")
         if plan.layout.host is not None:
             print("host RAM: the peak is what the trainer allocates per process (host_runtime: "
                   "torch's own memory); glibc's heap fragmentation comes on top, 9-26 % on the "

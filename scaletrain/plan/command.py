@@ -66,6 +66,8 @@ def train_flags(model: str, args: ModelArgs, lay: Layout) -> list[str]:
             flags += ["--parallel.ep", str(d.ep)]
         if lay.fsdp:
             flags += ["--parallel.fsdp_param_dtype", lay.fsdp_param_dtype]
+            if lay.fsdp_reduce_dtype != "fp32":
+                flags += ["--parallel.fsdp_reduce_dtype", lay.fsdp_reduce_dtype]
         if lay.cpu_offload:
             flags += ["--parallel.cpu_offload", "true"]
         if d.tp > 1:

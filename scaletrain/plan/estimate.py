@@ -80,6 +80,9 @@ class Layout:
     fsdp_param_dtype: str = TRAINER_PARALLEL.fsdp_param_dtype
     """ZeRO-2/3: dtype FSDP gathers the fp32 shards in (`parallel.fsdp_param_dtype`); bf16
     needs no autocast weight copies and halves the all-gathers."""
+    fsdp_reduce_dtype: str = TRAINER_PARALLEL.fsdp_reduce_dtype
+    """ZeRO-2/3: dtype FSDP reduce-scatters (and HSDP all-reduces) gradients in
+    (`parallel.fsdp_reduce_dtype`); step time only."""
     pp_microbatches: int | None = None
     recompute: Literal["none", "partial", "full"] = "none"
     every: int = 2

@@ -254,6 +254,7 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     m = lay.grad_accum
     grad_wire = 4.0  # fp32 gradients (autocast over fp32 parameters; FSDP's reduce dtype)
     if lay.fsdp:
+        grad_wire = DTYPE_BYTES[lay.fsdp_reduce_dtype]
         n = lay.shard_group
         k = per_node(d.tp, n, gpn)
         gather = DTYPE_BYTES[lay.fsdp_param_dtype] * params / layers
@@ -261,14 +262,16 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
         rs = fabric.time("reduce_scatter", grad_wire * params / layers, n, k)
         fwd = compute / (3 * m * layers)  # one block's forward of one micro-batch
         bwd = compute / (m * layers) - fwd  # its backward (and recomputed forward)
-        backward_ag = ag if not lay.blocks_stay_gathered else 0.0  # ZeRO-3 gathers again
-        per_mb = (layers * (_overlap(ag, fwd) + _overlap(backward_ag + rs, bwd)) + ag + rs)
-        exposed = m * per_mb
-        if d.dp_replicate > 1:  # HSDP: shards all-reduced across replicas, after backward
+        ar = 0.0
+        if d.dp_replicate > 1:  # HSDP: each block's shard all-reduced across the replicas
             kr = per_node(d.tp * n, d.dp_replicate, gpn)
-            exposed += m * fabric.time("all_reduce", grad_wire * params / n, d.dp_replicate,
-                                       kr)
-        return exposed
+            ar = fabric.time("all_reduce", grad_wire * params / (n * layers), d.dp_replicate, kr)
+        backward_ag = ag if not lay.blocks_stay_gathered else 0.0  # ZeRO-3 gathers again
+        # a block's reduce-scatter (and HSDP's all-reduce after it) runs during the backward of
+        # the block before it, on the same stream
+        per_mb = (layers * (_overlap(ag, fwd) + _overlap(backward_ag + rs + ar, bwd))
+                  + ag + rs + ar)
+        return m * per_mb
     n = d.dp * d.cp
     if n <= 1:
         return 0.0

@@ -57,6 +57,14 @@ class Run:
     zero: int = 0
     seq_len: int = 2048
     recompute: str = "none"
+    every: int = 2
+    """recompute "partial": every `every`-th block is recomputed (1 / every of them)."""
+    reduce_dtype: str = "fp32"
+    """dtype FSDP reduces gradients in (zero 2/3): fp32, or bf16 (the run's mixed-precision
+    policy reduces in bf16)."""
+    dp_shard: int | None = None
+    """HSDP: ranks that shard the model (zero 2/3), replicated over dp / dp_shard groups;
+    None: the whole data-parallel group shards (FSDP)."""
     measured_tflops: float | None = None
     measured_tokens_per_s: float | None = None
     gpus_per_node: int = 8
@@ -72,6 +80,9 @@ class Run:
         if self.framework is not None and self.framework not in FRAMEWORKS:
             raise ValueError(f"{self.name}: unknown framework '{self.framework}' "
                              f"(known: {', '.join(FRAMEWORKS)})")
+        if self.dp_shard is not None and (self.zero < 2 or self.dp % self.dp_shard):
+            raise ValueError(f"{self.name}: dp_shard {self.dp_shard} needs zero 2/3 and must "
+                             f"divide dp {self.dp}")
 
     @property
     def dp(self) -> int:
@@ -89,10 +100,12 @@ class Run:
         return args.replace(max_seq_len=max(args.max_seq_len, self.seq_len))
 
     def layout(self) -> Layout:
-        dims = ParallelDims(pp=self.pp, dp_replicate=self.dp if self.zero == 0 else 1,
-                            dp_shard=1 if self.zero == 0 else self.dp, cp=self.cp, tp=self.tp)
+        shard = 1 if self.zero == 0 else (self.dp_shard or self.dp)
+        dims = ParallelDims(pp=self.pp, dp_replicate=self.dp // shard, dp_shard=shard,
+                            cp=self.cp, tp=self.tp)
         return Layout(dims=dims, mbs=self.mbs, seq_len=self.seq_len, gbs=self.gbs,
                       zero=self.zero, recompute=self.recompute,  # type: ignore[arg-type]
+                      every=self.every, fsdp_reduce_dtype=self.reduce_dtype,
                       vpp=self.vpp, schedule="Interleaved1F1B" if self.vpp > 1 else "1F1B",
                       sequence_parallel=self.sequence_parallel, precision="bf16",
                       # the published runs' setup: bf16 weights with fp32 masters

@@ -22,10 +22,11 @@ its memory baseline, taken after the data is loaded and before the model is buil
   sampled while training): `LOADER_WORKER_BYTES` is 12 MiB. It is host RAM the rank's share
   must hold, but not in the trainer's `peak_mem_gib`, which is this process's own.
 
-Not counted: glibc's heap fragmentation. With its dynamic mmap threshold glibc serves blocks
-up to 32 MiB from its heap and keeps freed ones resident where later blocks do not fit, which
-added 9-26 % on the debug model (`bench/cpu_peak_vs_plan.py`, docs/plan.md). With the threshold
-pinned (`MALLOC_MMAP_THRESHOLD_=131072`) the measured peak is the plan's within 1.3 %.
+Not counted: glibc's heap fragmentation, which the trainer's allocator policy keeps out of
+the peak (`train/host_allocator.py`: a fixed 4 MiB mmap threshold and `malloc_trim` after each
+forward pass; measured within 3 % of this plan in `bench/cpu_malloc_policy.py`). With glibc's
+allocator as it comes (`training.cpu_mmap_threshold_mb 0`, `training.cpu_malloc_trim false`)
+the heap keeps freed tensors resident: 7-38 % above the plan on the debug model.
 """
 
 from __future__ import annotations

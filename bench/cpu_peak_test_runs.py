@@ -44,6 +44,7 @@ def one_run(busy_loops: int) -> tuple[str, list[str]]:
             done = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                  "--basetemp", str(Path(tmp, "basetemp")), "--junitxml", str(xml),
+                 "-o", "junit_family=xunit1",
                  "tests/distributed/test_cpu_peak.py"],
                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                 text=True)

@@ -90,14 +90,14 @@ class MemoryBaseline:
     what it allocates), not its file-backed pages (`host.file_rss_bytes`: library code,
     memory-mapped files). The kernel drops those under memory pressure and the process faults
     them in again when it next runs that code, so counting them made the peak depend on the
-    host: on a loaded CI machine, library pages reclaimed before the baseline and faulted back
-    by the first training step added 20-30 MiB to a 180 MiB peak (docs/plan.md, "What the CPU
-    peak counts"). Linux keeps a high-water mark only of the whole resident set (VmHWM), so the
-    private peak of each interval between two reads is that mark less the file-backed pages
-    (the larger of their counts at the interval's two ends), and the mark is restarted for the
-    next interval (`clear_refs`); the reported peak is the largest over the intervals. File
-    pages mapped or dropped inside an interval are the only error, and they settle after the
-    first step."""
+    host: on a CI machine under memory pressure, library pages reclaimed before the baseline
+    and faulted back by the first training step added about 20 MiB to a 177 MiB plan
+    (reproduced: 19-27 MiB; docs/plan.md, "What the CPU peak counts"). Linux keeps a
+    high-water mark only of the whole resident set (VmHWM), so the private peak of each interval
+    between two reads is that mark less the file-backed pages (the larger of their counts at
+    the interval's two ends), and the mark is restarted for the next interval (`clear_refs`);
+    the reported peak is the largest over the intervals. File pages mapped or dropped inside an
+    interval are the only error, and they settle after the first step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -131,8 +131,8 @@ class MemoryBaseline:
         return self._private_peak
 
     def peak_above_gib(self) -> float:
-        """The peak above the baseline so far (on CPU it restarts the high-water mark for the
-        next interval, so call it once per step or log interval)."""
+        """The peak above the baseline so far. On CPU each call closes an interval and restarts
+        the high-water mark (class docstring): the trainer calls it once per step."""
         if self.device.type == "cuda":
             return max(0.0, peak_memory_gib(self.device) - self.gib)
         return max(0.0, (self._cpu_peak_bytes() - self.bytes) / 2**30)

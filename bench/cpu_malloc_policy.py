@@ -42,13 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench._spawn
 
+from bench.cpu_peak_vs_plan import LAYOUTS  # noqa: E402  (the same four layouts)
+
 RESULTS = Path(__file__).parent / "results"
-LAYOUTS = {  # name: (ranks, flags)
-    "one process": (1, []),
-    "DDP 2": (2, ["--parallel.data_parallel", "ddp"]),
-    "ZeRO-3 2": (2, ["--parallel.data_parallel", "zero3"]),
-    "TP2 x DP2": (4, ["--parallel.tp", "2", "--parallel.data_parallel", "ddp"]),
-}
 POLICIES = ["default", "trainer", "mmap4m+fwd", "mmap128k", "mmap512k", "mmap1m"]
 """The policies run when none is named (screens also ran mmap256k, mmap4m, mmap16m,
 default+trim, mmap4m+arena1, mmap4m+pad, default+ftrim, mmap1m+ftrim:

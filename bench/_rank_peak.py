@@ -14,21 +14,21 @@ from pathlib import Path
 from scaletrain import cli
 from scaletrain.train import metrics
 
-_baselines: list[float] = []
+_baselines: list[metrics.MemoryBaseline] = []
 _init = metrics.MemoryBaseline.__init__
 
 
 def _recording_init(self, device) -> None:  # type: ignore[no-untyped-def]
     _init(self, device)
-    _baselines.append(self.bytes)
+    _baselines.append(self)
 
 
 def _report() -> None:
     if not _baselines:
         return
-    peak = metrics.peak_rss_bytes()
+    peak = int(_baselines[-1].peak_above_gib() * 2**30)  # what the trainer logs
     out = Path(os.environ["RANK_PEAK_DIR"]) / f"rank{os.environ.get('RANK', '0')}.json"
-    out.write_text(json.dumps({"peak_above_bytes": peak - _baselines[-1]}))
+    out.write_text(json.dumps({"peak_above_bytes": peak}))
 
 
 metrics.MemoryBaseline.__init__ = _recording_init  # type: ignore[method-assign]

@@ -21,6 +21,10 @@ threshold), so that every freed tensor of 128 KiB or more goes back to the syste
   whose tensors are a few MB: its peak is the process's own runtime (torch's pages, threads,
   gloo), which `plan/host_memory.py` carries as `host_runtime`.
 
+Both variants turn the trainer's own allocator policy off (`training.cpu_mmap_threshold_mb 0`,
+`training.cpu_malloc_trim false`); `bench/cpu_malloc_policy.py` measures the runs with it, as
+users run them.
+
 A rank's peak is read from /proc (Linux only). The page faults while training (minor faults,
 `getrusage`) show what pinning costs: every freed block comes back as fresh pages to fault in
 and zero (CPU seconds are recorded too, but on a shared machine only the faults are steady).
@@ -107,7 +111,10 @@ def main() -> None:
     base_env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     pinned = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-    variants = {"pinned": (pinned, []), "glibc default": ({}, []), "tiny": (pinned, TINY)}
+    # the trainer's own allocator policy off (bench/cpu_malloc_policy.py measures it)
+    off = ["--training.cpu_mmap_threshold_mb", "0", "--training.cpu_malloc_trim", "false"]
+    variants = {"pinned": (pinned, off), "glibc default": ({}, off),
+                "tiny": (pinned, [*TINY, *off])}
     if len(sys.argv) > 1:  # e.g. `tiny`: only those variants
         variants = {k: v for k, v in variants.items() if k in sys.argv[1:]}
     rows, lines = [], []

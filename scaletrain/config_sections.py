@@ -172,6 +172,17 @@ class TrainingConfig:
     """Start even when the plan's peak memory per rank is far above what the device has (more
     than 1.5x the GPU's memory, or 2x the host's available RAM on CPU); by default such a run
     stops before set-up with exit code 3 and the cheapest change that fits."""
+    cpu_mmap_threshold_mb: float = 4.0
+    """CPU runs on glibc: tensors of this many MiB or more are mmapped and given back to the
+    system when freed, smaller ones come from the C heap (`mallopt(M_MMAP_THRESHOLD)`, set
+    before the data and model are built). With `cpu_malloc_trim` it keeps the peak memory what
+    the plan states (docs/plan.md); 0 leaves glibc's threshold as it comes (it then rises to
+    32 MiB and the heap keeps freed tensors resident: 7-38 % above the plan).
+    `MALLOC_MMAP_THRESHOLD_` in the environment takes precedence."""
+    cpu_malloc_trim: bool = True
+    """CPU runs on glibc: give the C heap's free pages back to the system before the memory
+    baseline and after every forward pass (`malloc_trim(0)`), so freed temporaries do not stay
+    resident under the peak. Costs CPU time (pages faulted in again): false turns it off."""
 
 
 @dataclass

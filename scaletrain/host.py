@@ -32,6 +32,14 @@ def peak_rss_bytes() -> int:
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def file_rss_bytes() -> int | None:
+    """The file-backed part of this process's resident set now (`RssFile`: the pages of its
+    libraries and memory-mapped files); None where /proc does not say. Those pages are the
+    kernel's to drop (they are read again from their files), so how many are mapped depends on
+    the host's memory pressure, not on what the process allocated."""
+    return _kib_field("/proc/self/status", "RssFile")
+
+
 def reset_peak_rss() -> bool:
     """Restart this process's peak-RSS count from its current RSS (Linux: `clear_refs` 5), so
     a later `peak_rss_bytes` measures one phase; False where that is not possible."""

@@ -1,18 +1,22 @@
 """What a CPU training process holds besides its tensors, when the device is this host's RAM.
 
-The trainer reports a CPU run's peak as the resident set size's high-water mark (VmHWM) above
-its memory baseline, taken after the data is loaded and before the model is built
-(`train/metrics.py`). Above the tensors the plan counts, that peak holds:
+The trainer reports a CPU run's peak as its private memory's peak (the resident set less its
+file-backed pages: anonymous and shared-memory pages, what it allocates) above its memory
+baseline, taken after the data is loaded and before the model is built (`train/metrics.py`
+`MemoryBaseline`). File-backed pages (library code) are not counted: the kernel drops them
+under memory pressure and the process maps them again when it next runs that code, so they
+are the host's state, not the run's. Above the tensors the plan counts, that peak holds:
 
-- `host_runtime`: the process's own memory that training adds after the baseline: pages of
-  torch's libraries the first forward, backward and optimizer step map in (their kernels, the
-  autograd engine, the optimizer), the allocator's per-thread state and the Python objects of
-  the model and optimizer; with several processes also gloo's process groups (their threads and
-  transport buffers) and the DeviceMesh, DTensor and FSDP code. Measured with the tiny model
-  of `bench/cpu_peak_vs_plan.py` (dim 64, 2 layers, 32 tokens: its tensors plan at 3-6 MiB)
-  as its peak less those: 31.7 MiB for one process, 29.9 (DDP), 32.5 (ZeRO-3) and 35.1 MiB
-  (TP 2 x DP 2) per rank; `RUNTIME_BYTES` is 32 MiB for every layout (torch 2.13 CPU, one
-  OpenMP thread per rank as torchrun sets it).
+- `host_runtime`: the process's own private memory that training adds after the baseline:
+  the allocator's per-thread state, torch's lazily built kernel tables and caches, the Python
+  objects of the model and optimizer; with several processes also gloo's process groups (their
+  threads and transport buffers) and the DeviceMesh, DTensor and FSDP objects. Measured with
+  the tiny model of `bench/cpu_peak_vs_plan.py` (dim 64, 2 layers, 32 tokens: its tensors plan
+  at 3-6 MiB) as its peak less those: 9.2 MiB for one process, 10.1-10.6 (DDP), 12.3-12.6
+  (ZeRO-3) and 14.2-14.5 MiB (TP 2 x DP 2) per rank (`bench/results/cpu_peak_runtime.txt`);
+  `RUNTIME_BYTES` is 12 MiB for every layout (torch 2.13 CPU, one OpenMP thread per rank as
+  torchrun sets it). The library pages the first steps map in (15-17 MiB) are file-backed and
+  no longer part of it.
 - `batches`: the micro-batches of one step as the data loader hands them over (int64 token
   ids and targets), and with loader workers the batches they prefetch into shared memory,
   which the training process maps.
@@ -22,18 +26,20 @@ its memory baseline, taken after the data is loaded and before the model is buil
   sampled while training): `LOADER_WORKER_BYTES` is 12 MiB. It is host RAM the rank's share
   must hold, but not in the trainer's `peak_mem_gib`, which is this process's own.
 
-Not counted: glibc's heap fragmentation. With its dynamic mmap threshold glibc serves blocks
-up to 32 MiB from its heap and keeps freed ones resident where later blocks do not fit, which
-added 9-26 % on the debug model (`bench/cpu_peak_vs_plan.py`, docs/plan.md). With the threshold
-pinned (`MALLOC_MMAP_THRESHOLD_=131072`) the measured peak is the plan's within 1.3 %.
+Not counted: glibc's heap fragmentation, which the trainer's allocator policy keeps out of
+the peak (`train/host_allocator.py`: a fixed 4 MiB mmap threshold and `malloc_trim` after each
+forward pass; measured within 3 % of this plan in `bench/cpu_malloc_policy.py`). With glibc's
+allocator as it comes (`training.cpu_mmap_threshold_mb 0`, `training.cpu_malloc_trim false`)
+the heap keeps freed tensors resident: 7-38 % above the plan on the debug model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-RUNTIME_BYTES = 32 * 2**20
-"""`host_runtime`: one training process's own memory above its baseline (module docstring)."""
+RUNTIME_BYTES = 12 * 2**20
+"""`host_runtime`: one training process's own private memory above its baseline (module
+docstring)."""
 LOADER_WORKER_BYTES = 12 * 2**20
 """`loader_workers`: the private memory of one DataLoader worker process (module docstring)."""
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from scaletrain.host import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from scaletrain.host import current_rss_bytes, file_rss_bytes, peak_rss_bytes, reset_peak_rss
 from scaletrain.train.trackers import Tracker
 
 log = logging.getLogger("scaletrain.train")
@@ -41,7 +41,8 @@ class StepMetrics:
     peak_mem_gib: float
     """Peak memory above `mem_baseline_gib` (what `train --dry-run` estimates)."""
     mem_baseline_gib: float
-    """Memory in use before the model was built (CPU: interpreter, libraries and data)."""
+    """Memory in use before the model was built (CPU: the process's private memory:
+    interpreter, libraries' own data and the training data; `MemoryBaseline`)."""
     step_time_s: float
     data_wait_s: float
     mfu_fp8: float | None = None
@@ -83,24 +84,58 @@ def peak_memory_gib(device: torch.device) -> float:
 class MemoryBaseline:
     """Memory in use at one moment (before the model is built), so that later peaks can be
     reported above it: on CPU the resident set includes the interpreter, the libraries and the
-    data, which no plan counts. On CPU the peak-RSS mark is reset to the current RSS (Linux
-    `clear_refs`), so earlier transients do not count either."""
+    data, which no plan counts.
+
+    On CPU what is counted is the process's private memory (anonymous and shared-memory pages:
+    what it allocates), not its file-backed pages (`host.file_rss_bytes`: library code,
+    memory-mapped files). The kernel drops those under memory pressure and the process faults
+    them in again when it next runs that code, so counting them made the peak depend on the
+    host: on a CI machine under memory pressure, library pages reclaimed before the baseline
+    and faulted back by the first training step added about 20 MiB to a 177 MiB plan
+    (reproduced: 19-27 MiB; docs/plan.md, "What the CPU peak counts"). Linux keeps a
+    high-water mark only of the whole resident set (VmHWM), so the private peak of each interval
+    between two reads is that mark less the file-backed pages (the larger of their counts at
+    the interval's two ends), and the mark is restarted for the next interval (`clear_refs`);
+    the reported peak is the largest over the intervals. File pages mapped or dropped inside an
+    interval are the only error, and they settle after the first step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._private_peak = 0
         if device.type == "cuda":
             self.bytes = torch.cuda.memory_allocated(device)
             return
+        self._file_at_reset = file_rss_bytes()
         reset_peak_rss()
         rss = current_rss_bytes()
-        self.bytes = rss if rss is not None else peak_rss_bytes()
+        if rss is None:
+            self.bytes, self._file_at_reset = peak_rss_bytes(), None
+        elif self._file_at_reset is None:
+            self.bytes = rss
+        else:
+            self.bytes = rss - self._file_at_reset
 
     @property
     def gib(self) -> float:
         return self.bytes / 2**30
 
+    def _cpu_peak_bytes(self) -> int:
+        """The private peak so far (class docstring); restarts the high-water mark."""
+        file_now = file_rss_bytes() if self._file_at_reset is not None else None
+        if file_now is None or self._file_at_reset is None:
+            return peak_rss_bytes()  # no /proc split: the whole resident set's peak
+        interval = peak_rss_bytes() - max(self._file_at_reset, file_now)
+        self._file_at_reset = file_now
+        reset_peak_rss()
+        self._private_peak = max(self._private_peak, interval)
+        return self._private_peak
+
     def peak_above_gib(self) -> float:
-        return max(0.0, peak_memory_gib(self.device) - self.gib)
+        """The peak above the baseline so far. On CPU each call closes an interval and restarts
+        the high-water mark (class docstring): the trainer calls it once per step."""
+        if self.device.type == "cuda":
+            return max(0.0, peak_memory_gib(self.device) - self.gib)
+        return max(0.0, (self._cpu_peak_bytes() - self.bytes) / 2**30)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

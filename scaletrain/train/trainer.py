@@ -30,6 +30,12 @@ from scaletrain.runtime import resolve_device
 from scaletrain.train import precision, rng
 from scaletrain.train.checkpoint import Checkpointer, CheckpointError
 from scaletrain.train.evaluate import evaluate
+from scaletrain.train.host_allocator import (
+    apply_mmap_threshold,
+    glibc,
+    malloc_trim,
+    trim_after_forward,
+)
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
 from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
@@ -87,6 +93,8 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
+        if self.device.type == "cpu":  # before any tensor of the run is allocated
+            log.info("memory: %s", apply_mmap_threshold(cfg.training.cpu_mmap_threshold_mb))
         # Degrees from the config and torchrun's world size; checked before any collective.
         self.par = Parallelism(cfg.parallel, self.device, fp8=cfg.precision.fp8,
                                param_dtype=cfg.precision.param_dtype)
@@ -116,9 +124,17 @@ class Trainer:
         # data or model is built (`train/resume.py`).
         self.resume_from, self.resume_settings = self._find_resume()
         self._build_data()
+        # CPU: the heap's free pages go back before the baseline (what preparing the data freed
+        # would otherwise hide training's own pages) and after each forward pass
+        trim_heap = (self.device.type == "cpu" and cfg.training.cpu_malloc_trim
+                     and glibc() is not None)
+        if trim_heap:
+            malloc_trim()
         self.mem_baseline = MemoryBaseline(self.device)  # peaks are reported above it
         self.model_args = self._model_args()
         self.model = self._build_model()  # initialized from training.seed, as in one process
+        if trim_heap:
+            trim_after_forward(self.model)
         # Then each rank's own training stream (dropout): see `train/rng.py`.
         self.rng_stream = rng.rng_stream(self.dp_rank, self.par.cp_rank, self.par.dims.cp,
                                          self.par.pp_rank, self.dp_size)

@@ -1,12 +1,20 @@
 """A CPU run's planned peak is what the trainer measures, within 10 %, for one process, DDP
 (2 ranks), ZeRO-3 (2 ranks) and TP 2 x DP 2 (4 ranks) on the debug model.
 
-Both sides are the same quantity: the trainer's `peak_mem_gib` (the resident set's peak above
-its memory baseline, from metrics.jsonl of rank 0) against the `peak` that
+Both sides are the same quantity: the trainer's `peak_mem_gib` (the peak of the process's
+private memory, its resident set less the file-backed library pages, above its memory baseline,
+from metrics.jsonl of rank 0: `train/metrics.py` `MemoryBaseline`) against the `peak` that
 `train --dry-run --json` prints for the same flags and world size (`estimate_for_config`).
-glibc's mmap threshold is pinned (`MALLOC_MMAP_THRESHOLD_`) so that freed tensors leave the
-resident set: what is compared is what the trainer allocates, not how glibc's heap fragments
-(which bench/cpu_peak_vs_plan.py measures, and docs/plan.md states, separately).
+The runs use the trainer's defaults, its allocator policy included (`training.
+cpu_mmap_threshold_mb`, `train/host_allocator.py`): no allocator setting comes from the
+environment (`MALLOC_MMAP_THRESHOLD_` and `GLIBC_TUNABLES` are removed from it), so what is
+checked is what a user's run peaks at. The figures of each layout go to `--junitxml` as
+properties (`bench/cpu_peak_test_runs.py` collects them).
+
+When the peak was the whole resident set's, TP 2 x DP 2 failed in full CI runs on a shared
+machine (-10.7 %) and passed alone: library pages reclaimed under memory pressure before the
+baseline were mapped again by the first step and counted (docs/plan.md, "What the CPU peak
+counts").
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,9 +40,10 @@ LAYOUTS = {
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "MALLOC_MMAP_THRESHOLD_": "131072"}
+    own = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    return {**own, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def _flags(out: Path, cache: Path) -> list[str]:
@@ -75,7 +85,8 @@ def _measured(flags: list[str], world: int) -> float:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cpu_plan_peak_within_10_percent_of_the_measured_peak(
         layout: str, tmp_path_factory: pytest.TempPathFactory,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, record_property: Callable[[str, object], None]
+) -> None:
     world, extra = LAYOUTS[layout]
     cache = tmp_path_factory.getbasetemp() / "cpu_peak_cache"  # one tokenizer for all four
     flags = [*_flags(tmp_path_factory.mktemp(layout), cache), *extra]
@@ -83,6 +94,8 @@ def test_cpu_plan_peak_within_10_percent_of_the_measured_peak(
     mem = plan["memory_bytes"]
     assert mem["host_runtime"] > 0 and mem["batches"] > 0  # the host's own terms are counted
     measured = _measured(flags, world)
+    record_property("planned_mib", round(mem["peak"] / 2**20, 1))  # for --junitxml
+    record_property("measured_mib", round(measured / 2**20, 1))
     assert mem["peak"] == pytest.approx(measured, rel=0.10), (
         f"{layout}: planned {mem['peak'] / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
 

@@ -1,17 +1,22 @@
 """Predicted against published TFLOP/s per GPU for every row of the calibration table, and where
 the search ranks each published layout among the layouts it evaluates.
 
-    python bench/plan_calibration.py [--rank] [--untied] [--one-nic] [--json OUT.json]
+    python bench/plan_calibration.py [--rank] [--untied] [--one-nic] [--no-tp-overlap]
+                                     [--json OUT.json]
 
 `--rank` runs the layout search for each run's model, cluster and batch and prints the rank the
 published layout's predicted step time would take among the fitting layouts (1 = the search's
-first choice), the search's own rank of its best layout with the published degrees (tp, pp,
-dp), how many layouts fit, whether the search itself evaluated the published layout (`yes`),
+first choice; timed as the search times layouts, without a row's `tp_comm_overlap`), the
+search's own rank of its best layout with the published degrees (tp, pp, dp), how many
+layouts fit, whether the search itself evaluated the published layout (`yes`),
 and the search's seconds. `--untied` plans the GPT-style rows with untied embeddings (a planner or
 trainer that refuses tied embeddings under PP can then rank them; one embedding matrix more).
 `--one-nic` predicts every row with one NIC's worth per rank across nodes for the
 data-parallel collectives (`Fabric.stripe_nics=False`, as the DeepSpeed 2021 rows), the
-physics before NCCL's striped rings.
+physics before NCCL's striped rings. `--no-tp-overlap` drops `tp_comm_overlap` from the rows
+that carry it (Megatron-Core's --tp-comm-overlap): their TP collectives back on the critical
+path, as the trainer and the search have them. `--breakdown` adds each row's step-time parts
+(seconds: compute, tp, bubble, exposed data-parallel).
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ def search_rank(pred, untied: bool) -> tuple[int, int | None, int, bool, float]:
     fitting, every = search(args, run.cluster(), run.seq_len, run.gbs * run.seq_len,
                             Layout(precision="bf16"))
     elapsed = time.perf_counter() - t0
-    faster = sum(1 for c in fitting if c.step_time_s < pred.step_time_s * 0.995)
+    # the published layout timed as the search times every layout: TP collectives exposed
+    own = predict(dataclasses.replace(run, tp_comm_overlap=False)) if run.tp_comm_overlap \
+        else pred
+    faster = sum(1 for c in fitting if c.step_time_s < own.step_time_s * 0.995)
     want = (run.tp, run.pp, run.dp, run.mbs, run.recompute, run.zero if run.dp > 1 else None)
     seen = any((c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp, c.layout.mbs,
                 c.layout.recompute, c.layout.zero if run.dp > 1 else None) == want
@@ -54,6 +62,8 @@ def main() -> None:
     p.add_argument("--rank", action="store_true")
     p.add_argument("--untied", action="store_true")
     p.add_argument("--one-nic", action="store_true")
+    p.add_argument("--no-tp-overlap", action="store_true")
+    p.add_argument("--breakdown", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     rows = []
@@ -65,6 +75,8 @@ def main() -> None:
             run = dataclasses.replace(run, model={**run.model, "tie_embeddings": False})
         if a.one_nic:
             run = dataclasses.replace(run, framework=DEEPSPEED_ZERO3_2021)
+        if a.no_tp_overlap:
+            run = dataclasses.replace(run, tp_comm_overlap=False)
         pred = predict(run)
         row = {"name": run.name, "gpu": run.gpu, "gpus": run.gpus, "measured": pred.measured_tflops,
                "predicted": round(pred.predicted_tflops, 1), "ratio": round(pred.ratio, 3),
@@ -78,6 +90,10 @@ def main() -> None:
                        search_s=round(secs, 2))
             line += (f"  {rank:>5} {degrees or '-':>7} {fit:>5} {'yes' if seen else 'no':>4} "
                      f"{secs:5.1f}s")
+        if a.breakdown:
+            t = pred.times
+            line += (f"  compute {t['compute']:.3f} tp {t['tp_comm']:.3f} bubble {t['bubble']:.3f}"
+                     f" dp {t['dp_comm_exposed']:.3f}")
         print(line, flush=True)
         rows.append(row)
     if a.json:

@@ -12,6 +12,8 @@ import dataclasses
 import pytest
 
 from scaletrain.plan.calibration import BAND, DEEPSPEED_ZERO3_2021, load_runs, predict
+from scaletrain.plan.hardware import get_device
+from scaletrain.plan.search import CONTENTION, Cluster
 
 RUNS = load_runs()
 
@@ -38,10 +40,32 @@ def test_predicted_over_measured_stays_in_band(run) -> None:
 
 def test_rows_outside_the_band_are_few_and_explained() -> None:
     outside = [r for r in RUNS if r.outside_band is not None]
-    assert len(outside) <= 1
+    assert len(outside) <= 3
     for r in outside:
         assert len(r.outside_band) > 80
-        assert not BAND[0] <= predict(r).ratio <= BAND[1]  # else drop the exemption
+        pred = predict(r)
+        assert not BAND[0] <= pred.ratio <= BAND[1]  # else drop the exemption
+        if r.outside_band.startswith("data-parallel"):  # the named term is the one that misses
+            t = pred.times
+            assert t["dp_comm_exposed"] == max(v for k, v in t.items() if k != "compute")
+            without = pred.ratio * pred.step_time_s / (pred.step_time_s - t["dp_comm_exposed"])
+            assert BAND[0] <= without <= BAND[1], r.name
+
+
+def test_tp_comm_overlap_changes_only_the_rows_that_carry_it() -> None:
+    """Megatron-Core's --tp-comm-overlap (README, commit f2e5db402c): the TP collectives of those
+    runs cost only their contention beside the GEMMs; every other row, and the search (whose
+    Cluster never sets it), keeps them on the critical path."""
+    carrying = [r for r in RUNS if r.tp_comm_overlap]
+    assert len(carrying) == 9 and all("Megatron-LM" in r.source for r in carrying)
+    for run in RUNS:
+        on, off = predict(run), predict(dataclasses.replace(run, tp_comm_overlap=False))
+        if not run.tp_comm_overlap or run.tp == 1:
+            assert on.times == off.times, run.name
+            continue
+        assert on.times["tp_comm"] == pytest.approx(CONTENTION * off.times["tp_comm"])
+        assert on.ratio > off.ratio and on.times["dp_comm_exposed"] == off.times["dp_comm_exposed"]
+    assert not Cluster(get_device("H100"), 64).tp_comm_overlap
 
 
 def test_measured_order_of_layouts_is_kept() -> None:

@@ -54,6 +54,11 @@ class Cluster:
     """Data-parallel collectives across nodes get the NICs of the group's GPUs in a node
     (NCCL, what the trainer's FSDP2 and DDP run); False: one NIC per rank, as DeepSpeed's 2021
     ZeRO-3 measured (`plan/calibration/`, docs/plan.md)."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives run beside the GEMMs that consume or produce them, paying
+    only the contention cost (Megatron-Core's --tp-comm-overlap, Transformer Engine
+    userbuffers: a property of published runs, `plan/calibration/`). The trainer does not
+    overlap them: False for every search."""
 
     @property
     def usable_bytes(self) -> float:
@@ -162,7 +167,8 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
 
     Communication uses the alpha-beta model of `plan.collectives` (ring or tree, NVLink inside
     a node, across nodes the NICs of the group's GPUs in each node). Tensor, context, expert
-    and pipeline communication is on the critical path (the trainer does not overlap it).
+    and pipeline communication is on the critical path (the trainer does not overlap it;
+    `Cluster.tp_comm_overlap` hides TP's for published runs that did).
     Data-parallel communication: `_dp_exposed` (FSDP per block with a prefetch depth of one,
     DDP behind the last backward, and the contention cost of what hides).
     """
@@ -190,6 +196,8 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
                                + 2 * gather)
         else:
             tp = layers * m * count * fabric.time("all_reduce", act, d.tp, k)
+        if cluster.tp_comm_overlap:  # hidden behind the GEMMs around them (tp < compute)
+            tp = _overlap(tp, compute)
     cp = 0.0
     if d.cp > 1:
         kv = 2 * lay.mbs * lay.seq_len * (args.kv_heads // d.tp) * args.head_dim * c

@@ -75,6 +75,10 @@ class Run:
     assumed: list[str] = field(default_factory=list)
     outside_band: str | None = None
     framework: str | None = None
+    tp_comm_overlap: bool = False
+    """The run overlapped its tensor-parallel collectives with the GEMMs (Megatron-Core's
+    --tp-comm-overlap): `Cluster.tp_comm_overlap`. A property of the run, never of the
+    trainer's search."""
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
@@ -118,7 +122,8 @@ class Run:
         if self.memory_gib is not None:
             dev = dataclasses.replace(dev, memory_gib=self.memory_gib)
         return Cluster(dev, self.gpus, self.gpus_per_node,
-                       dp_stripes_nics=self.framework != DEEPSPEED_ZERO3_2021)
+                       dp_stripes_nics=self.framework != DEEPSPEED_ZERO3_2021,
+                       tp_comm_overlap=self.tp_comm_overlap)
 
     def flops_per_token(self, plan: Plan) -> float:
         return plan.hardware_flops_per_token if self.flops == "hardware" \

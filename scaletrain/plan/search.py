@@ -15,6 +15,7 @@ Calibrated against published measured runs: `plan/calibration/`, docs/plan.md.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -347,6 +348,7 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                         if not cand.fits:
                             break
                         fitted = True
+                        out += _hsdp_variants(args, cluster, cand, gbs_tokens, refused)
                     if evaluated and not fitted:
                         break  # a larger micro-batch holds more still
         if any(c.fits for c in out):
@@ -379,6 +381,12 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
                        schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
     if layout_problems(args, lay):
         return None
+    return _candidate(args, cluster, lay, gbs_tokens, model, refused)
+
+
+def _candidate(args: ModelArgs, cluster: Cluster, lay: Layout, gbs_tokens: int, model: str,
+               refused: dict[str, int] | None) -> Candidate | None:
+    """`lay` planned and (if it fits) timed; None where the trainer refuses it."""
     problems = trainer_problems(args, lay)
     if problems:  # never propose what the trainer refuses
         if refused is not None:
@@ -396,6 +404,56 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
     return Candidate(plan, True, t, mfu, times, model, cluster.gpus, cluster.gpus_per_node)
 
 
+def shard_groups(cluster: Cluster, tp: int, cp: int, dp: int) -> list[int]:
+    """HSDP shard-group sizes (`dp_shard`) to try beside FSDP over all `dp` ranks, largest
+    first: the data-parallel ranks of one node (gpus_per_node / (tp x cp), when at least 2;
+    the mesh puts dp_shard inside tp and cp, so such a group stays on NVLink) and that times
+    2, 4, ... below `dp` and dividing it; the rest of `dp` replicates (dp_replicate > 1)."""
+    if cluster.gpus_per_node % (tp * cp):
+        return []
+    node = cluster.gpus_per_node // (tp * cp)
+    out, s = [], node
+    while node >= 2 and s < dp:
+        if dp % s == 0:
+            out.append(s)
+        s *= 2
+    return out[::-1]
+
+
+def _hsdp_variants(args: ModelArgs, cluster: Cluster, fsdp: Candidate, gbs_tokens: int,
+                   refused: dict[str, int] | None) -> list[Candidate]:
+    """The HSDP layouts of a fitting FSDP layout (`shard_groups`) worth proposing: a smaller
+    shard group holds more memory per rank (the states are sharded over fewer ranks) and only
+    its data-parallel communication differs, so the groups are tried largest first, timed
+    before they are planned, and kept only when faster (beyond a tie) than every larger group
+    of the same layout; the walk stops at the first that does not fit. Expert parallelism
+    runs without replicas (the trainer's rule), so MoE layouts with EP keep plain FSDP."""
+    lay = fsdp.layout
+    d = lay.dims
+    if not lay.fsdp or d.ep > 1 or d.dp_replicate > 1:
+        return []
+    out: list[Candidate] = []
+    best = fsdp.step_time_s
+    for s in shard_groups(cluster, d.tp, d.cp, d.dp):
+        hsdp = lay.replace(dims=dataclasses.replace(d, dp_replicate=d.dp // s, dp_shard=s))
+        # only the data-parallel communication changes: time it on the FSDP plan first
+        t, _ = step_time(dataclasses.replace(fsdp.plan, layout=hsdp), cluster, gbs_tokens)
+        if t >= best * TIE:
+            continue
+        cand = _candidate(args, cluster, hsdp, gbs_tokens, fsdp.model, refused)
+        if cand is None:
+            continue
+        out.append(cand)
+        if not cand.fits:
+            break  # a smaller group holds more still
+        best = min(best, cand.step_time_s)
+    return out
+
+
+TIE = 0.995
+"""Step times within ~0.5 % compare equal (`_bucket`)."""
+
+
 def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:
     """Expert-parallel degrees to try: 1, and for an MoE model the powers of two that divide
     both the data-parallel degree (EP borrows its ranks) and the number of experts."""
@@ -411,7 +469,8 @@ def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:
 def rank_key(c: Candidate) -> tuple:
     """Fastest first; among equal times (within ~0.5 %) the simpler layout."""
     lay = c.layout
-    return (_bucket(c.step_time_s), lay.zero, RECOMPUTE_COST[lay.recompute], lay.dims.cp,
+    return (_bucket(c.step_time_s), lay.zero, lay.dims.dp_replicate > 1 and lay.fsdp,
+            RECOMPUTE_COST[lay.recompute], lay.dims.cp,
             lay.dims.pp, lay.vpp, lay.dims.tp, -lay.mbs)
 
 
@@ -433,14 +492,16 @@ def _bucket(t: float) -> float:
     return round(math.log(t) / 0.005) if t > 0 else 0.0
 
 
-KNOBS = ("tp", "pp", "cp", "ep", "zero", "recompute", "mbs", "vpp")
+KNOBS = ("tp", "pp", "cp", "ep", "zero", "dp_shard", "recompute", "mbs", "vpp")
 
 
 def knob(c: Candidate, name: str) -> object:
     lay = c.layout
     if name == "zero":
         return c.zero_label
-    return getattr(lay.dims, name) if name in ("tp", "pp", "cp", "ep") else getattr(lay, name)
+    if name in ("tp", "pp", "cp", "ep", "dp_shard"):
+        return getattr(lay.dims, name)
+    return getattr(lay, name)
 
 
 def alternatives(best: Candidate, every: list[Candidate]) -> list[tuple[str, Candidate]]:

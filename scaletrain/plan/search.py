@@ -36,7 +36,7 @@ from scaletrain.plan.estimate import (
 )
 from scaletrain.plan.flops import attention_forward_flops
 from scaletrain.plan.hardware import Device
-from scaletrain.plan.memory import stage_params
+from scaletrain.plan.memory import StageParams, stage_params
 
 RECOMPUTE_COST = {"none": 0, "partial": 1, "full": 2}
 ZERO_OF_MODE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -215,13 +215,19 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
         if args.tie_embeddings:  # the embedding's gradient: first <-> last stage, exposed
             tied = 4.0 * args.vocab_size * args.dim / d.tp
             pp += fabric.time("all_reduce", tied, 2, 1 if across or d.pp > gpn else 2)
-    dp_fabric = Fabric(cluster.device, gpn, stripe_nics=cluster.dp_stripes_nics)
-    dp = _dp_exposed(plan, dp_fabric, compute, layers, sp.total)
+    dp = dp_comm_exposed(plan, cluster, compute, sp)
     busy = compute + tp + cp + ep + pp
     bubble = busy * plan.bubble_fraction
     times = {"compute": compute, "tp_comm": tp, "cp_comm": cp, "ep_comm": ep, "pp_comm": pp,
              "bubble": bubble, "dp_comm_exposed": dp}
     return busy + bubble + dp, times
+
+
+def dp_comm_exposed(plan: Plan, cluster: Cluster, compute: float, sp: StageParams) -> float:
+    """Seconds of data-parallel communication per step not hidden behind `compute` (the
+    step's compute seconds) for the parameters `sp` of the plan's stage (`_dp_exposed`)."""
+    fabric = Fabric(cluster.device, cluster.gpus_per_node, stripe_nics=cluster.dp_stripes_nics)
+    return _dp_exposed(plan, fabric, compute, max(1, sp.layers), sp.total)
 
 
 CONTENTION = 0.1
@@ -309,7 +315,7 @@ RECOMPUTE_BY_MEMORY = ("full", "partial", "none")
 def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                base: Layout | None = None, max_cp: int = 32,
                max_zero: int = 3, model: str = "MODEL",
-               refused: dict[str, int] | None = None) -> list[Candidate]:
+               refused: dict[str, int] | None = None, hsdp: bool = True) -> list[Candidate]:
     """Every layout the search evaluates, fitting or not: TP x PP x virtual stages x CP x EP x
     ZeRO stage x recomputation x micro-batch, pruned by memory before the step time is ranked
     (the micro-batches of a layout stop at the first that does not fit even with full
@@ -317,7 +323,8 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 
     Context parallel is added (2, 4, ... up to `max_cp`) only when no layout without it fits:
     it is the tool for sequences whose activations do not fit otherwise. `refused` (if given)
-    counts the layouts the trainer refuses, by reason.
+    counts the layouts the trainer refuses, by reason. ZeRO-2/3 layouts that fit are tried as
+    HSDP too (`_hsdp_variants`) unless `hsdp` is False.
     """
     if gbs_tokens % seq_len:
         raise PlanError(f"--gbs-tokens ({gbs_tokens}) must be a multiple of --seq-len "
@@ -348,7 +355,8 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                         if not cand.fits:
                             break
                         fitted = True
-                        out += _hsdp_variants(args, cluster, cand, gbs_tokens, refused)
+                        if hsdp:
+                            out += _hsdp_variants(args, cluster, cand, gbs_tokens, refused)
                     if evaluated and not fitted:
                         break  # a larger micro-batch holds more still
         if any(c.fits for c in out):
@@ -422,31 +430,40 @@ def shard_groups(cluster: Cluster, tp: int, cp: int, dp: int) -> list[int]:
 
 def _hsdp_variants(args: ModelArgs, cluster: Cluster, fsdp: Candidate, gbs_tokens: int,
                    refused: dict[str, int] | None) -> list[Candidate]:
-    """The HSDP layouts of a fitting FSDP layout (`shard_groups`) worth proposing: a smaller
-    shard group holds more memory per rank (the states are sharded over fewer ranks) and only
-    its data-parallel communication differs, so the groups are tried largest first, timed
-    before they are planned, and kept only when faster (beyond a tie) than every larger group
-    of the same layout; the walk stops at the first that does not fit. Expert parallelism
-    runs without replicas (the trainer's rule), so MoE layouts with EP keep plain FSDP."""
+    """The fastest HSDP layout that fits, of a fitting FSDP layout (`shard_groups`), if it is
+    faster than the FSDP layout beyond a tie; and the ones planned on the way that did not fit.
+
+    Only the data-parallel communication differs from the FSDP layout, so every shard group is
+    timed on the FSDP layout's plan first and planned (memory) in order of speed: a smaller
+    group holds more per rank (the states are sharded over fewer ranks), so one that does not
+    fit rules out every smaller one; the first that fits is the layout's best HSDP (a slower
+    one with less memory would rank below it and fits no better). Expert parallelism runs
+    without replicas (the trainer's rule): MoE layouts with EP keep plain FSDP."""
     lay = fsdp.layout
     d = lay.dims
     if not lay.fsdp or d.ep > 1 or d.dp_replicate > 1:
         return []
-    out: list[Candidate] = []
-    best = fsdp.step_time_s
+    timed = []
+    sp = stage_params(args, d.pp, d.tp, fsdp.plan.stage, lay.vpp)
+    rest = fsdp.step_time_s - fsdp.times["dp_comm_exposed"]  # what HSDP leaves as it is
     for s in shard_groups(cluster, d.tp, d.cp, d.dp):
         hsdp = lay.replace(dims=dataclasses.replace(d, dp_replicate=d.dp // s, dp_shard=s))
-        # only the data-parallel communication changes: time it on the FSDP plan first
-        t, _ = step_time(dataclasses.replace(fsdp.plan, layout=hsdp), cluster, gbs_tokens)
-        if t >= best * TIE:
+        t = rest + dp_comm_exposed(dataclasses.replace(fsdp.plan, layout=hsdp), cluster,
+                                   fsdp.times["compute"], sp)
+        if t < fsdp.step_time_s * TIE:
+            timed.append((t, -s, hsdp))
+    out: list[Candidate] = []
+    too_small = 0  # shard groups this size and below do not fit
+    for _, neg_s, hsdp in sorted(timed, key=lambda x: x[:2]):
+        if -neg_s <= too_small:
             continue
         cand = _candidate(args, cluster, hsdp, gbs_tokens, fsdp.model, refused)
         if cand is None:
             continue
         out.append(cand)
-        if not cand.fits:
-            break  # a smaller group holds more still
-        best = min(best, cand.step_time_s)
+        if cand.fits:
+            break
+        too_small = -neg_s
     return out
 
 
@@ -476,13 +493,14 @@ def rank_key(c: Candidate) -> tuple:
 
 def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
            base: Layout | None = None, max_zero: int = 3, model: str = "MODEL",
-           refused: dict[str, int] | None = None) -> tuple[list[Candidate], list[Candidate]]:
+           refused: dict[str, int] | None = None,
+           hsdp: bool = True) -> tuple[list[Candidate], list[Candidate]]:
     """(fitting layouts best first, all evaluated layouts). `max_zero` 1 restricts the search to
     replicated weights (DDP, ZeRO-1). Only layouts the trainer runs are evaluated; `model` is
     the name (preset or Hugging Face config path) the commands train."""
     base = (base or Layout()).replace(seq_len=seq_len)
     every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model,
-                       refused=refused)
+                       refused=refused, hsdp=hsdp)
     fitting = sorted((c for c in every if c.fits), key=rank_key)
     return fitting, every
 

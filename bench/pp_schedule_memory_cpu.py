@@ -14,8 +14,11 @@ The search proposes the zero-bubble schedules because their plan is within 10 % 
 rank's measured peak here (docs/plan.md, "Pipeline memory per stage").
 
     python bench/pp_schedule_memory_cpu.py [--schedules ZBVZeroBubble ...]
+    python bench/pp_schedule_memory_cpu.py --microbatches 32 --steps 2 \
+        --results bench/results/pp_schedule_memory_cpu_m32.json
 
-Raw output: bench/results/pp_schedule_memory_cpu.json.
+Raw output: bench/results/pp_schedule_memory_cpu.json (and _m32.json: the receive buffers and
+held sends grow with the micro-batches); the table: bench/results/pp_schedule_memory_cpu.txt.
 """
 
 from __future__ import annotations

@@ -414,7 +414,7 @@ def _stage_summary(stage: int, mem: dict[str, int], sp: StageParams, act: StageA
     return {"stage": stage, "layers": sp.layers, "params": sp.total,
             "embedding": sp.embedding > 0, "head": sp.head > 0,
             "in_flight_microbatches": act.in_flight, "held_at_peak": act.held,
-            "memory_bytes": mem}
+            "memory_bytes": dict(mem)}
 
 
 def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: ActivationSpec,

@@ -9,12 +9,13 @@ and returns the moments that could be its fullest (the count of micro-batches of
 each state, none covered by another), so a peak in bytes is a maximum over a few dot
 products whatever the bytes of each chunk.
 
-The orders: GPipe (every forward, then every backward) and 1F1B (p - r warm-up forwards, then
-one backward per forward) are written out here as torch's `Schedule1F1B` / `ScheduleGPipe` run
-them; the multi-chunk schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
-ZBVZeroBubble) are read from torch's own schedule classes (`pipeline_order`, built over
-stand-in stages: the schedule reads only their indices). tests/test_plan_pipeline_memory.py
-checks the counts against Megatron's closed forms and tests/pipeline_reference.py.
+The orders: GPipe (every forward, then every backward: m held) and 1F1B (p - r warm-up
+forwards, then one backward per forward: p - r held) in closed form, as torch's
+`ScheduleGPipe` / `Schedule1F1B` run them; the multi-chunk schedules (Interleaved1F1B,
+LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) are read from torch's own schedule classes
+(`pipeline_order`, built over stand-in stages: the schedule reads only their indices).
+tests/test_plan_pipeline_memory.py checks the counts against Megatron's closed forms and
+tests/pipeline_reference.py.
 """
 
 from __future__ import annotations
@@ -52,18 +53,6 @@ def chunks_per_rank(schedule: str, vpp: int) -> int:
     return 2 if schedule == "ZBVZeroBubble" else vpp
 
 
-def _single_chunk_order(schedule: str, pp: int, m: int, rank: int) -> list[tuple[int, str, int]]:
-    if schedule == "GPipe":
-        return [(rank, "F", i) for i in range(m)] + [(rank, "B", i) for i in range(m)]
-    warm = min(pp - rank, m)  # torch's Schedule1F1B: then one backward per forward
-    out = [(rank, "F", i) for i in range(warm)]
-    for i in range(m):
-        out.append((rank, "B", i))
-        if warm + i < m:
-            out.append((rank, "F", warm + i))
-    return out
-
-
 def in_flight(pp: int, stage: int, microbatches: int, vpp: int, schedule: str) -> float:
     """Micro-batches of activations a stage holds at its peak, in units of its whole share.
 
@@ -82,10 +71,8 @@ def in_flight(pp: int, stage: int, microbatches: int, vpp: int, schedule: str) -
 
 @lru_cache(maxsize=256)
 def rank_orders(schedule: str, pp: int, m: int, vpp: int) -> dict[int, tuple]:
-    """Each rank's compute actions (chunk, kind, micro-batch) in the order its schedule runs
-    them."""
-    if schedule in SINGLE_CHUNK:
-        return {r: tuple(_single_chunk_order(schedule, pp, m, r)) for r in range(pp)}
+    """Each rank's compute actions (chunk, kind, micro-batch) in the order a multi-chunk
+    schedule runs them."""
     from torch import nn  # noqa: PLC0415 (torch only for the multi-chunk schedules)
     from torch.distributed.pipelining import schedules
 
@@ -95,6 +82,7 @@ def rank_orders(schedule: str, pp: int, m: int, vpp: int) -> dict[int, tuple]:
                "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}
     if schedule not in classes:
         raise ValueError(f"unknown pipeline schedule '{schedule}'")
+
     class ComputeOrder(classes[schedule]):  # type: ignore[misc,valid-type]
         def _prepare_schedule_with_comms(self, actions: Any, format: str = "") -> None:
             """Only the compute order (`pipeline_order`, set before this is called) is read

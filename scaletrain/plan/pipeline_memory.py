@@ -26,6 +26,8 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 FORWARD = "F"
 """A chunk's micro-batch after its forward, before any backward."""
 INPUT_DONE = "I"
@@ -35,8 +37,6 @@ SINGLE_CHUNK = ("GPipe", "1F1B")
 
 State = tuple[int, str]
 """(global chunk index, FORWARD or INPUT_DONE)."""
-Moment = tuple[tuple[State, int], ...]
-"""How many micro-batches of each chunk are held in each state at one moment of a rank."""
 
 
 def chunk_ids(rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
@@ -100,17 +100,22 @@ def rank_orders(schedule: str, pp: int, m: int, vpp: int) -> dict[int, tuple]:
             for rank, actions in sched.pipeline_order.items()}
 
 
-def _covers(a: dict[State, int], b: dict[State, int]) -> bool:
-    return all(a.get(k, 0) >= v for k, v in b.items())
-
-
 PERIODIC = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 """Schedules whose steady state repeats every p micro-batches: past 2p micro-batches (a
 multiple of p) more of them add no new moment (tests/test_plan_pipeline_memory.py checks it
 against the whole order), so their moments are read from an order of 2p."""
 
 
-def peak_moments(schedule: str, pp: int, m: int, vpp: int, rank: int) -> tuple[Moment, ...]:
+@dataclass(frozen=True)
+class Moments:
+    """Moments of a rank that could hold the most: micro-batches held per (chunk, state)."""
+
+    states: tuple[State, ...]
+    counts: np.ndarray
+    """One row per moment, one column per state of `states`; no row covered by another."""
+
+
+def peak_moments(schedule: str, pp: int, m: int, vpp: int, rank: int) -> Moments:
     """The moments of `rank` that could hold the most (after each action; none covered by
     another): with non-negative bytes per chunk and state, the rank's peak is one of them."""
     if schedule in PERIODIC and m > 2 * pp and m % pp == 0:
@@ -119,13 +124,14 @@ def peak_moments(schedule: str, pp: int, m: int, vpp: int, rank: int) -> tuple[M
 
 
 @lru_cache(maxsize=4096)
-def _peak_moments(schedule: str, pp: int, m: int, vpp: int, rank: int) -> tuple[Moment, ...]:
+def _peak_moments(schedule: str, pp: int, m: int, vpp: int, rank: int) -> Moments:
     if schedule in SINGLE_CHUNK:  # GPipe: all m; 1F1B: its p - r warm-up forwards
-        return ((((rank, FORWARD), m if schedule == "GPipe" else min(pp - rank, m)),),)
+        held_mbs = m if schedule == "GPipe" else min(pp - rank, m)
+        return Moments(((rank, FORWARD),), np.array([[held_mbs]], dtype=np.int64))
     actions = rank_orders(schedule, pp, m, vpp)[rank]
     now: dict[State, int] = {}
     held: dict[tuple[int, int], str] = {}
-    seen: set[Moment] = set()
+    seen: set[tuple[tuple[State, int], ...]] = set()
     for i, (chunk, kind, mb) in enumerate(actions):
         before = held.pop((chunk, mb), None)
         if before is not None:
@@ -138,10 +144,18 @@ def _peak_moments(schedule: str, pp: int, m: int, vpp: int, rank: int) -> tuple[
         if kind == "F" and i + 1 < len(actions) and actions[i + 1][1] == "F":
             continue
         seen.add(tuple(sorted((k, n) for k, n in now.items() if n)))
-    moments = [dict(k) for k in seen]
-    kept = [k for k in moments if not any(o is not k and o != k and _covers(o, k)
-                                          for o in moments)]
-    return tuple(tuple(sorted(k.items())) for k in kept)
+    states = tuple(sorted({k for moment in seen for k, _ in moment}))
+    column = {k: j for j, k in enumerate(states)}
+    counts = np.zeros((len(seen), len(states)), dtype=np.int64)
+    for row, moment in enumerate(seen):
+        for k, n in moment:
+            counts[row, column[k]] = n
+    counts = np.unique(counts, axis=0)
+    if len(counts) <= 4096:  # drop the moments another one covers (all counts >=)
+        covers = (counts[:, None, :] >= counts[None, :, :]).all(axis=-1)
+        np.fill_diagonal(covers, False)
+        counts = counts[~covers.any(axis=0)]
+    return Moments(states, counts)
 
 
 @dataclass(frozen=True)
@@ -157,10 +171,10 @@ def rank_peak(schedule: str, pp: int, m: int, vpp: int, rank: int,
               chunks: Mapping[int, ChunkBytes]) -> tuple[int, dict[State, int]]:
     """(the most bytes `rank` holds at once, the moment that holds them: micro-batches per
     chunk and state)."""
-    best, where = -1, {}
-    for moment in peak_moments(schedule, pp, m, vpp, rank):
-        total = sum(n * (chunks[c].forward if s == FORWARD else chunks[c].after_input)
-                    for (c, s), n in moment)
-        if total > best:
-            best, where = total, dict(moment)
-    return max(best, 0), where
+    moments = peak_moments(schedule, pp, m, vpp, rank)
+    weights = np.array([chunks[c].forward if s == FORWARD else chunks[c].after_input
+                        for c, s in moments.states], dtype=np.int64)
+    totals = moments.counts @ weights
+    best = int(totals.argmax())
+    return max(int(totals[best]), 0), {k: int(n) for k, n in
+                                       zip(moments.states, moments.counts[best]) if n}

@@ -5,15 +5,20 @@ Trains a few steps of a small model on 2 CPU ranks (gloo, PP 2, the debug preset
 enough tokens per micro-batch that the activations dominate the peak, under each schedule:
 1F1B, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble. For each it reports the
 trainer's `peak_mem_gib` (the resident set's peak above its baseline: rank 0, which logs it,
-the first stage, and rank 1, read by bench/_rank_peak.py) against the `peak` that
-`train --dry-run --json` plans for the same flags, as tests/distributed/test_cpu_peak.py
-compares them (glibc's mmap threshold pinned, so freed tensors leave the resident set).
+the first stage, and rank 1, read by bench/_rank_peak.py) against each stage's `peak` that
+`train --dry-run --json` plans for the same flags (its `stages` list), as
+tests/distributed/test_cpu_peak.py compares them (glibc's mmap threshold pinned, so freed
+tensors leave the resident set).
 
-The search proposes a schedule only where the plan/measured ratio is as close as 1F1B's.
+The search proposes the zero-bubble schedules because their plan is within 10 % of each
+rank's measured peak here (docs/plan.md, "Pipeline memory per stage").
 
     python bench/pp_schedule_memory_cpu.py [--schedules ZBVZeroBubble ...]
+    python bench/pp_schedule_memory_cpu.py --microbatches 32 --steps 2 \
+        --results bench/results/pp_schedule_memory_cpu_m32.json
 
-Raw output: bench/results/pp_schedule_memory_cpu.json.
+Raw output: bench/results/pp_schedule_memory_cpu.json (and _m32.json: the receive buffers and
+held sends grow with the micro-batches); the table: bench/results/pp_schedule_memory_cpu.txt.
 """
 
 from __future__ import annotations
@@ -107,19 +112,23 @@ def main() -> None:
             mem = plan["memory_bytes"]
             ranks = measured(argv, a.steps)
             peak = max(ranks)
+            by_stage = [s["memory_bytes"]["peak"] for s in plan["stages"]]
             rows[schedule] = {
                 "vpp": vpp, "measured_peak_mib_by_rank": [r / MIB for r in ranks],
                 "measured_peak_mib": peak / MIB,
+                "planned_peak_mib_by_rank": [b / MIB for b in by_stage],
+                "plan_over_measured_by_rank": [b / r for b, r in zip(by_stage, ranks)],
+                "held_at_peak_by_rank": [s["held_at_peak"] for s in plan["stages"]],
                 "planned_peak_mib": mem["peak"] / MIB,
                 "planned_activations_mib": mem["activations"] / MIB,
                 "planned_logits_loss_mib": mem["logits_loss"] / MIB,
                 "plan_over_measured": mem["peak"] / peak,
             }
             print(f"{schedule:>22} vpp {vpp}: measured rank 0 {ranks[0] / MIB:7.1f}, rank 1 "
-                  f"{ranks[1] / MIB:7.1f} MiB; planned (most loaded rank) "
-                  f"{mem['peak'] / MIB:7.1f} MiB (activations {mem['activations'] / MIB:.1f}, "
-                  f"logits/loss {mem['logits_loss'] / MIB:.1f}); plan / measured max "
-                  f"{mem['peak'] / peak:.3f}", flush=True)
+                  f"{ranks[1] / MIB:7.1f} MiB; planned rank 0 {by_stage[0] / MIB:7.1f}, rank 1 "
+                  f"{by_stage[1] / MIB:7.1f} MiB (plan / measured {by_stage[0] / ranks[0]:.3f}, "
+                  f"{by_stage[1] / ranks[1]:.3f}); most loaded: planned {mem['peak'] / MIB:.1f} "
+                  f"/ measured {peak / MIB:.1f} = {mem['peak'] / peak:.3f}", flush=True)
     result = {"setup": {"model": "debug, 8 layers", "ranks": 2, "pp": 2, "seq": a.seq,
                         "mbs": a.mbs, "microbatches": a.microbatches, "steps": a.steps},
               "schedules": rows}

@@ -99,9 +99,14 @@ def test_search_at_16k_gpus_lays_out_like_published_runs() -> None:
     fitting, _ = search(args, Cluster(get_device("H100"), 16384), 8192, 16 * 2**20)
     for c in fitting[:3]:
         d = c.layout.dims
-        assert d.tp == 8 and d.pp > 1 and c.layout.zero < 3
+        # (ZeRO-3 only under a zero-bubble schedule, where it keeps the blocks gathered as
+        # ZeRO-2 does and ties with it)
+        assert d.tp == 8 and d.pp > 1 and (c.layout.zero < 3 or c.layout.blocks_stay_gathered)
         assert d.dp * c.layout.mbs <= 2048  # the global batch bounds data parallelism
-    # Meta's own layout is among the top 3 (it is #1 since SP keeps 1/tp of every activation
-    # and ZeRO-1 composes with TP/PP)
+    # Meta's own layout is among the top 5 (SP keeps 1/tp of every activation and ZeRO-1
+    # composes with TP/PP). It was #1 before the planner counted, per stage, torch's receive
+    # buffers and the sends its pipeline runtime holds until the step ends (16 GiB at 16
+    # micro-batches x 4 chunks: its partial recomputation no longer fits) and before the
+    # search proposed the zero-bubble schedules (a third of the bubble; docs/plan.md)
     assert any((c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp) == (8, 16, 128)
-               for c in fitting[:3])
+               for c in fitting[:5])

@@ -22,6 +22,10 @@ from scaletrain.plan.estimate import Layout, PlanError
 from scaletrain.plan.from_config import host_process
 from scaletrain.plan.search import Candidate, Cluster, alternatives, search, why_lost
 
+SCHEDULE_SHORT = {"1F1B": "1F1B", "Interleaved1F1B": "I1F1B", "InterleavedZeroBubble": "ZB",
+                  "ZBVZeroBubble": "ZBV", "GPipe": "GPipe", "LoopedBFS": "BFS"}
+"""The `sched` column of the table (the commands spell the schedule out)."""
+
 
 def main(argv: list[str]) -> int:
     # No abbreviations: `--gbs` must not silently become `--gbs-tokens`.
@@ -130,14 +134,15 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"{len(fitting)} of {len(every)} layouts fit {a.gpus} x {device.name} "
           f"({cluster.usable_bytes / GIB:.1f} GiB usable per GPU)\n")
-    head = f"{'#':>2} {'dp':>7} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'zero':>4} " \
-           f"{'mbs':>4} {'ga':>5} {'recompute':>9} {'GiB/GPU':>8} {'step s':>8} {'MFU':>6}  " \
-           "largest overhead"
+    head = f"{'#':>2} {'dp':>7} {'tp':>3} {'pp':>3} {'vpp':>3} {'sched':>5} {'cp':>3} {'ep':>3} " \
+           f"{'zero':>4} {'mbs':>4} {'ga':>5} {'recompute':>9} {'GiB/GPU':>8} {'step s':>8} " \
+           f"{'MFU':>6}  largest overhead"
     print(head)
     for i, c in enumerate(fitting[:a.top], 1):
         j = c.to_json()
-        print(f"{i:>2} {_dp(c):>7} {j['tp']:>3} {j['pp']:>3} {j['vpp']:>3} {j['cp']:>3} "
-              f"{j['ep']:>3} "
+        sched = SCHEDULE_SHORT.get(j["schedule"], j["schedule"]) if j["pp"] > 1 else "-"
+        print(f"{i:>2} {_dp(c):>7} {j['tp']:>3} {j['pp']:>3} {j['vpp']:>3} {sched:>5} "
+              f"{j['cp']:>3} {j['ep']:>3} "
               f"{j['zero']:>4} {j['mbs']:>4} {j['ga']:>5} {j['recompute']:>9} "
               f"{j['memory_bytes_per_gpu'] / GIB:>8.1f} {j['step_time_s']:>8.2f} "
               f"{j['mfu']:>6.1%}  {_overhead(c)}")
@@ -147,6 +152,9 @@ def main(argv: list[str]) -> int:
     if any(_hsdp(c) for c in fitting[:a.top]):
         print("\ndp RxS: HSDP, R replicas of FSDP over S ranks (--parallel.dp_replicate R "
               "--parallel.dp_shard S)")
+    if any(c.layout.dims.pp > 1 for c in fitting[:a.top]):
+        print("(sched: the pipeline schedule, " + ", ".join(
+            f"{short} {name}" for name, short in SCHEDULE_SHORT.items()) + ")")
     print("\ncommands:")
     for i, c in enumerate(fitting[:a.top], 1):
         print(f"{i:>2} {c.command}")

@@ -293,3 +293,35 @@ def logits_buffer_bytes(args: ModelArgs, spec: ActivationSpec) -> int:
         return (8 + (c if c < 4 else 0)) * min(spec.loss_chunk, spec.tokens) * vocab
     grads = 12 if spec.tp > 1 else 8
     return (c + grads) * spec.tokens * vocab
+
+
+def deferred_weight_grad_bytes(args: ModelArgs, spec: ActivationSpec, layers: int,
+                               head: bool) -> int:
+    """What a zero-bubble schedule's input-gradient pass keeps for its deferred weight-gradient
+    pass, per micro-batch of a chunk of `layers` blocks, beyond the activations (which the
+    retained graph also keeps): torch's `stage_backward_input` records the gradient at the
+    output of every autograd node that takes a weight (each Linear's output; each norm's
+    weight multiply) until W runs. Dense block: q, k, v (c T (a + 2g) d), the attention
+    output (c T h), w1 and w3 (2 c T f), w2 (c T h) or GPT-2's two MLP matrices, the norms
+    (r Tn h each; Gemma 2's post-norms, on projection outputs, c Tn h); MoE: the router's
+    fp32 logits and each routed pair's expert outputs; the head's logits gradient (c T V) on
+    the last chunk."""
+    c, r = DTYPE_BYTES[spec.compute_dtype], DTYPE_BYTES[spec.residual_dtype]
+    t, tn, h, tp = spec.tokens, spec.norm_tokens, args.dim, spec.tp
+    a, g = args.n_heads // tp, args.kv_heads // tp
+    attention = c * t * (a + 2 * g) * args.head_dim + c * t * h
+    if args.is_moe:
+        tk = t * args.n_experts_per_token
+        mlp = 4 * t * args.n_experts + c * tk * (2 * args.expert_hidden_dim // tp + h)
+        if args.n_shared_experts:
+            mlp += c * t * (2 * args.shared_expert_hidden_dim // tp + h)
+    else:
+        gates = 1 if args.arch == "gpt2" else 2
+        mlp = c * t * gates * (args.hidden_dim // tp) + c * t * h
+    norms = 2 * r * tn * h + (2 * c * tn * h if args.post_norms else 0)  # post-norms: on c
+    if args.qk_norm:
+        norms += c * t * (a + g) * args.head_dim
+    out = layers * (attention + mlp + norms)
+    if head:
+        out += r * tn * h + (0 if spec.fused_loss else c * t * args.vocab_size // tp)
+    return out

@@ -12,12 +12,7 @@ from scaletrain.models.args import ModelArgs, count_active_params, count_params
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.feasibility import RunLayout, mode_for_zero, reshards_after_forward
 from scaletrain.parallel.feasibility import layout_problems as run_problems
-from scaletrain.plan.activations import (
-    DTYPE_BYTES,
-    ActivationSpec,
-    activation_bytes,
-    logits_buffer_bytes,
-)
+from scaletrain.plan.activations import DTYPE_BYTES, ActivationSpec, logits_buffer_bytes
 from scaletrain.plan.comm import comm_bytes, expert_params
 from scaletrain.plan.flops import attention_forward_flops, flops_per_token
 from scaletrain.plan.host_memory import (
@@ -28,13 +23,16 @@ from scaletrain.plan.host_memory import (
 )
 from scaletrain.plan.memory import (
     GradConvention,
+    StageParams,
+    StateBytes,
     grad_sync_bucket_bytes,
-    layer_range,
     offload_states,
     sharded_state,
     stage_params,
     state_bytes,
 )
+from scaletrain.plan.pipeline_memory import in_flight  # noqa: F401 (part of this API)
+from scaletrain.plan.stage_activations import StageActivations, stage_activations
 
 DDP_BUCKET_BYTES = 25 * 2**20
 Schedule = str
@@ -225,6 +223,10 @@ class Plan:
     """Why `scaletrain train` cannot run this layout (empty: it can)."""
     finetune: dict[str, Any] | None = None
     """Set by `plan.finetune.finetune_plan`: method, trainable and total parameters."""
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    """Under pipeline parallelism, every stage's memory (`memory_bytes`, its `peak`), layers,
+    parameters and the micro-batches it holds at its peak; `memory_bytes` above is the stage
+    with the highest peak."""
 
     @property
     def peak_bytes(self) -> int:
@@ -249,6 +251,7 @@ class Plan:
             "active_params": count_active_params(self.args),
             "params_per_rank": self.params_per_rank,
             "most_loaded_stage": self.stage,
+            **({"stages": self.stages} if self.stages else {}),
             "flops_per_token": self.flops_per_token,
             "hardware_flops_per_token": self.hardware_flops_per_token,
             "memory_bytes": self.memory_bytes,
@@ -282,7 +285,8 @@ def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = Fals
       communication buffers exist only here (the flat gradient buckets of `sync_gradients`).
 
     A CPU run adds the process's own memory and its loader's (`host_runtime`, `batches`,
-    `loader_workers`) to both.
+    `loader_workers`) to both, a pipeline stage its receive buffers (`pipeline_buffers`) to
+    both and the sends its schedule holds until the step ends (`pipeline_sends`) to the first.
 
     Measured on an H200 (bench/plan_gpu.py): within 5 % for llama3.2-1b without and with
     partial recomputation (then named selective), +10 % with full recomputation; `total` was
@@ -291,8 +295,9 @@ def peak_bytes(mem: dict[str, int], grad_accum: int, grads_resident: bool = Fals
     comm = mem["comm_buffers"]
     states = (mem["weights"] + mem["master_weights"] + mem["optimizer"]
               + mem.get("host_runtime", 0) + mem.get("batches", 0)
-              + mem.get("loader_workers", 0))
+              + mem.get("loader_workers", 0) + mem.get("pipeline_buffers", 0))
     forward = (states + mem["activations"] + mem["logits_loss"] + mem["cast_weights"]
+               + mem.get("pipeline_sends", 0)
                + mem.get("gathered_weights", 0) + mem.get("root_gathered", 0)
                + (0 if comm_at_step_only else comm)
                + (mem["gradients"] if grad_accum > 1 or grads_resident else 0))
@@ -330,22 +335,6 @@ def bubble_fraction(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1
         return (pp - 1) * (f + b - w) / (v * m * (f + b + w))
     v = vpp if schedule in ("Interleaved1F1B", "LoopedBFS") or vpp > 1 else 1
     return (pp - 1) / (v * m)
-
-
-def in_flight(pp: int, stage: int, microbatches: int, vpp: int, schedule: str) -> float:
-    """Micro-batches of activations a stage holds at its peak, in units of its whole share.
-
-    GPipe: all m. 1F1B: p - stage (at most m). Interleaved with v chunks: Megatron's warm-up of
-    2(p-1) + (v-1)p + 1 chunk forwards on the first stage, each 1/v of the stage's layers.
-    """
-    if pp <= 1:
-        return 1.0
-    if schedule == "GPipe":
-        return float(microbatches)
-    if vpp > 1:
-        chunks = 2 * (pp - 1 - stage) + (vpp - 1) * pp + 1
-        return min(chunks, microbatches * vpp) / vpp
-    return float(min(pp - stage, microbatches))
 
 
 def _spec(args: ModelArgs, lay: Layout) -> ActivationSpec:
@@ -396,85 +385,103 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
         raise PlanError(str(e)) from None
     spec = _spec(args, lay)
     m = lay.grad_accum
-    stages = sorted({0, dims.pp - 1})
-    best: Plan | None = None
-    for stage in stages:
-        sp = stage_params(args, dims.pp, dims.tp, stage, lay.vpp)
-        # FSDP2 (the trainer's ZeRO-2 and ZeRO-3) keeps the weights sharded at rest too.
-        zero = 3 if lay.fsdp else lay.zero
-        states = sharded_state(per_param, sp.total, zero, lay.shard_group)
-        if lay.fsdp and lay.stored_dtype != "fp32":
-            # 16-bit parameters under FSDP: its fp32 shards are the master weights and the
-            # 16-bit weights exist only gathered (`gathered_weights`, `comm_buffers`)
-            states["weights"] = 0.0
-        offloaded = offload_states(states, lay.offload)
-        if lay.cpu_offload and lay.fsdp:  # FSDP's offload: every sharded state to the host
-            offloaded += int(sum(states.values()))
-            states = dict.fromkeys(states, 0.0)
-        act = activation_bytes(args, spec, layer_range(args, dims.pp, stage, lay.vpp),
-                               first_stage=stage == 0, last_stage=stage == dims.pp - 1)
-        flight = in_flight(dims.pp, stage, m, lay.vpp, lay.schedule)
-        activations = int(act.saved * flight) + act.recompute
-        c = DTYPE_BYTES[lay.precision]
-        mem = {k: int(v) for k, v in states.items()}
-        mem["activations"] = activations
-        mem["logits_loss"] = logits_buffer_bytes(args, spec) if stage == dims.pp - 1 else 0
-        w = per_param.weights
-        gathered = DTYPE_BYTES[lay.gather_dtype] if lay.fsdp else w
-        # Autocast keeps a 16-bit copy of every fp32 weight it used until backward; FSDP
-        # gathering in bf16 hands it 16-bit weights already.
-        cast = lay.stored_dtype == "fp32" and c < 4 and gathered == 4
-        mem["cast_weights"] = sp.total * c if cast else 0
-        # ZeRO-2 under FSDP (reshard_after_forward=False), and ZeRO-3 under a zero-bubble
-        # schedule: every block stays gathered from its forward to its backward.
-        # Expert parallelism: FSDP gathers a rank's own experts only (1/ep of each layer's;
-        # composed with TP, 1/(ep x tp): the experts are split over both, `parallel/ep_tp.py`).
-        not_local = (1 - 1 / dims.ep) * expert_params(args, 1) / dims.tp
-        unsharded = sp.total - sp.layers * not_local
-        mem["gathered_weights"] = int(unsharded * gathered) if lay.blocks_stay_gathered else 0
-        if lay.fsdp and not lay.blocks_stay_gathered:
-            # The root unit (`apply_fsdp`'s last `fully_shard`: embedding, final norm, head)
-            # reshards only after backward: gathered from the forward's start to its backward.
-            mem["root_gathered"] = int((sp.embedding + sp.head) * gathered)
-        if lay.fsdp:
-            # The unsharded block being computed and the prefetched next one, plus the
-            # unsharded gradients of one block before its reduce-scatter.
-            mem["comm_buffers"] = int((sp.per_layer - not_local) * (2 * gathered + gathered))
-        elif (dims.dp > 1 or dims.cp > 1) and not lay.ddp_wrapped:
-            # TP/PP next to data parallelism: one flat bucket at a time, before the step.
-            counts = count_params(args)  # the largest gradient: embedding, head, MLP matrix
-            largest = max(counts.embedding, counts.head, args.hidden_dim * args.dim) // dims.tp
-            mem["comm_buffers"] = grad_sync_bucket_bytes(
-                states["gradients"], lay.bucket_cap_mb, largest * per_param.gradients)
-        else:  # one process, or torch's DDP: its buckets are the gradients, reduced in place
-            mem["comm_buffers"] = 0
-        if lay.host is not None:
-            mem["host_runtime"] = RUNTIME_BYTES
-            mem["batches"] = batch_bytes(lay.host, lay.mbs, lay.seq_len, m)
-            mem["loader_workers"] = lay.host.loader_workers * LOADER_WORKER_BYTES
-        mem["total"] = sum(mem.values())
-        mem["peak"] = peak_bytes(mem, m, grads_resident=lay.ddp_wrapped,
-                                 comm_at_step_only=not lay.fsdp)
-        plan = Plan(
-            args=args, layout=lay, params=count_params(args).total, params_per_rank=sp.total,
-            stage=stage, flops_per_token=flops_per_token(args, lay.seq_len),
-            hardware_flops_per_token=hardware_flops_per_token(args, lay),
-            memory_bytes=mem, bubble_fraction=bubble_fraction(dims.pp, m, lay.vpp, lay.schedule),
-            in_flight_microbatches=flight, comm_bytes_per_step={}, comm_bytes_by_dim={},
-            activation_breakdown={**act.layers, "embedding": act.embedding,
-                                  "rope_tables": act.rope_tables, "head": act.head,
-                                  "loss": act.loss, "recompute": act.recompute},
-            cpu_offload_bytes=offloaded, trainer_problems=trainer_problems(args, lay),
-        )
-        if best is None or plan.peak_bytes > best.peak_bytes:
-            best = plan
-    assert best is not None
-    sp = stage_params(args, dims.pp, dims.tp, best.stage, lay.vpp)
-    layers = sp.layers
-    by_kind, by_dim = comm_bytes(args, lay, sp.total, layers, per_param.weights,
+    per_stage: list[tuple[int, dict[str, int], StageParams, StageActivations, int]] = []
+    for stage in range(dims.pp):
+        sp = stage_params(args, dims.pp, dims.tp, stage, lay.vpp, lay.schedule)
+        act = stage_activations(args, spec, dims.pp, lay.vpp, lay.schedule, m, stage)
+        mem, offloaded = _stage_memory(args, lay, per_param, spec, sp, act)
+        per_stage.append((stage, mem, sp, act, offloaded))
+    stage, mem, sp, act, offloaded = max(per_stage, key=lambda row: row[1]["peak"])
+    pa = act.per_microbatch
+    best = Plan(
+        args=args, layout=lay, params=count_params(args).total, params_per_rank=sp.total,
+        stage=stage, flops_per_token=flops_per_token(args, lay.seq_len),
+        hardware_flops_per_token=hardware_flops_per_token(args, lay),
+        memory_bytes=mem, bubble_fraction=bubble_fraction(dims.pp, m, lay.vpp, lay.schedule),
+        in_flight_microbatches=act.in_flight, comm_bytes_per_step={}, comm_bytes_by_dim={},
+        activation_breakdown={**pa.layers, "embedding": pa.embedding,
+                              "rope_tables": pa.rope_tables, "head": pa.head,
+                              "loss": pa.loss, "recompute": pa.recompute},
+        cpu_offload_bytes=offloaded, trainer_problems=trainer_problems(args, lay),
+        stages=[_stage_summary(*row) for row in per_stage] if dims.pp > 1 else [],
+    )
+    by_kind, by_dim = comm_bytes(args, lay, sp.total, sp.layers, per_param.weights,
                                  per_param.gradients)
     best.comm_bytes_per_step, best.comm_bytes_by_dim = by_kind, by_dim
     return best
+
+
+def _stage_summary(stage: int, mem: dict[str, int], sp: StageParams, act: StageActivations,
+                   offloaded: int) -> dict[str, Any]:
+    """One pipeline stage's line of `Plan.stages`."""
+    return {"stage": stage, "layers": sp.layers, "params": sp.total,
+            "embedding": sp.embedding > 0, "head": sp.head > 0,
+            "in_flight_microbatches": act.in_flight, "held_at_peak": act.held,
+            "memory_bytes": dict(mem)}
+
+
+def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: ActivationSpec,
+                  sp: StageParams, act: StageActivations) -> tuple[dict[str, int], int]:
+    """(each component's bytes on one rank of a stage, with its `total` and `peak`; the bytes
+    offloaded to the host)."""
+    dims = lay.dims
+    m = lay.grad_accum
+    # FSDP2 (the trainer's ZeRO-2 and ZeRO-3) keeps the weights sharded at rest too.
+    zero = 3 if lay.fsdp else lay.zero
+    states = sharded_state(per_param, sp.total, zero, lay.shard_group)
+    if lay.fsdp and lay.stored_dtype != "fp32":
+        # 16-bit parameters under FSDP: its fp32 shards are the master weights and the
+        # 16-bit weights exist only gathered (`gathered_weights`, `comm_buffers`)
+        states["weights"] = 0.0
+    offloaded = offload_states(states, lay.offload)
+    if lay.cpu_offload and lay.fsdp:  # FSDP's offload: every sharded state to the host
+        offloaded += int(sum(states.values()))
+        states = dict.fromkeys(states, 0.0)
+    c = DTYPE_BYTES[lay.precision]
+    mem = {k: int(v) for k, v in states.items()}
+    mem["activations"] = act.bytes
+    if act.p2p_buffers:
+        mem["pipeline_buffers"] = act.p2p_buffers
+    if act.held_sends:
+        mem["pipeline_sends"] = act.held_sends
+    mem["logits_loss"] = logits_buffer_bytes(args, spec) if sp.head > 0 or dims.pp == 1 else 0
+    w = per_param.weights
+    gathered = DTYPE_BYTES[lay.gather_dtype] if lay.fsdp else w
+    # Autocast keeps a 16-bit copy of every fp32 weight it used until backward; FSDP
+    # gathering in bf16 hands it 16-bit weights already.
+    cast = lay.stored_dtype == "fp32" and c < 4 and gathered == 4
+    mem["cast_weights"] = sp.total * c if cast else 0
+    # ZeRO-2 under FSDP (reshard_after_forward=False), and ZeRO-3 under a zero-bubble
+    # schedule: every block stays gathered from its forward to its backward.
+    # Expert parallelism: FSDP gathers a rank's own experts only (1/ep of each layer's;
+    # composed with TP, 1/(ep x tp): the experts are split over both, `parallel/ep_tp.py`).
+    not_local = (1 - 1 / dims.ep) * expert_params(args, 1) / dims.tp
+    unsharded = sp.total - sp.layers * not_local
+    mem["gathered_weights"] = int(unsharded * gathered) if lay.blocks_stay_gathered else 0
+    if lay.fsdp and not lay.blocks_stay_gathered:
+        # The root unit (`apply_fsdp`'s last `fully_shard`: embedding, final norm, head)
+        # reshards only after backward: gathered from the forward's start to its backward.
+        mem["root_gathered"] = int((sp.embedding + sp.head) * gathered)
+    if lay.fsdp:
+        # The unsharded block being computed and the prefetched next one, plus the
+        # unsharded gradients of one block before its reduce-scatter.
+        mem["comm_buffers"] = int((sp.per_layer - not_local) * (2 * gathered + gathered))
+    elif (dims.dp > 1 or dims.cp > 1) and not lay.ddp_wrapped:
+        # TP/PP next to data parallelism: one flat bucket at a time, before the step.
+        counts = count_params(args)  # the largest gradient: embedding, head, MLP matrix
+        largest = max(counts.embedding, counts.head, args.hidden_dim * args.dim) // dims.tp
+        mem["comm_buffers"] = grad_sync_bucket_bytes(
+            states["gradients"], lay.bucket_cap_mb, largest * per_param.gradients)
+    else:  # one process, or torch's DDP: its buckets are the gradients, reduced in place
+        mem["comm_buffers"] = 0
+    if lay.host is not None:
+        mem["host_runtime"] = RUNTIME_BYTES
+        mem["batches"] = batch_bytes(lay.host, lay.mbs, lay.seq_len, m)
+        mem["loader_workers"] = lay.host.loader_workers * LOADER_WORKER_BYTES
+    mem["total"] = sum(mem.values())
+    mem["peak"] = peak_bytes(mem, m, grads_resident=lay.ddp_wrapped,
+                             comm_at_step_only=not lay.fsdp)
+    return mem, offloaded
 
 
 def check_dims(world_size: int, **degrees: int) -> ParallelDims:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from scaletrain.models.args import ModelArgs, count_params
+from scaletrain.plan.pipeline_memory import chunk_ids, chunks_per_rank
 
 GradConvention = Literal["playbook", "megatron", "bf16"]
 OPTIMIZER_BYTES = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2.0, "adafactor": 0.0}
@@ -100,35 +101,50 @@ class StageParams:
         return self.layers * self.per_layer + self.embedding + self.head
 
 
+def chunk_layers(args: ModelArgs, chunks: int) -> list[range]:
+    """The layer indices of each of `chunks` pipeline chunks: contiguous runs whose sizes
+    differ by at most one, earlier chunks larger (the trainer's `parallel.pp.split_layers`)."""
+    n = args.n_layers
+    out, start = [], 0
+    for i in range(chunks):
+        size = n // chunks + (1 if i < n % chunks else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
 def stage_params(args: ModelArgs, pp: int = 1, tp: int = 1, stage: int = 0,
-                 vpp: int = 1) -> StageParams:
+                 vpp: int = 1, schedule: str = "1F1B") -> StageParams:
     """Parameters on one rank of pipeline stage `stage` of `pp`.
 
     Layers are split into pp * vpp chunks as evenly as possible (stage i holds chunks i, i+pp,
-    ...); the first stage holds the embedding, the last the final norm and the head (a tied head
-    is repeated there when pp > 1). Tensor parallelism divides projections, embedding and head by
-    tp; norms and biases of row-parallel layers stay whole.
+    ...; under ZBVZeroBubble chunks i and 2pp - 1 - i, so its first stage holds both ends); the
+    stage with the first chunk holds the embedding, the one with the last chunk the final norm
+    and the head (a tied head is repeated there when pp > 1). Tensor parallelism divides
+    projections, embedding and head by tp; norms and biases of row-parallel layers stay whole.
     """
     c = count_params(args)
     n = args.n_layers
     norm_per_layer = c.norms // (2 * n + 1) * 2
     final_norm = c.norms - n * norm_per_layer
     per_layer = (c.attention + c.mlp) // n // tp + norm_per_layer
-    chunks = pp * vpp
-    sizes = [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
-    layers = sum(sizes[stage::pp])
-    embedding = (c.embedding // tp + c.positional) if stage == 0 else 0
+    v = chunks_per_rank(schedule, vpp) if pp > 1 else 1
+    mine = chunk_ids(stage, pp, v, schedule) if pp > 1 else [0]
+    runs = chunk_layers(args, pp * v)
+    layers = sum(len(runs[i]) for i in mine)
+    embedding = (c.embedding // tp + c.positional) if 0 in mine else 0
     head = 0
-    if stage == pp - 1:
-        tied_elsewhere = args.tie_embeddings and pp > 1
+    if pp * v - 1 in mine:
+        tied_elsewhere = args.tie_embeddings and pp > 1 and 0 not in mine
         head = final_norm + (c.head or (args.vocab_size * args.dim if tied_elsewhere else 0)) // tp
     return StageParams(layers, per_layer, embedding, head)
 
 
-def layer_range(args: ModelArgs, pp: int, stage: int, vpp: int = 1) -> range:
+def layer_range(args: ModelArgs, pp: int, stage: int, vpp: int = 1,
+                schedule: str = "1F1B") -> range:
     """Indices of a contiguous block of layers of the same count as stage `stage` holds (the
     activation estimate only needs how many layers, and which are checkpointed)."""
-    count = stage_params(args, pp, 1, stage, vpp).layers
+    count = stage_params(args, pp, 1, stage, vpp, schedule).layers
     start = math.floor(stage * args.n_layers / pp)
     return range(start, start + count)
 

@@ -2,8 +2,9 @@
 
 The space practitioners use: fix the global batch (in tokens) and the sequence length; tensor
 parallel 1, 2, 4, 8 inside a node, each with every pipeline degree (and 1, 2, 4 virtual
-stages), context parallel for long sequences, ZeRO 0-3, recomputation, every micro-batch that
-divides the batch; data parallel takes the rest and gradient accumulation is GBS / (MBS x DP).
+stages, under 1F1B / Interleaved1F1B and the zero-bubble schedules), context parallel for
+long sequences, ZeRO 0-3, recomputation, every micro-batch that divides the batch; data
+parallel takes the rest and gradient accumulation is GBS / (MBS x DP).
 Layouts are pruned by memory before they are timed; ties go to the simpler layout.
 
 Step time = (compute + exposed tensor/context/pipeline communication) x (1 + bubble) +
@@ -180,7 +181,7 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
     m = lay.grad_accum
     tokens_mb = lay.mbs * lay.seq_len / d.cp
     compute = compute_time(plan, cluster, gbs_tokens)
-    sp = stage_params(args, d.pp, d.tp, plan.stage, lay.vpp)
+    sp = stage_params(args, d.pp, d.tp, plan.stage, lay.vpp, lay.schedule)
     layers = max(1, sp.layers)
     c = DTYPE_BYTES[lay.precision]
     # Tensor parallel: per layer and micro-batch 4 all-reduce-equivalents (6 with full
@@ -351,22 +352,24 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                 continue
             for zero, vpp, ep in itertools.product(range(max_zero + 1), (1, 2, 4),
                                                    _ep_degrees(args, dp)):
-                for mbs in MICRO_BATCHES:
-                    evaluated = fitted = False
-                    for recompute in RECOMPUTE_BY_MEMORY:
-                        cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp, dp,
-                                         zero, recompute, mbs, vpp, model, ep, refused)
-                        if cand is None:
-                            continue
-                        out.append(cand)
-                        evaluated = True
-                        if not cand.fits:
-                            break
-                        fitted = True
-                        if hsdp:
-                            out += _hsdp_variants(args, cluster, cand, gbs_tokens, refused)
-                    if evaluated and not fitted:
-                        break  # a larger micro-batch holds more still
+                for schedule in pipeline_schedules(pp, vpp):
+                    for mbs in MICRO_BATCHES:
+                        evaluated = fitted = False
+                        for recompute in RECOMPUTE_BY_MEMORY:
+                            cand = _evaluate(args, cluster, base, gbs, gbs_tokens, tp, cp, pp,
+                                             dp, zero, recompute, mbs, vpp, model, ep, refused,
+                                             schedule)
+                            if cand is None:
+                                continue
+                            out.append(cand)
+                            evaluated = True
+                            if not cand.fits:
+                                break
+                            fitted = True
+                            if hsdp:
+                                out += _hsdp_variants(args, cluster, cand, gbs_tokens, refused)
+                        if evaluated and not fitted:
+                            break  # a larger micro-batch holds more still
         if any(c.fits for c in out):
             break
     return out
@@ -375,7 +378,8 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tokens: int,
               tp: int, cp: int, pp: int, dp: int, zero: int, recompute: str, mbs: int,
               vpp: int, model: str = "MODEL", ep: int = 1,
-              refused: dict[str, int] | None = None) -> Candidate | None:
+              refused: dict[str, int] | None = None,
+              schedule: str | None = None) -> Candidate | None:
     if (zero > 0 and dp * cp == 1) or gbs % (mbs * dp) or (ep > 1 and zero < 2):
         return None
     ga = gbs // (mbs * dp)
@@ -391,10 +395,7 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
                        recompute=recompute, vpp=vpp, param_dtype=base.param_dtype,
                        sequence_parallel=base.sequence_parallel and args.arch == "llama",
                        fsdp_param_dtype=fsdp_dtype,
-                       # not the zero-bubble schedules: their last stage holds more than the
-                       # plan counts (docs/plan.md, "Zero-bubble schedules: memory the plan
-                       # does not count yet", bench/pp_schedule_memory_cpu.py)
-                       schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
+                       schedule=schedule or pipeline_schedules(pp, vpp)[0])
     if layout_problems(args, lay):
         return None
     return _candidate(args, cluster, lay, gbs_tokens, model, refused)
@@ -477,6 +478,19 @@ def _hsdp_variants(args: ModelArgs, cluster: Cluster, fsdp: Candidate, gbs_token
 
 TIE = 0.995
 """Step times within ~0.5 % compare equal (`_bucket`)."""
+
+
+def pipeline_schedules(pp: int, vpp: int) -> tuple[str, ...]:
+    """The schedules tried for `pp` stages of `vpp` chunks per rank: 1F1B (Interleaved1F1B
+    with chunks) and the zero-bubble ones, whose memory per stage the planner counts within
+    10 % of the measured peak (docs/plan.md, "Pipeline memory per stage"):
+    InterleavedZeroBubble (any chunks) and ZBVZeroBubble (2 chunks in a V)."""
+    if pp == 1:
+        return ("1F1B",)
+    if vpp == 1:
+        return ("1F1B", "InterleavedZeroBubble")
+    return ("Interleaved1F1B", "InterleavedZeroBubble") + (("ZBVZeroBubble",) if vpp == 2
+                                                           else ())
 
 
 def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:

@@ -50,6 +50,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         if k == "total":
             lines.append("-" * 66)
         lines.append(f"{k:<28}{v:>18,}{v / GIB:>10.2f}{v / GB:>10.2f}")
+    lines += _stage_lines(plan)
     if lay.zero == 3 and lay.blocks_stay_gathered:
         lines.append(f"(ZeRO-3 under {lay.schedule}: the blocks stay gathered from forward to "
                      "backward, as in ZeRO-2, for the split backward: gathered_weights)")
@@ -67,6 +68,27 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         lines += ["", "scaletrain train cannot run this layout:",
                   *(f"  - {p}" for p in plan.trainer_problems)]
     return "\n".join(lines)
+
+
+def _stage_lines(plan: Plan) -> list[str]:
+    """Under pipeline parallelism, one line per stage: what sets its peak (`--json`: `stages`)."""
+    if not plan.stages:
+        return []
+    lines = ["", f"per pipeline stage ({plan.layout.schedule}; GiB; peak = max over its "
+             "schedule's moments)",
+             f"{'stage':>5}{'layers':>7}{'ends':>11}{'states':>9}{'activ.':>9}{'logits':>9}"
+             f"{'peak':>9}  held at its peak (micro-batches per chunk, F forward, I input-grad)"]
+    for s in plan.stages:
+        mem = s["memory_bytes"]
+        states = sum(mem[k] for k in ("weights", "gradients", "master_weights", "optimizer"))
+        ends = "+".join(n for n, on in (("embed", s["embedding"]), ("head", s["head"])) if on)
+        held = ", ".join(f"{k} x{v}" for k, v in s["held_at_peak"].items()) \
+            or f"{s['in_flight_microbatches']:g} micro-batch(es)"
+        mark = " *" if s["stage"] == plan.stage else ""
+        lines.append(f"{s['stage']:>5}{s['layers']:>7}{ends or '-':>11}{states / GIB:>9.2f}"
+                     f"{mem['activations'] / GIB:>9.2f}{mem['logits_loss'] / GIB:>9.2f}"
+                     f"{mem['peak'] / GIB:>9.2f}  {held}{mark}")
+    return lines
 
 
 def _recompute_label(lay: Layout) -> str:

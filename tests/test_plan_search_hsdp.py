@@ -76,7 +76,7 @@ def test_thick_network_keeps_fsdp_over_every_rank() -> None:
     def rest(c) -> tuple:
         lay = c.layout
         return (lay.zero, lay.mbs, lay.recompute, lay.dims.tp, lay.dims.pp, lay.vpp,
-                lay.dims.cp)
+                lay.dims.cp, lay.schedule)
 
     kept = [c for c in every if _hsdp(c) and c.fits]
     assert kept  # tp 2: four DP ranks per node

@@ -2,11 +2,12 @@
 the search ranks each published layout among the layouts it evaluates.
 
     python bench/plan_calibration.py [--rank] [--untied] [--one-nic] [--no-tp-overlap]
-                                     [--json OUT.json]
+                                     [--no-dp-overlap] [--breakdown] [--json OUT.json]
 
 `--rank` runs the layout search for each run's model, cluster and batch and prints the rank the
 published layout's predicted step time would take among the fitting layouts (1 = the search's
-first choice; timed as the search times layouts, without a row's `tp_comm_overlap`), the
+first choice; timed as the search times layouts, without a row's `tp_comm_overlap` and
+`dp_overlap`), the
 search's own rank of its best layout with the published degrees (tp, pp, dp), how many
 layouts fit, whether the search itself evaluated the published layout (`yes`),
 and the search's seconds. `--untied` plans the GPT-style rows with untied embeddings (a planner or
@@ -15,8 +16,10 @@ trainer that refuses tied embeddings under PP can then rank them; one embedding 
 data-parallel collectives (`Fabric.stripe_nics=False`, as the DeepSpeed 2021 rows), the
 physics before NCCL's striped rings. `--no-tp-overlap` drops `tp_comm_overlap` from the rows
 that carry it (Megatron-Core's --tp-comm-overlap): their TP collectives back on the critical
-path, as the trainer and the search have them. `--breakdown` adds each row's step-time parts
-(seconds: compute, tp, bubble, exposed data-parallel).
+path, as the trainer and the search have them. `--no-dp-overlap` drops `dp_overlap` (Megatron's
+distributed optimizer with overlapped reduce-scatter and all-gather): their ZeRO-1 timed as the
+trainer runs it (all-reduce, then an exposed broadcast). `--breakdown` adds each row's
+step-time parts (seconds: compute, tp, bubble, exposed data-parallel).
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ def search_rank(pred, untied: bool) -> tuple[int, int | None, int, bool, float]:
     args = run.model_args()
     if untied:
         args = args.replace(tie_embeddings=False)
+    # the search and the published layout timed as the trainer runs: TP collectives exposed,
+    # ZeRO-1 as `train/zero1.py` runs it (a row's tp_comm_overlap / dp_overlap set neither)
+    plain = dataclasses.replace(run, tp_comm_overlap=False, dp_overlap=None)
     t0 = time.perf_counter()
-    fitting, every = search(args, run.cluster(), run.seq_len, run.gbs * run.seq_len,
+    fitting, every = search(args, plain.cluster(), run.seq_len, run.gbs * run.seq_len,
                             Layout(precision="bf16"))
     elapsed = time.perf_counter() - t0
-    # the published layout timed as the search times every layout: TP collectives exposed
-    own = predict(dataclasses.replace(run, tp_comm_overlap=False)) if run.tp_comm_overlap \
-        else pred
+    own = predict(plain) if plain != run else pred
     faster = sum(1 for c in fitting if c.step_time_s < own.step_time_s * 0.995)
     want = (run.tp, run.pp, run.dp, run.mbs, run.recompute, run.zero if run.dp > 1 else None)
     seen = any((c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp, c.layout.mbs,
@@ -63,6 +67,7 @@ def main() -> None:
     p.add_argument("--untied", action="store_true")
     p.add_argument("--one-nic", action="store_true")
     p.add_argument("--no-tp-overlap", action="store_true")
+    p.add_argument("--no-dp-overlap", action="store_true")
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -77,6 +82,8 @@ def main() -> None:
             run = dataclasses.replace(run, framework=DEEPSPEED_ZERO3_2021)
         if a.no_tp_overlap:
             run = dataclasses.replace(run, tp_comm_overlap=False)
+        if a.no_dp_overlap:
+            run = dataclasses.replace(run, dp_overlap=None)
         pred = predict(run)
         row = {"name": run.name, "gpu": run.gpu, "gpus": run.gpus, "measured": pred.measured_tflops,
                "predicted": round(pred.predicted_tflops, 1), "ratio": round(pred.ratio, 3),

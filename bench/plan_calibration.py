@@ -2,16 +2,18 @@
 the search ranks each published layout among the layouts it evaluates.
 
     python bench/plan_calibration.py [--rank] [--untied] [--one-nic] [--no-tp-overlap]
-                                     [--no-dp-overlap] [--breakdown] [--json OUT.json]
+                                     [--no-dp-overlap] [--no-hsdp] [--breakdown]
+                                     [--json OUT.json]
 
 `--rank` runs the layout search for each run's model, cluster and batch and prints the rank the
 published layout's predicted step time would take among the fitting layouts (1 = the search's
 first choice; timed as the search times layouts, without a row's `tp_comm_overlap` and
-`dp_overlap`), the
-search's own rank of its best layout with the published degrees (tp, pp, dp), how many
-layouts fit, whether the search itself evaluated the published layout (`yes`),
-and the search's seconds. `--untied` plans the GPT-style rows with untied embeddings (a planner or
-trainer that refuses tied embeddings under PP can then rank them; one embedding matrix more).
+`dp_overlap`), the search's own rank of its best layout with the published degrees (tp, pp,
+dp, and for ZeRO-2/3 the shard group: HSDP's dp_shard), how many layouts fit, whether the
+search itself evaluated the published layout (`yes`), and the search's seconds; the search
+reduces gradients in the run's dtype (`reduce_dtype`). `--no-hsdp` searches without HSDP.
+`--untied` plans the GPT-style rows with untied embeddings (a planner or trainer that refuses
+tied embeddings under PP can then rank them; one embedding matrix more).
 `--one-nic` predicts every row with one NIC's worth per rank across nodes for the
 data-parallel collectives (`Fabric.stripe_nics=False`, as the DeepSpeed 2021 rows), the
 physics before NCCL's striped rings. `--no-tp-overlap` drops `tp_comm_overlap` from the rows
@@ -34,7 +36,8 @@ from scaletrain.plan.estimate import Layout
 from scaletrain.plan.search import search
 
 
-def search_rank(pred, untied: bool) -> tuple[int, int | None, int, bool, float]:
+def search_rank(pred, untied: bool, hsdp: bool = True) -> tuple[int, int | None, int, bool,
+                                                                float]:
     """(rank of the published layout among the fitting layouts, the search's rank of its best
     layout with the published degrees (tp, pp, dp), how many fit, whether the search evaluated
     the published layout itself, search seconds)."""
@@ -46,18 +49,25 @@ def search_rank(pred, untied: bool) -> tuple[int, int | None, int, bool, float]:
     # ZeRO-1 as `train/zero1.py` runs it (a row's tp_comm_overlap / dp_overlap set neither)
     plain = dataclasses.replace(run, tp_comm_overlap=False, dp_overlap=None)
     t0 = time.perf_counter()
+    # the run's gradient-reduction dtype: the search's FSDP layouts reduce as the run did
     fitting, every = search(args, plain.cluster(), run.seq_len, run.gbs * run.seq_len,
-                            Layout(precision="bf16"))
+                            Layout(precision="bf16", fsdp_reduce_dtype=run.reduce_dtype),
+                            hsdp=hsdp)
     elapsed = time.perf_counter() - t0
     own = predict(plain) if plain != run else pred
     faster = sum(1 for c in fitting if c.step_time_s < own.step_time_s * 0.995)
-    want = (run.tp, run.pp, run.dp, run.mbs, run.recompute, run.zero if run.dp > 1 else None)
-    seen = any((c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp, c.layout.mbs,
-                c.layout.recompute, c.layout.zero if run.dp > 1 else None) == want
-               for c in every)
-    degrees = next((i + 1 for i, c in enumerate(fitting)
-                    if (c.layout.dims.tp, c.layout.dims.pp, c.layout.dims.dp)
-                    == (run.tp, run.pp, run.dp)), None)
+    # the shard group counts for ZeRO-2/3 (HSDP: dp_shard; FSDP: all of dp)
+    shard = (run.dp_shard or run.dp) if run.zero >= 2 and run.dp > 1 else None
+
+    def degrees_of(c) -> tuple:
+        d = c.layout.dims
+        return (d.tp, d.pp, d.dp, d.dp_shard if shard is not None else None)
+
+    want = (run.tp, run.pp, run.dp, shard)
+    seen = any(degrees_of(c) == want and (c.layout.mbs, c.layout.recompute,
+                                           c.layout.zero if run.dp > 1 else None)
+               == (run.mbs, run.recompute, run.zero if run.dp > 1 else None) for c in every)
+    degrees = next((i + 1 for i, c in enumerate(fitting) if degrees_of(c) == want), None)
     return faster + 1, degrees, len(fitting), seen, elapsed
 
 
@@ -69,6 +79,8 @@ def main() -> None:
     p.add_argument("--no-tp-overlap", action="store_true")
     p.add_argument("--no-dp-overlap", action="store_true")
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--no-hsdp", action="store_true",
+                   help="search without HSDP layouts (the search space before it had them)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     rows = []
@@ -92,7 +104,7 @@ def main() -> None:
         line = (f"{run.name:<44} {run.gpu:<15} {pred.measured_tflops:>6.0f} "
                 f"{pred.predicted_tflops:>6.0f} {pred.ratio:>6.2f}")
         if a.rank:
-            rank, degrees, fit, seen, secs = search_rank(pred, a.untied)
+            rank, degrees, fit, seen, secs = search_rank(pred, a.untied, not a.no_hsdp)
             row.update(rank=rank, degrees_rank=degrees, fitting=fit, evaluated=seen,
                        search_s=round(secs, 2))
             line += (f"  {rank:>5} {degrees or '-':>7} {fit:>5} {'yes' if seen else 'no':>4} "

@@ -38,8 +38,9 @@ def test_the_limit_is_the_largest_fsdp_group_measured_on_nccl_rings() -> None:
 
 
 def test_search_names_its_175b_zero3_first_choice_as_beyond_the_measured() -> None:
-    """GPT-3 175B on 1,536 A100s: the search's #1 is TP 1 x ZeRO-3 over 1,536 ranks; the one
-    measurement of that kind of layout at that scale ran at a third of PTD-P's speed."""
+    """GPT-3 175B on 1,536 A100s: the search's #1 is TP 1 x ZeRO-3 over 1,536 ranks (HSDP: 3
+    replicas of FSDP over 512, or FSDP over all); the one measurement of that kind of layout at
+    that scale ran at a third of PTD-P's speed."""
     run = BY_NAME["GPT-3 175B, PTD-P TP 8 x PP 12, 1536 GPUs"]
     args = run.model_args().replace(tie_embeddings=False)
     fitting, _ = search(args, Cluster(get_device(run.gpu), run.gpus), run.seq_len,
@@ -47,9 +48,14 @@ def test_search_names_its_175b_zero3_first_choice_as_beyond_the_measured() -> No
     zero3 = [c for c in fitting if c.layout.dims.tp == 1 and c.layout.zero == 3
              and c.layout.dims.dp == 1536]
     assert zero3
-    note = calibration_note(zero3[0].layout)
-    assert note is not None
-    assert "1,536 ranks" in note and "(512 GPUs)" in note
+    assert any(c.layout.dims.dp_replicate > 1 for c in zero3)  # HSDP is noted too
+    for c in zero3:
+        note = calibration_note(c.layout)
+        assert note is not None
+        assert "1,536 ranks" in note and "(512 GPUs)" in note
+        if c.layout.dims.dp_replicate > 1:
+            assert note.startswith(f"HSDP over 1,536 ranks ({c.layout.dims.dp_replicate} "
+                                   f"replicas of FSDP over {c.layout.dims.dp_shard:,})")
     assert "44 TFLOP/s at 1,536 A100s vs 141 for TP 8 x PP 12" in note
     assert "Narayanan et al. 2021" in note
     ptdp = [c for c in fitting if c.layout.dims.tp == 8 and c.layout.dims.pp > 1]

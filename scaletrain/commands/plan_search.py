@@ -20,7 +20,7 @@ from scaletrain.commands._plan_args import (
 from scaletrain.plan.calibration.measured_range import calibration_note
 from scaletrain.plan.estimate import Layout, PlanError
 from scaletrain.plan.from_config import host_process
-from scaletrain.plan.search import Cluster, alternatives, search, why_lost
+from scaletrain.plan.search import Candidate, Cluster, alternatives, search, why_lost
 
 
 def main(argv: list[str]) -> int:
@@ -48,6 +48,9 @@ def main(argv: list[str]) -> int:
                    help="override the intra-node bandwidth (GB/s per GPU and direction)")
     p.add_argument("--inter-node-gbs", type=float, default=None,
                    help="override the inter-node bandwidth (GB/s per GPU and direction)")
+    p.add_argument("--fsdp-reduce-dtype", choices=["fp32", "bf16"], default=None,
+                   help="ZeRO-2/3: dtype FSDP reduce-scatters (and HSDP all-reduces) gradients "
+                        "in (parallel.fsdp_reduce_dtype; default: the model's training default)")
     p.add_argument("--top", type=positive_int, default=5)
     a = p.parse_args(argv)
     if a.gpu is None:
@@ -96,6 +99,7 @@ def main(argv: list[str]) -> int:
     cluster = Cluster(device, a.gpus, a.gpus_per_node, efficiency=a.efficiency)
     base = Layout(precision=a.precision, param_dtype=a.param_dtype,
                   grad_convention=a.grad_convention, optimizer=a.optimizer,
+                  fsdp_reduce_dtype=a.fsdp_reduce_dtype or defaults.parallel.fsdp_reduce_dtype,
                   fused_loss=defaults.training.fused_loss,
                   loss_chunk=defaults.training.loss_chunk_tokens,
                   # this host: its kernels' saved tensors, the process's own memory and batches,
@@ -126,13 +130,13 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"{len(fitting)} of {len(every)} layouts fit {a.gpus} x {device.name} "
           f"({cluster.usable_bytes / GIB:.1f} GiB usable per GPU)\n")
-    head = f"{'#':>2} {'dp':>5} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'zero':>4} " \
+    head = f"{'#':>2} {'dp':>7} {'tp':>3} {'pp':>3} {'vpp':>3} {'cp':>3} {'ep':>3} {'zero':>4} " \
            f"{'mbs':>4} {'ga':>5} {'recompute':>9} {'GiB/GPU':>8} {'step s':>8} {'MFU':>6}  " \
            "largest overhead"
     print(head)
     for i, c in enumerate(fitting[:a.top], 1):
         j = c.to_json()
-        print(f"{i:>2} {j['dp']:>5} {j['tp']:>3} {j['pp']:>3} {j['vpp']:>3} {j['cp']:>3} "
+        print(f"{i:>2} {_dp(c):>7} {j['tp']:>3} {j['pp']:>3} {j['vpp']:>3} {j['cp']:>3} "
               f"{j['ep']:>3} "
               f"{j['zero']:>4} {j['mbs']:>4} {j['ga']:>5} {j['recompute']:>9} "
               f"{j['memory_bytes_per_gpu'] / GIB:>8.1f} {j['step_time_s']:>8.2f} "
@@ -140,6 +144,9 @@ def main(argv: list[str]) -> int:
         note = calibration_note(c.layout)
         if note:  # the layout relies on a regime the calibration table did not measure
             print(f"{'':>3}! {note}")
+    if any(_hsdp(c) for c in fitting[:a.top]):
+        print("\ndp RxS: HSDP, R replicas of FSDP over S ranks (--parallel.dp_replicate R "
+              "--parallel.dp_shard S)")
     print("\ncommands:")
     for i, c in enumerate(fitting[:a.top], 1):
         print(f"{i:>2} {c.command}")
@@ -153,6 +160,16 @@ def main(argv: list[str]) -> int:
         value = alt.to_json().get(name, getattr(alt.layout, name, None))
         print(f"  {name}={value}: {why_lost(best, alt, cluster.usable_bytes)}")
     return 0
+
+
+def _hsdp(c: Candidate) -> bool:
+    return c.layout.fsdp and c.layout.dims.dp_replicate > 1
+
+
+def _dp(c: Candidate) -> str:
+    """The data-parallel degree; `RxS` for HSDP (R replicas of shard groups of S ranks)."""
+    d = c.layout.dims
+    return f"{d.dp_replicate}x{d.dp_shard}" if _hsdp(c) else str(d.dp)
 
 
 def _seconds(t: float) -> str:

@@ -15,6 +15,7 @@ Calibrated against published measured runs: `plan/calibration/`, docs/plan.md.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from scaletrain.plan.estimate import (
 )
 from scaletrain.plan.flops import attention_forward_flops
 from scaletrain.plan.hardware import Device
-from scaletrain.plan.memory import stage_params
+from scaletrain.plan.memory import StageParams, stage_params
 
 RECOMPUTE_COST = {"none": 0, "partial": 1, "full": 2}
 ZERO_OF_MODE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -228,14 +229,20 @@ def step_time(plan: Plan, cluster: Cluster, gbs_tokens: int) -> tuple[float, dic
         if args.tie_embeddings:  # the embedding's gradient: first <-> last stage, exposed
             tied = 4.0 * args.vocab_size * args.dim / d.tp
             pp += fabric.time("all_reduce", tied, 2, 1 if across or d.pp > gpn else 2)
-    dp_fabric = Fabric(cluster.device, gpn, stripe_nics=cluster.dp_stripes_nics)
-    dp = _dp_exposed(plan, dp_fabric, compute, layers, sp.total,
-                     distributed_optimizer=cluster.distributed_optimizer)
+    dp = dp_comm_exposed(plan, cluster, compute, sp)
     busy = compute + tp + cp + ep + pp
     bubble = busy * plan.bubble_fraction
     times = {"compute": compute, "tp_comm": tp, "cp_comm": cp, "ep_comm": ep, "pp_comm": pp,
              "bubble": bubble, "dp_comm_exposed": dp}
     return busy + bubble + dp, times
+
+
+def dp_comm_exposed(plan: Plan, cluster: Cluster, compute: float, sp: StageParams) -> float:
+    """Seconds of data-parallel communication per step not hidden behind `compute` (the
+    step's compute seconds) for the parameters `sp` of the plan's stage (`_dp_exposed`)."""
+    fabric = Fabric(cluster.device, cluster.gpus_per_node, stripe_nics=cluster.dp_stripes_nics)
+    return _dp_exposed(plan, fabric, compute, max(1, sp.layers), sp.total,
+                       distributed_optimizer=cluster.distributed_optimizer)
 
 
 CONTENTION = 0.1
@@ -359,7 +366,7 @@ RECOMPUTE_BY_MEMORY = ("full", "partial", "none")
 def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                base: Layout | None = None, max_cp: int = 32,
                max_zero: int = 3, model: str = "MODEL",
-               refused: dict[str, int] | None = None) -> list[Candidate]:
+               refused: dict[str, int] | None = None, hsdp: bool = True) -> list[Candidate]:
     """Every layout the search evaluates, fitting or not: TP x PP x virtual stages x CP x EP x
     ZeRO stage x recomputation x micro-batch, pruned by memory before the step time is ranked
     (the micro-batches of a layout stop at the first that does not fit even with full
@@ -367,7 +374,8 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
 
     Context parallel is added (2, 4, ... up to `max_cp`) only when no layout without it fits:
     it is the tool for sequences whose activations do not fit otherwise. `refused` (if given)
-    counts the layouts the trainer refuses, by reason.
+    counts the layouts the trainer refuses, by reason. ZeRO-2/3 layouts that fit are tried as
+    HSDP too (`_hsdp_variants`) unless `hsdp` is False.
     """
     if gbs_tokens % seq_len:
         raise PlanError(f"--gbs-tokens ({gbs_tokens}) must be a multiple of --seq-len "
@@ -398,6 +406,8 @@ def candidates(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
                         if not cand.fits:
                             break
                         fitted = True
+                        if hsdp:
+                            out += _hsdp_variants(args, cluster, cand, gbs_tokens, refused)
                     if evaluated and not fitted:
                         break  # a larger micro-batch holds more still
         if any(c.fits for c in out):
@@ -430,6 +440,12 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
                        schedule="Interleaved1F1B" if vpp > 1 else "1F1B")
     if layout_problems(args, lay):
         return None
+    return _candidate(args, cluster, lay, gbs_tokens, model, refused)
+
+
+def _candidate(args: ModelArgs, cluster: Cluster, lay: Layout, gbs_tokens: int, model: str,
+               refused: dict[str, int] | None) -> Candidate | None:
+    """`lay` planned and (if it fits) timed; None where the trainer refuses it."""
     problems = trainer_problems(args, lay)
     if problems:  # never propose what the trainer refuses
         if refused is not None:
@@ -447,6 +463,65 @@ def _evaluate(args: ModelArgs, cluster: Cluster, base: Layout, gbs: int, gbs_tok
     return Candidate(plan, True, t, mfu, times, model, cluster.gpus, cluster.gpus_per_node)
 
 
+def shard_groups(cluster: Cluster, tp: int, cp: int, dp: int) -> list[int]:
+    """HSDP shard-group sizes (`dp_shard`) to try beside FSDP over all `dp` ranks, largest
+    first: the data-parallel ranks of one node (gpus_per_node / (tp x cp), when at least 2;
+    the mesh puts dp_shard inside tp and cp, so such a group stays on NVLink) and that times
+    2, 4, ... below `dp` and dividing it; the rest of `dp` replicates (dp_replicate > 1)."""
+    if cluster.gpus_per_node % (tp * cp):
+        return []
+    node = cluster.gpus_per_node // (tp * cp)
+    out, s = [], node
+    while node >= 2 and s < dp:
+        if dp % s == 0:
+            out.append(s)
+        s *= 2
+    return out[::-1]
+
+
+def _hsdp_variants(args: ModelArgs, cluster: Cluster, fsdp: Candidate, gbs_tokens: int,
+                   refused: dict[str, int] | None) -> list[Candidate]:
+    """The fastest HSDP layout that fits, of a fitting FSDP layout (`shard_groups`), if it is
+    faster than the FSDP layout beyond a tie; and the ones planned on the way that did not fit.
+
+    Only the data-parallel communication differs from the FSDP layout, so every shard group is
+    timed on the FSDP layout's plan first and planned (memory) in order of speed: a smaller
+    group holds more per rank (the states are sharded over fewer ranks), so one that does not
+    fit rules out every smaller one; the first that fits is the layout's best HSDP (a slower
+    one with less memory would rank below it and fits no better). Expert parallelism runs
+    without replicas (the trainer's rule): MoE layouts with EP keep plain FSDP."""
+    lay = fsdp.layout
+    d = lay.dims
+    if not lay.fsdp or d.ep > 1 or d.dp_replicate > 1:
+        return []
+    timed = []
+    sp = stage_params(args, d.pp, d.tp, fsdp.plan.stage, lay.vpp)
+    rest = fsdp.step_time_s - fsdp.times["dp_comm_exposed"]  # what HSDP leaves as it is
+    for s in shard_groups(cluster, d.tp, d.cp, d.dp):
+        hsdp = lay.replace(dims=dataclasses.replace(d, dp_replicate=d.dp // s, dp_shard=s))
+        t = rest + dp_comm_exposed(dataclasses.replace(fsdp.plan, layout=hsdp), cluster,
+                                   fsdp.times["compute"], sp)
+        if t < fsdp.step_time_s * TIE:
+            timed.append((t, -s, hsdp))
+    out: list[Candidate] = []
+    too_small = 0  # shard groups this size and below do not fit
+    for _, neg_s, hsdp in sorted(timed, key=lambda x: x[:2]):
+        if -neg_s <= too_small:
+            continue
+        cand = _candidate(args, cluster, hsdp, gbs_tokens, fsdp.model, refused)
+        if cand is None:
+            continue
+        out.append(cand)
+        if cand.fits:
+            break
+        too_small = -neg_s
+    return out
+
+
+TIE = 0.995
+"""Step times within ~0.5 % compare equal (`_bucket`)."""
+
+
 def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:
     """Expert-parallel degrees to try: 1, and for an MoE model the powers of two that divide
     both the data-parallel degree (EP borrows its ranks) and the number of experts."""
@@ -462,19 +537,21 @@ def _ep_degrees(args: ModelArgs, dp: int) -> list[int]:
 def rank_key(c: Candidate) -> tuple:
     """Fastest first; among equal times (within ~0.5 %) the simpler layout."""
     lay = c.layout
-    return (_bucket(c.step_time_s), lay.zero, RECOMPUTE_COST[lay.recompute], lay.dims.cp,
+    return (_bucket(c.step_time_s), lay.zero, lay.dims.dp_replicate > 1 and lay.fsdp,
+            RECOMPUTE_COST[lay.recompute], lay.dims.cp,
             lay.dims.pp, lay.vpp, lay.dims.tp, -lay.mbs)
 
 
 def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,
            base: Layout | None = None, max_zero: int = 3, model: str = "MODEL",
-           refused: dict[str, int] | None = None) -> tuple[list[Candidate], list[Candidate]]:
+           refused: dict[str, int] | None = None,
+           hsdp: bool = True) -> tuple[list[Candidate], list[Candidate]]:
     """(fitting layouts best first, all evaluated layouts). `max_zero` 1 restricts the search to
     replicated weights (DDP, ZeRO-1). Only layouts the trainer runs are evaluated; `model` is
     the name (preset or Hugging Face config path) the commands train."""
     base = (base or Layout()).replace(seq_len=seq_len)
     every = candidates(args, cluster, seq_len, gbs_tokens, base, max_zero=max_zero, model=model,
-                       refused=refused)
+                       refused=refused, hsdp=hsdp)
     fitting = sorted((c for c in every if c.fits), key=rank_key)
     return fitting, every
 
@@ -484,14 +561,16 @@ def _bucket(t: float) -> float:
     return round(math.log(t) / 0.005) if t > 0 else 0.0
 
 
-KNOBS = ("tp", "pp", "cp", "ep", "zero", "recompute", "mbs", "vpp")
+KNOBS = ("tp", "pp", "cp", "ep", "zero", "dp_shard", "recompute", "mbs", "vpp")
 
 
 def knob(c: Candidate, name: str) -> object:
     lay = c.layout
     if name == "zero":
         return c.zero_label
-    return getattr(lay.dims, name) if name in ("tp", "pp", "cp", "ep") else getattr(lay, name)
+    if name in ("tp", "pp", "cp", "ep", "dp_shard"):
+        return getattr(lay.dims, name)
+    return getattr(lay, name)
 
 
 def alternatives(best: Candidate, every: list[Candidate]) -> list[tuple[str, Candidate]]:

@@ -62,10 +62,11 @@ def _check_per_device(lines: list[dict], world: int) -> None:
 
 def _top_layouts(n: int) -> list:
     """The best fitting layout, then the best of each other parallel structure (degrees and
-    whether FSDP shards), `n` in all."""
+    whether FSDP shards), `n` in all. Two "nodes" of two GPUs: sharding inside a node and
+    replicating across them (HSDP, dp_replicate 2 x dp_shard 2) is the search's best FSDP."""
     base = Layout(precision="fp32", kernels="cpu")
-    fitting, _ = search(ARGS, Cluster(get_device("H100"), 4), SEQ, SEQ * 16, base,
-                        model="debug")
+    fitting, _ = search(ARGS, Cluster(get_device("H100"), 4, gpus_per_node=2), SEQ, SEQ * 16,
+                        base, model="debug")
     chosen, seen = [], set()
     for c in fitting:
         d = c.layout.dims
@@ -80,10 +81,12 @@ def test_top_search_layouts_train_through_their_command(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     layouts = _top_layouts(3)
     assert len(layouts) == 3 and any(c.layout.fsdp for c in layouts)
+    assert any(c.layout.fsdp and c.layout.dims.dp_replicate > 1 for c in layouts)  # HSDP
     assert any(c.layout.dims.tp * c.layout.dims.pp > 1 for c in layouts)
     for i, c in enumerate(layouts):
         argv = shlex.split(c.command)
-        assert argv[:4] == ["torchrun", "--standalone", "--nproc_per_node", "4"]
+        # the per-node line of a 2-node job; its train flags run here on one host's 4 ranks
+        assert argv[:5] == ["torchrun", "--nnodes", "2", "--nproc_per_node", "2"]
         out = tmp_path / f"run{i}"
         # The data flags first: every flag of the command wins where both set one.
         flags = _data_flags(out, cache) + argv[argv.index("train") + 1:]
@@ -94,6 +97,9 @@ def test_top_search_layouts_train_through_their_command(tmp_path: Path) -> None:
         _check_per_device(lines, 4)
         config = (out / "config.toml").read_text()
         assert f'data_parallel = "{c.layout.data_parallel}"' in config
+        d = c.layout.dims
+        assert f"dp_replicate = {d.dp_replicate}" in config
+        assert f"dp_shard = {d.dp_shard}" in config
 
 
 def test_two_rank_metrics_are_per_device(tmp_path: Path) -> None:

@@ -2,11 +2,12 @@
 
 The step-time model is held to published runs (`published_runs.toml`); a layout beyond all of
 them is an extrapolation, and `plan` and `plan search` say so in one line per layout. The
-regime checked: a sharded data-parallel group (ZeRO-2/3, FSDP) larger than the largest one the
-table measured on NCCL's rings (rows without a `framework`), the rings whose NIC striping the
-model credits. The limit is read from the table, so a new measured row moves it. The line names
-the nearest measured evidence beyond it: a sharded run on a larger group (another framework)
-beside the fastest other layout measured in its comparison group.
+regime checked: a sharded data-parallel group (ZeRO-2/3, FSDP; for HSDP every data-parallel
+rank its replicas span) larger than the largest one the table measured on NCCL's rings (rows
+without a `framework`), the rings whose NIC striping the model credits. The limit is read from
+the table, so a new measured row moves it. The line names the nearest measured evidence beyond
+it: a sharded run on a larger group (another framework) beside the fastest other layout
+measured in its comparison group.
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ class MeasuredRange:
 
     def note(self, lay: Layout) -> str | None:
         """One line when `lay` relies on a regime the table did not measure, else None."""
-        n = lay.shard_group if lay.fsdp else 0
+        # HSDP's collectives reach every data-parallel rank (the all-reduce across replicas):
+        # its span is dp x cp, not the shard group
+        d = lay.dims
+        n = d.dp * d.cp if lay.fsdp else 0
         largest = self.largest_fsdp
         limit = sharded_group(largest) if largest is not None else 0
         if n <= limit:
             return None
-        text = f"FSDP over {n:,} ranks: beyond the largest measured FSDP run " + (
+        kind = f"FSDP over {n:,} ranks" if d.dp_replicate == 1 else \
+            f"HSDP over {n:,} ranks ({d.dp_replicate} replicas of FSDP over {lay.shard_group:,})"
+        text = f"{kind}: beyond the largest measured FSDP run " + (
             f"({limit:,} GPUs)" if largest is not None else "(none in the table)")
         evidence = self._nearest_beyond(n, limit)
         return text if evidence is None else f"{text}; {evidence}"

@@ -2,24 +2,26 @@
 the search ranks each published layout among the layouts it evaluates.
 
     python bench/plan_calibration.py [--rank] [--untied] [--one-nic] [--no-tp-overlap]
-                                     [--no-hsdp] [--breakdown]
+                                     [--no-dp-overlap] [--no-hsdp] [--breakdown]
                                      [--json OUT.json]
 
 `--rank` runs the layout search for each run's model, cluster and batch and prints the rank the
 published layout's predicted step time would take among the fitting layouts (1 = the search's
-first choice; timed as the search times layouts, without a row's `tp_comm_overlap`), the
-search's own rank of its best layout with the published degrees (tp, pp, dp, and for ZeRO-2/3
-the shard group: HSDP's dp_shard), how many layouts fit, whether the search itself evaluated
-the published layout (`yes`), and the search's seconds; the search reduces gradients in the
-run's dtype (`reduce_dtype`). `--no-hsdp` searches without HSDP. `--untied` plans the GPT-style
-rows with untied embeddings (a planner or trainer that refuses tied embeddings under PP can
-then rank them; one embedding matrix more).
+first choice; timed as the search times layouts, without a row's `tp_comm_overlap` and
+`dp_overlap`), the search's own rank of its best layout with the published degrees (tp, pp,
+dp, and for ZeRO-2/3 the shard group: HSDP's dp_shard), how many layouts fit, whether the
+search itself evaluated the published layout (`yes`), and the search's seconds; the search
+reduces gradients in the run's dtype (`reduce_dtype`). `--no-hsdp` searches without HSDP.
+`--untied` plans the GPT-style rows with untied embeddings (a planner or trainer that refuses
+tied embeddings under PP can then rank them; one embedding matrix more).
 `--one-nic` predicts every row with one NIC's worth per rank across nodes for the
 data-parallel collectives (`Fabric.stripe_nics=False`, as the DeepSpeed 2021 rows), the
 physics before NCCL's striped rings. `--no-tp-overlap` drops `tp_comm_overlap` from the rows
 that carry it (Megatron-Core's --tp-comm-overlap): their TP collectives back on the critical
-path, as the trainer and the search have them. `--breakdown` adds each row's step-time parts
-(seconds: compute, tp, bubble, exposed data-parallel).
+path, as the trainer and the search have them. `--no-dp-overlap` drops `dp_overlap` (Megatron's
+distributed optimizer with overlapped reduce-scatter and all-gather): their ZeRO-1 timed as the
+trainer runs it (all-reduce, then an exposed broadcast). `--breakdown` adds each row's
+step-time parts (seconds: compute, tp, bubble, exposed data-parallel).
 """
 
 from __future__ import annotations
@@ -43,15 +45,16 @@ def search_rank(pred, untied: bool, hsdp: bool = True) -> tuple[int, int | None,
     args = run.model_args()
     if untied:
         args = args.replace(tie_embeddings=False)
+    # the search and the published layout timed as the trainer runs: TP collectives exposed,
+    # ZeRO-1 as `train/zero1.py` runs it (a row's tp_comm_overlap / dp_overlap set neither)
+    plain = dataclasses.replace(run, tp_comm_overlap=False, dp_overlap=None)
     t0 = time.perf_counter()
     # the run's gradient-reduction dtype: the search's FSDP layouts reduce as the run did
-    fitting, every = search(args, run.cluster(), run.seq_len, run.gbs * run.seq_len,
+    fitting, every = search(args, plain.cluster(), run.seq_len, run.gbs * run.seq_len,
                             Layout(precision="bf16", fsdp_reduce_dtype=run.reduce_dtype),
                             hsdp=hsdp)
     elapsed = time.perf_counter() - t0
-    # the published layout timed as the search times every layout: TP collectives exposed
-    own = predict(dataclasses.replace(run, tp_comm_overlap=False)) if run.tp_comm_overlap \
-        else pred
+    own = predict(plain) if plain != run else pred
     faster = sum(1 for c in fitting if c.step_time_s < own.step_time_s * 0.995)
     # the shard group counts for ZeRO-2/3 (HSDP: dp_shard; FSDP: all of dp)
     shard = (run.dp_shard or run.dp) if run.zero >= 2 and run.dp > 1 else None
@@ -74,6 +77,7 @@ def main() -> None:
     p.add_argument("--untied", action="store_true")
     p.add_argument("--one-nic", action="store_true")
     p.add_argument("--no-tp-overlap", action="store_true")
+    p.add_argument("--no-dp-overlap", action="store_true")
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--no-hsdp", action="store_true",
                    help="search without HSDP layouts (the search space before it had them)")
@@ -90,6 +94,8 @@ def main() -> None:
             run = dataclasses.replace(run, framework=DEEPSPEED_ZERO3_2021)
         if a.no_tp_overlap:
             run = dataclasses.replace(run, tp_comm_overlap=False)
+        if a.no_dp_overlap:
+            run = dataclasses.replace(run, dp_overlap=None)
         pred = predict(run)
         row = {"name": run.name, "gpu": run.gpu, "gpus": run.gpus, "measured": pred.measured_tflops,
                "predicted": round(pred.predicted_tflops, 1), "ratio": round(pred.ratio, 3),

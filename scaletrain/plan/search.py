@@ -61,6 +61,12 @@ class Cluster:
     only the contention cost (Megatron-Core's --tp-comm-overlap, Transformer Engine
     userbuffers: a property of published runs, `plan/calibration/`). The trainer does not
     overlap them: False for every search."""
+    distributed_optimizer: bool = False
+    """ZeRO-1 timed as Megatron's distributed optimizer with --overlap-grad-reduce and
+    --overlap-param-gather (`_distopt_exposed`): bucketed reduce-scatter behind the last
+    micro-batch's backward, bucketed all-gather of the updated weights behind the next step's
+    first forward. A property of published runs (`plan/calibration/`); the trainer's ZeRO-1
+    all-reduces and broadcasts (`train/zero1.py`): False for every search."""
 
     @property
     def usable_bytes(self) -> float:
@@ -236,7 +242,8 @@ def dp_comm_exposed(plan: Plan, cluster: Cluster, compute: float, sp: StageParam
     """Seconds of data-parallel communication per step not hidden behind `compute` (the
     step's compute seconds) for the parameters `sp` of the plan's stage (`_dp_exposed`)."""
     fabric = Fabric(cluster.device, cluster.gpus_per_node, stripe_nics=cluster.dp_stripes_nics)
-    return _dp_exposed(plan, fabric, compute, max(1, sp.layers), sp.total)
+    return _dp_exposed(plan, fabric, compute, max(1, sp.layers), sp.total,
+                       distributed_optimizer=cluster.distributed_optimizer)
 
 
 CONTENTION = 0.1
@@ -252,8 +259,40 @@ def _overlap(comm: float, window: float) -> float:
     return max(0.0, comm - window) + CONTENTION * min(comm, window)
 
 
+MEGATRON_BUCKET_PARAMS = 40_000_000
+"""Megatron-Core's default data-parallel bucket: max(40M, 1M x dp) parameters
+(`megatron/core/distributed/distributed_data_parallel.py`)."""
+
+
+def _distopt_exposed(lay: Layout, fabric: Fabric, compute: float, params: int, n: int,
+                     k: int) -> float:
+    """Seconds of ZeRO-1 traffic per step that compute does not hide, for Megatron's
+    distributed optimizer with --overlap-grad-reduce and --overlap-param-gather (what the
+    Megatron-LM rows of the calibration table ran; the trainer does not).
+
+    Gradients are reduce-scattered bucket by bucket as the last micro-batch's backward makes
+    each bucket ready (`megatron/core/distributed/param_and_grad_buffer.py`; earlier
+    micro-batches do not sync), in the gradient reduce dtype (`fsdp_reduce_dtype`: fp32, which
+    Megatron's `arguments.py` forces for bf16); the last bucket's only starts when the backward
+    ends. After the step each rank all-gathers the updated parameters in their dtype (bf16),
+    the first bucket dispatched at once and each next one when the forward reaches the bucket
+    before it (`megatron/core/optimizer/distrib_optimizer.py`): the first bucket is exposed,
+    the rest run beside the first micro-batch's forward. Each hidden part pays the contention
+    cost (`_overlap`). Buckets of `MEGATRON_BUCKET_PARAMS` (stage 0's bucketing: Megatron
+    gives later pipeline stages one bucket, their traffic being off the critical path)."""
+    m = lay.grad_accum
+    buckets = max(1, math.ceil(params / max(MEGATRON_BUCKET_PARAMS, 1_000_000 * n)))
+    rs = fabric.time("reduce_scatter", DTYPE_BYTES[lay.fsdp_reduce_dtype] * params / buckets,
+                     n, k)
+    ag = fabric.time("all_gather", DTYPE_BYTES[lay.stored_dtype] * params / buckets, n, k)
+    backward = 2 / 3 * compute / m  # the last micro-batch's backward
+    forward = compute / (3 * m)  # the next step's first micro-batch's forward
+    return (rs + _overlap((buckets - 1) * rs, backward)
+            + ag + _overlap((buckets - 1) * ag, forward))
+
+
 def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
-                params: int) -> float:
+                params: int, distributed_optimizer: bool = False) -> float:
     """Seconds of data-parallel communication per step that compute does not hide.
 
     FSDP2 (`parallel/fsdp.py`, one unit per block) prefetches one block ahead: in forward the
@@ -262,7 +301,9 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     its recomputed forward). Each block's exposed time is what its own compute cannot cover;
     the first gather and the last reduce-scatter are never covered. DDP's bucketed all-reduce
     runs during the last micro-batch's backward (no sync before it); ZeRO-1's gather of the
-    updated weights runs after the optimizer step, exposed.
+    updated weights (`train/zero1.py`: each owner broadcasts them in the parameters' dtype, bf16
+    with 16-bit parameters) runs after the optimizer step, exposed. `distributed_optimizer`:
+    ZeRO-1 as Megatron's distributed optimizer runs it (`_distopt_exposed`).
     """
     lay = plan.layout
     d = lay.dims
@@ -292,13 +333,15 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     if n <= 1:
         return 0.0
     k = per_node(d.tp, n, gpn)
+    if lay.zero == 1 and distributed_optimizer:
+        return _distopt_exposed(lay, fabric, compute, params, n, k)
     buckets = max(1, math.ceil(grad_wire * params / DDP_BUCKET_BYTES))
     bucket = grad_wire * params / buckets
     all_reduce = buckets * fabric.time("all_reduce", bucket, n, k)
     backward = 2 / 3 * compute / m  # the last micro-batch's backward (no sync before it)
     exposed = _overlap(all_reduce, backward) + all_reduce / buckets
-    if lay.zero == 1:  # each owner broadcasts its updated parameters
-        exposed += fabric.time("all_gather", 4.0 * params, n, k)
+    if lay.zero == 1:  # each owner broadcasts its updated parameters, in their stored dtype
+        exposed += fabric.time("all_gather", DTYPE_BYTES[lay.stored_dtype] * params, n, k)
     return exposed
 
 

@@ -36,6 +36,12 @@ the GPUs per node (fitted: their step time stays constant as the GPUs double at 
 batch, bandwidth-bound at ~21 GB/s per GPU; docs/plan.md). Rows without a `framework` run on
 NCCL's rings, as the trainer's FSDP2 does."""
 FRAMEWORKS = (DEEPSPEED_ZERO3_2021,)
+MEGATRON_DISTOPT = "megatron-distopt"
+"""`dp_overlap` of the runs whose ZeRO-1 was Megatron's distributed optimizer with
+--overlap-grad-reduce and --overlap-param-gather: `Cluster.distributed_optimizer` (what
+Megatron-Core runs, read from its source; not fitted). Rows without it are timed as the
+trainer runs ZeRO-1."""
+DP_OVERLAPS = (MEGATRON_DISTOPT,)
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,8 @@ class Run:
     every: int = 2
     """recompute "partial": every `every`-th block is recomputed (1 / every of them)."""
     reduce_dtype: str = "fp32"
-    """dtype FSDP reduces gradients in (zero 2/3): fp32, or bf16 (the run's mixed-precision
-    policy reduces in bf16)."""
+    """dtype FSDP (zero 2/3) or Megatron's distributed optimizer (`dp_overlap`) reduces
+    gradients in: fp32, or bf16 (the run's mixed-precision policy reduces in bf16)."""
     dp_shard: int | None = None
     """HSDP: ranks that shard the model (zero 2/3), replicated over dp / dp_shard groups;
     None: the whole data-parallel group shards (FSDP)."""
@@ -79,11 +85,21 @@ class Run:
     """The run overlapped its tensor-parallel collectives with the GEMMs (Megatron-Core's
     --tp-comm-overlap): `Cluster.tp_comm_overlap`. A property of the run, never of the
     trainer's search."""
+    dp_overlap: str | None = None
+    """"megatron-distopt": the run's ZeRO-1 was Megatron's distributed optimizer with
+    --overlap-grad-reduce --overlap-param-gather (`Cluster.distributed_optimizer`); None: ZeRO-1
+    as the trainer runs it. A property of the run, never of the trainer's search."""
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
             raise ValueError(f"{self.name}: unknown framework '{self.framework}' "
                              f"(known: {', '.join(FRAMEWORKS)})")
+        if self.dp_overlap is not None and self.dp_overlap not in DP_OVERLAPS:
+            raise ValueError(f"{self.name}: unknown dp_overlap '{self.dp_overlap}' "
+                             f"(known: {', '.join(DP_OVERLAPS)})")
+        if self.dp_overlap == MEGATRON_DISTOPT and self.zero != 1:
+            raise ValueError(f"{self.name}: dp_overlap '{MEGATRON_DISTOPT}' is a ZeRO-1 "
+                             f"optimizer (got zero {self.zero})")
         if self.dp_shard is not None and (self.zero < 2 or self.dp % self.dp_shard):
             raise ValueError(f"{self.name}: dp_shard {self.dp_shard} needs zero 2/3 and must "
                              f"divide dp {self.dp}")
@@ -123,7 +139,8 @@ class Run:
             dev = dataclasses.replace(dev, memory_gib=self.memory_gib)
         return Cluster(dev, self.gpus, self.gpus_per_node,
                        dp_stripes_nics=self.framework != DEEPSPEED_ZERO3_2021,
-                       tp_comm_overlap=self.tp_comm_overlap)
+                       tp_comm_overlap=self.tp_comm_overlap,
+                       distributed_optimizer=self.dp_overlap == MEGATRON_DISTOPT)
 
     def flops_per_token(self, plan: Plan) -> float:
         return plan.hardware_flops_per_token if self.flops == "hardware" \

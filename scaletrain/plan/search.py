@@ -496,7 +496,7 @@ def _hsdp_variants(args: ModelArgs, cluster: Cluster, fsdp: Candidate, gbs_token
     if not lay.fsdp or d.ep > 1 or d.dp_replicate > 1:
         return []
     timed = []
-    sp = stage_params(args, d.pp, d.tp, fsdp.plan.stage, lay.vpp)
+    sp = stage_params(args, d.pp, d.tp, fsdp.plan.stage, lay.vpp, lay.schedule)
     rest = fsdp.step_time_s - fsdp.times["dp_comm_exposed"]  # what HSDP leaves as it is
     for s in shard_groups(cluster, d.tp, d.cp, d.dp):
         hsdp = lay.replace(dims=dataclasses.replace(d, dp_replicate=d.dp // s, dp_shard=s))

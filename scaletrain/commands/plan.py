@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +20,10 @@ from scaletrain.commands._plan_args import (
 )
 from scaletrain.config import resolve_batch
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
-from scaletrain.plan.calibration.measured_range import calibration_note
-from scaletrain.plan.estimate import Layout, PlanError, check_dims, estimate, plan_json
+from scaletrain.plan.estimate import Layout, PlanError, check_dims, estimate
 from scaletrain.plan.finetune import METHODS, finetune_plan
 from scaletrain.plan.from_config import host_process
-from scaletrain.plan.text import format_plan
+from scaletrain.plan.text import plan_report
 
 if TYPE_CHECKING:
     from scaletrain.config import Config
@@ -106,17 +104,11 @@ def _estimate_main(argv: list[str]) -> int:
         plan = finetune_plan(plan, a.method, rank=a.lora_rank, train_last=a.train_last,
                              freeze_first=a.freeze_first, num_labels=a.num_labels,
                              targets=targets, lora_dropout=a.lora_dropout)
-    note = calibration_note(plan.layout)
-    if a.json:
-        print(json.dumps({**plan_json(plan, device), "calibration_note": note}, indent=2))
-    else:
-        print(format_plan(plan, device))
-        if note:  # the layout relies on a regime the calibration table did not measure
-            print(f"calibration: {note}")
-        if device is not None and plan.peak_bytes > device.memory_bytes:
-            from scaletrain.plan.advice import advice_lines
+    print(plan_report(plan, device, a.json))
+    if not a.json and device is not None and plan.peak_bytes > device.memory_bytes:
+        from scaletrain.plan.advice import advice_lines
 
-            print("\n".join(advice_lines(plan, device.memory_bytes)))
+        print("\n".join(advice_lines(plan, device.memory_bytes)))
     return 0
 
 

@@ -6,7 +6,6 @@ refuses. `--json` prints the same JSON as `scaletrain plan --json`.
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import TYPE_CHECKING
 
@@ -44,18 +43,11 @@ def dry_run(cfg: Config, as_json: bool = False) -> int:
 def report(plan: Plan, device: Device | None, as_json: bool, prog: str) -> int:
     """Print the plan (text with advice when it does not fit, or JSON); the exit code."""
     from scaletrain.plan.advice import advice_lines
-    from scaletrain.plan.calibration.measured_range import calibration_note
-    from scaletrain.plan.estimate import plan_json
-    from scaletrain.plan.text import format_plan
+    from scaletrain.plan.text import plan_report
 
     fits = device is None or plan.peak_bytes <= device.memory_bytes
-    note = calibration_note(plan.layout)
-    if as_json:
-        print(json.dumps({**plan_json(plan, device), "calibration_note": note}, indent=2))
-    else:
-        print(format_plan(plan, device))
-        if note:  # the layout relies on a regime the calibration table did not measure
-            print(f"calibration: {note}")
+    print(plan_report(plan, device, as_json))
+    if not as_json:
         if plan.layout.host is not None:
             print("host RAM: the peak is what the trainer allocates per process (host_runtime: "
                   "torch's own memory); glibc's heap fragmentation comes on top, 9-26 % on the "

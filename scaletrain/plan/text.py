@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
+
 from scaletrain.models.args import ModelArgs, count_active_params
-from scaletrain.plan.estimate import Layout, Plan
+from scaletrain.plan.calibration.measured_range import calibration_note
+from scaletrain.plan.estimate import Layout, Plan, plan_json
 from scaletrain.plan.hardware import Device
 
 GIB = 2**30
@@ -68,6 +71,17 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         lines += ["", "scaletrain train cannot run this layout:",
                   *(f"  - {p}" for p in plan.trainer_problems)]
     return "\n".join(lines)
+
+
+def plan_report(plan: Plan, device: Device | None, as_json: bool) -> str:
+    """What `plan` and the dry runs print first: the plan as JSON with its `calibration_note`,
+    or as text followed by the note's line when the layout relies on a regime the calibration
+    table did not measure (`plan/calibration/measured_range.py`)."""
+    note = calibration_note(plan.layout)
+    if as_json:
+        return json.dumps({**plan_json(plan, device), "calibration_note": note}, indent=2)
+    text = format_plan(plan, device)
+    return f"{text}\ncalibration: {note}" if note else text
 
 
 def _stage_lines(plan: Plan) -> list[str]:

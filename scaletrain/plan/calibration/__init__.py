@@ -79,7 +79,6 @@ class Run:
     sequence_parallel: bool = False
     group: str | None = None
     assumed: list[str] = field(default_factory=list)
-    outside_band: str | None = None
     framework: str | None = None
     tp_comm_overlap: bool = False
     """The run overlapped its tensor-parallel collectives with the GEMMs (Megatron-Core's

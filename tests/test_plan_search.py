@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from scaletrain.cli import main as cli
 from scaletrain.models.args import get_preset
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.plan.collectives import Fabric, per_node
+from scaletrain.plan.estimate import DDP_BUCKET_BYTES, Layout, estimate
 from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import Cluster, search
+from scaletrain.plan.search import CONTENTION, Cluster, search, step_time
 
 H100 = get_device("H100")
 M = 2**20
@@ -215,3 +219,29 @@ def test_search_proposes_ep_x_tp_the_trainer_accepts() -> None:
         assert args.n_experts % (d.ep * d.tp) == 0 and d.pp == 1
         assert not layout_problems(args, c.layout.run_layout())
         assert f"--parallel.ep {d.ep}" in c.command and f"--parallel.tp {d.tp}" in c.command
+
+
+def test_replicated_data_parallel_time_follows_how_the_trainer_reduces() -> None:
+    """torch's DDP (ZeRO-0/1, no TP/PP, fp32 parameters) hides every gradient bucket but the
+    last behind the last backward; the replicas' path (16-bit parameters, or TP/PP) sums the
+    gradients after the backward, all of it exposed (`Parallelism.sync_gradients`)."""
+    args = get_preset("llama3.2-1b")
+    cluster = Cluster(get_device("H100"), 16)
+    fabric = Fabric(cluster.device, 8)
+    dims = ParallelDims(dp_replicate=16)
+
+    def exposed(param_dtype: str) -> tuple[float, float, int]:
+        lay = Layout(dims=dims, mbs=4, seq_len=4096, gbs=64 * 4, zero=0, precision="bf16",
+                     param_dtype=param_dtype)
+        plan = estimate(args, lay)
+        _, times = step_time(plan, cluster, 4096 * lay.gbs)
+        buckets = math.ceil(4.0 * plan.params / DDP_BUCKET_BYTES)
+        one = fabric.time("all_reduce", 4.0 * plan.params / buckets, 16, per_node(1, 16, 8))
+        return times["dp_comm_exposed"], one, buckets
+
+    ddp, one, buckets = exposed("fp32")
+    assert buckets > 1
+    # the backward (4 micro-batches' worth of a 1B model) outlasts the all-reduce
+    assert ddp == pytest.approx(one + CONTENTION * (buckets - 1) * one)
+    replicas, one, buckets = exposed("bf16")
+    assert replicas == pytest.approx(buckets * one) and replicas > ddp

@@ -16,7 +16,7 @@ from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.plan.estimate import Layout, estimate
 from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import ZERO_OF_MODE, Cluster, search, shard_groups
+from scaletrain.plan.search import ZERO_OF_MODE, Cluster, search, shard_groups, step_time
 
 A100 = get_device("A100-80GB")
 LLAMA2_7B = get_preset("llama2-7b")
@@ -124,3 +124,23 @@ def test_cli_table_and_json_show_hsdp(capsys: pytest.CaptureFixture[str]) -> Non
     assert cli([*argv, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert any(r["dp_replicate"] == 16 and r["dp_shard"] == 8 for r in rows)
+
+
+def test_hsdp_all_reduce_is_charged_once_per_step_as_the_trainer_runs_it() -> None:
+    """The trainer all-reduces HSDP's gradients across the replicas in the last micro-batch
+    only (`Parallelism.micro_batch_sync`; `tests/distributed/test_hsdp_accumulation.py`): more
+    micro-batches add what FSDP over the shard group adds, not one all-reduce each."""
+    device = dataclasses.replace(A100, inter_node_gbs=6.25)
+
+    def exposed(replicas: int, m: int) -> float:
+        dims = ParallelDims(dp_replicate=replicas, dp_shard=8)
+        lay = dataclasses.replace(BASE, dims=dims, mbs=2, seq_len=SEQ, zero=3,
+                                  gbs=2 * m * replicas * 8)
+        plan = estimate(LLAMA2_7B, lay)
+        _, times = step_time(plan, Cluster(device, replicas * 8), SEQ * lay.gbs)
+        return times["dp_comm_exposed"]
+
+    hsdp_more = exposed(16, 4) - exposed(16, 1)
+    fsdp_more = exposed(1, 4) - exposed(1, 1)  # the same shard group, no replicas
+    assert hsdp_more == pytest.approx(fsdp_more, rel=1e-9)
+    assert exposed(16, 1) > exposed(1, 1)  # the all-reduce itself is charged

@@ -32,6 +32,14 @@ def resolve_mode(data_parallel: str, dims: ParallelDims) -> str:
     return "zero3" if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 else "ddp"
 
 
+def runs_torch_ddp(zero: int, tp: int, pp: int, param_dtype: str) -> bool:
+    """Whether replicated data parallelism (ZeRO-0/1) runs as torch's DDP, whose hooks
+    all-reduce buckets during the backward: the whole model (no tensor or pipeline parallelism)
+    with fp32 parameters. Otherwise the replicas' gradients are summed after the backward
+    (`Parallelism.sync_gradients`), nothing behind which to hide."""
+    return zero in (0, 1) and tp == 1 and pp == 1 and param_dtype == "fp32"
+
+
 def reshards_after_forward(mode: str, pp: int, pp_schedule: str) -> bool:
     """Whether FSDP frees each block's gathered parameters after its forward (ZeRO-3).
 

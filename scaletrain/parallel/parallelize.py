@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -37,6 +38,7 @@ from scaletrain.parallel.feasibility import (
     layout_problems,
     reshards_after_forward,
     resolve_mode,
+    runs_torch_ddp,
 )
 from scaletrain.parallel.fp8 import apply_fp8, fsdp_all_gather, precompute_scales
 from scaletrain.parallel.fsdp import apply_fsdp
@@ -290,8 +292,8 @@ class Parallelism:
         """DDP/ZeRO-1 of the whole model (no tensor or pipeline parallelism) with fp32
         parameters: torch's DDP. 16-bit parameters take the replicas' path (their fp32
         gradient buffers are reduced by the step)."""
-        return self.mode in ("ddp", "zero1") and self.dims.tp == 1 and self.dims.pp == 1 \
-            and self.param_dtype == "fp32"
+        return self.mode in ("ddp", "zero1") and runs_torch_ddp(
+            1, self.dims.tp, self.dims.pp, self.param_dtype)
 
     @property
     def fsdp(self) -> bool:
@@ -309,6 +311,22 @@ class Parallelism:
     def master_weights(self) -> bool:
         """The trainer keeps 16-bit parameters with fp32 master weights itself (not FSDP)."""
         return self.param_dtype != "fp32" and not (self.enabled and self.fsdp)
+
+    def micro_batch_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """What the backward of one micro-batch (of the step's accumulation, outside a pipeline
+        schedule) reduces across the data-parallel ranks. The last reduces everything. Before
+        it: DDP nothing (`no_sync`); HSDP only the reduce-scatter inside each shard group, the
+        replicas' all-reduce waiting for the last micro-batch (FSDP2 keeps the partial sums:
+        `set_requires_all_reduce`), which saves m - 1 all-reduces per step at the memory
+        ZeRO-2/3 hold anyway; ZeRO-2/3 reduce-scatter every micro-batch (their gradients stay
+        sharded). Pipeline schedules defer the whole reduction themselves."""
+        if hasattr(model, "no_sync"):
+            return contextlib.nullcontext() if last else model.no_sync()
+        if self.fsdp and self.dims.dp_replicate > 1:
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_requires_all_reduce(last, recurse=False)
+        return contextlib.nullcontext()
 
     def precompute_fp8_scales(self, model: nn.Module) -> None:
         """After the optimizer step: the fp8 all-gather's weight scales for the next step (a

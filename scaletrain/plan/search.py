@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.feasibility import runs_torch_ddp
 from scaletrain.plan.activations import DTYPE_BYTES
 from scaletrain.plan.collectives import Fabric, per_node
 from scaletrain.plan.command import train_command
@@ -299,8 +300,11 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     all-gather of block i+1 runs during block i's forward; in backward the all-gather of the
     next block and the reduce-scatter of the previous one run during a block's backward (and
     its recomputed forward). Each block's exposed time is what its own compute cannot cover;
-    the first gather and the last reduce-scatter are never covered. DDP's bucketed all-reduce
-    runs during the last micro-batch's backward (no sync before it); ZeRO-1's gather of the
+    the first gather and the last reduce-scatter are never covered; HSDP's all-reduce across
+    the replicas runs in the last micro-batch only. DDP's bucketed all-reduce runs during the
+    last micro-batch's backward (no sync before it), but for its last bucket; where the trainer
+    does not run torch's DDP (TP, PP or 16-bit parameters: `runs_torch_ddp`) the replicas'
+    gradients are summed after the backward, exposed. ZeRO-1's gather of the
     updated weights (`train/zero1.py`: each owner broadcasts them in the parameters' dtype, bf16
     with 16-bit parameters) runs after the optimizer step, exposed. `distributed_optimizer`:
     ZeRO-1 as Megatron's distributed optimizer runs it (`_distopt_exposed`).
@@ -324,11 +328,15 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
             kr = per_node(d.tp * n, d.dp_replicate, gpn)
             ar = fabric.time("all_reduce", grad_wire * params / (n * layers), d.dp_replicate, kr)
         backward_ag = ag if not lay.blocks_stay_gathered else 0.0  # ZeRO-3 gathers again
-        # a block's reduce-scatter (and HSDP's all-reduce after it) runs during the backward of
-        # the block before it, on the same stream
-        per_mb = (layers * (_overlap(ag, fwd) + _overlap(backward_ag + rs + ar, bwd))
-                  + ag + rs + ar)
-        return m * per_mb
+
+        def micro_batch(ar: float) -> float:
+            # a block's reduce-scatter (and HSDP's all-reduce after it) runs during the
+            # backward of the block before it, on the same stream
+            return (layers * (_overlap(ag, fwd) + _overlap(backward_ag + rs + ar, bwd))
+                    + ag + rs + ar)
+
+        # HSDP all-reduces in the last micro-batch only (`Parallelism.micro_batch_sync`)
+        return (m - 1) * micro_batch(0.0) + micro_batch(ar)
     n = d.dp * d.cp
     if n <= 1:
         return 0.0
@@ -336,10 +344,14 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     if lay.zero == 1 and distributed_optimizer:
         return _distopt_exposed(lay, fabric, compute, params, n, k)
     buckets = max(1, math.ceil(grad_wire * params / DDP_BUCKET_BYTES))
-    bucket = grad_wire * params / buckets
-    all_reduce = buckets * fabric.time("all_reduce", bucket, n, k)
-    backward = 2 / 3 * compute / m  # the last micro-batch's backward (no sync before it)
-    exposed = _overlap(all_reduce, backward) + all_reduce / buckets
+    one = fabric.time("all_reduce", grad_wire * params / buckets, n, k)
+    if runs_torch_ddp(lay.zero, d.tp, d.pp, lay.stored_dtype):
+        # DDP's hooks: every bucket but the last during the last micro-batch's backward (no
+        # sync before it); the last bucket is ready when the backward ends
+        backward = 2 / 3 * compute / m
+        exposed = _overlap((buckets - 1) * one, backward) + one
+    else:  # the replicas' sum after the backward (`Parallelism.sync_gradients`)
+        exposed = buckets * one
     if lay.zero == 1:  # each owner broadcasts its updated parameters, in their stored dtype
         exposed += fabric.time("all_gather", DTYPE_BYTES[lay.stored_dtype] * params, n, k)
     return exposed

@@ -10,8 +10,8 @@ scaler), and the trainer acts on it (`training.on_nan`) when it next logs. Optim
 the flag on the host before their update: one synchronization per step, named in docs/train.md.
 
 What differs between layouts is asked of `Parallelism` (its methods are no-ops for one process):
-the context-parallel slice of a batch, vocabulary-parallel loss, DDP's `no_sync`, the pipeline
-schedule, the reduction groups.
+the context-parallel slice of a batch, vocabulary-parallel loss, what each micro-batch reduces
+(DDP's `no_sync`, HSDP's deferred all-reduce), the pipeline schedule, the reduction groups.
 """
 
 from __future__ import annotations
@@ -146,10 +146,7 @@ class TrainStep:
         last = len(batches) - 1
         for i, (x, y) in enumerate(batches):
             x, y, positions = self.par.shard_batch(x, y)
-            sync = contextlib.nullcontext()
-            if i < last and hasattr(self.model, "no_sync"):  # DDP: reduce on the last only
-                sync = self.model.no_sync()
-            with sync:
+            with self.par.micro_batch_sync(self.model, i == last):
                 with phase("forward"):
                     with self.autocast():
                         logits = (self.forward(x) if positions is None

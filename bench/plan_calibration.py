@@ -11,7 +11,8 @@ first choice; timed as the search times layouts, without a row's `tp_comm_overla
 `dp_overlap`), the search's own rank of its best layout with the published degrees (tp, pp,
 dp, and for ZeRO-2/3 the shard group: HSDP's dp_shard), how many layouts fit, whether the
 search itself evaluated the published layout (`yes`), and the search's seconds; the search
-reduces gradients in the run's dtype (`reduce_dtype`). `--no-hsdp` searches without HSDP.
+reduces gradients in the run's dtype (`reduce_dtype`) and stores bf16 weights with fp32
+masters, as the published runs did (`Run.layout`). `--no-hsdp` searches without HSDP.
 `--untied` plans the GPT-style rows with untied embeddings (a planner or trainer that refuses
 tied embeddings under PP can then rank them; one embedding matrix more).
 `--one-nic` predicts every row with one NIC's worth per rank across nodes for the
@@ -50,8 +51,10 @@ def search_rank(pred, untied: bool, hsdp: bool = True) -> tuple[int, int | None,
     plain = dataclasses.replace(run, tp_comm_overlap=False, dp_overlap=None)
     t0 = time.perf_counter()
     # the run's gradient-reduction dtype: the search's FSDP layouts reduce as the run did
-    fitting, every = search(args, plain.cluster(), run.seq_len, run.gbs * run.seq_len,
-                            Layout(precision="bf16", fsdp_reduce_dtype=run.reduce_dtype),
+    # and the runs' bf16 weights with fp32 masters (`Run.layout`), which the trainer runs
+    base = Layout(precision="bf16", param_dtype="bf16", fsdp_param_dtype="bf16",
+                  fsdp_reduce_dtype=run.reduce_dtype)
+    fitting, every = search(args, plain.cluster(), run.seq_len, run.gbs * run.seq_len, base,
                             hsdp=hsdp)
     elapsed = time.perf_counter() - t0
     own = predict(plain) if plain != run else pred

@@ -128,7 +128,7 @@ def test_cli_table_and_json_show_hsdp(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_hsdp_all_reduce_is_charged_once_per_step_as_the_trainer_runs_it() -> None:
     """The trainer all-reduces HSDP's gradients across the replicas in the last micro-batch
-    only (`Parallelism.micro_batch_sync`; `tests/distributed/test_hsdp_accumulation.py`): more
+    only (`Parallelism.micro_batch_sync`; `tests/distributed/test_reductions_per_step.py`): more
     micro-batches add what FSDP over the shard group adds, not one all-reduce each."""
     device = dataclasses.replace(A100, inter_node_gbs=6.25)
 
@@ -144,3 +144,23 @@ def test_hsdp_all_reduce_is_charged_once_per_step_as_the_trainer_runs_it() -> No
     fsdp_more = exposed(1, 4) - exposed(1, 1)  # the same shard group, no replicas
     assert hsdp_more == pytest.approx(fsdp_more, rel=1e-9)
     assert exposed(16, 1) > exposed(1, 1)  # the all-reduce itself is charged
+
+
+def test_fsdp_under_pp_reduces_once_per_step_as_torch_schedules_it() -> None:
+    """torch's pipeline schedules reduce a stage's FSDP gradients once, after its last backward
+    (`tests/distributed/test_reductions_per_step.py` counts it): under PP more micro-batches add
+    gathers only, so the gradients' wire dtype does not change what they add; without PP each
+    micro-batch reduce-scatters."""
+    h100 = get_device("H100")
+
+    def added(pp: int, reduce_dtype: str) -> float:
+        def exposed(m: int) -> float:
+            dims = ParallelDims(pp=pp, dp_shard=8)
+            lay = dataclasses.replace(BASE, dims=dims, mbs=1, seq_len=SEQ, zero=3, gbs=8 * m,
+                                      fsdp_reduce_dtype=reduce_dtype)
+            _, times = step_time(estimate(LLAMA2_7B, lay), Cluster(h100, 8 * pp), SEQ * 8 * m)
+            return times["dp_comm_exposed"]
+        return exposed(8) - exposed(4)
+
+    assert added(2, "fp32") == pytest.approx(added(2, "bf16"), rel=1e-9)
+    assert added(1, "fp32") > added(1, "bf16")

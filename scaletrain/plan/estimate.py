@@ -140,6 +140,16 @@ class Layout:
                                                         self.schedule)
 
     @property
+    def grads_stay_unsharded(self) -> bool:
+        """FSDP under pipeline parallelism: torch's schedules accumulate each stage's gradients
+        unsharded over the micro-batches and reduce them after the stage's last backward
+        (`perform_reduce_grad`), leaving the stage's blocks gathered after each backward
+        (`set_reshard_after_backward(False)`): at the end of a backward the rank holds the
+        whole stage's weights gathered and its gradients unsharded
+        (`tests/distributed/test_pp_fsdp_memory.py` measures both)."""
+        return self.fsdp and self.dims.pp > 1
+
+    @property
     def ddp_wrapped(self) -> bool:
         """torch's DDP holds the model (ZeRO-0/1 without TP or PP: the trainer's
         `Parallelism.ddp_wrapped`); with TP or PP the step all-reduces flat buckets."""
@@ -429,6 +439,8 @@ def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: Act
     # FSDP2 (the trainer's ZeRO-2 and ZeRO-3) keeps the weights sharded at rest too.
     zero = 3 if lay.fsdp else lay.zero
     states = sharded_state(per_param, sp.total, zero, lay.shard_group)
+    if lay.grads_stay_unsharded:  # accumulated unsharded, in FSDP's reduce dtype
+        states["gradients"] = DTYPE_BYTES[lay.fsdp_reduce_dtype] * sp.total
     if lay.fsdp and lay.stored_dtype != "fp32":
         # 16-bit parameters under FSDP: its fp32 shards are the master weights and the
         # 16-bit weights exist only gathered (`gathered_weights`, `comm_buffers`)
@@ -457,8 +469,9 @@ def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: Act
     # composed with TP, 1/(ep x tp): the experts are split over both, `parallel/ep_tp.py`).
     not_local = (1 - 1 / dims.ep) * expert_params(args, 1) / dims.tp
     unsharded = sp.total - sp.layers * not_local
-    mem["gathered_weights"] = int(unsharded * gathered) if lay.blocks_stay_gathered else 0
-    if lay.fsdp and not lay.blocks_stay_gathered:
+    stage_gathered = lay.blocks_stay_gathered or lay.grads_stay_unsharded
+    mem["gathered_weights"] = int(unsharded * gathered) if stage_gathered else 0
+    if lay.fsdp and not stage_gathered:
         # The root unit (`apply_fsdp`'s last `fully_shard`: embedding, final norm, head)
         # reshards only after backward: gathered from the forward's start to its backward.
         mem["root_gathered"] = int((sp.embedding + sp.head) * gathered)

@@ -301,8 +301,10 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     next block and the reduce-scatter of the previous one run during a block's backward (and
     its recomputed forward). Each block's exposed time is what its own compute cannot cover;
     the first gather and the last reduce-scatter are never covered; HSDP's all-reduce across
-    the replicas runs in the last micro-batch only. DDP's bucketed all-reduce runs during the
-    last micro-batch's backward (no sync before it), but for its last bucket; where the trainer
+    the replicas runs in the last micro-batch only. Under pipeline parallelism torch's schedule
+    reduces each stage's gradients once per step, after the stage's last backward, exposed.
+    DDP's bucketed all-reduce runs during the last micro-batch's backward (no sync before it),
+    but for its last bucket; where the trainer
     does not run torch's DDP (TP, PP or 16-bit parameters: `runs_torch_ddp`) the replicas'
     gradients are summed after the backward, exposed. ZeRO-1's gather of the
     updated weights (`train/zero1.py`: each owner broadcasts them in the parameters' dtype, bf16
@@ -328,6 +330,12 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
             kr = per_node(d.tp * n, d.dp_replicate, gpn)
             ar = fabric.time("all_reduce", grad_wire * params / (n * layers), d.dp_replicate, kr)
         backward_ag = ag if not lay.blocks_stay_gathered else 0.0  # ZeRO-3 gathers again
+        if d.pp > 1:
+            # torch's pipeline schedules keep the gradients unsharded over the micro-batches
+            # and reduce each stage's once, after its last backward (`perform_reduce_grad`):
+            # the gathers as without PP, the reduce-scatter (and HSDP's all-reduce) exposed
+            per_mb = layers * (_overlap(ag, fwd) + _overlap(backward_ag, bwd)) + ag
+            return m * per_mb + layers * (rs + ar)
 
         def micro_batch(ar: float) -> float:
             # a block's reduce-scatter (and HSDP's all-reduce after it) runs during the

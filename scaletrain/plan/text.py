@@ -57,6 +57,10 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
     if lay.zero == 3 and lay.blocks_stay_gathered:
         lines.append(f"(ZeRO-3 under {lay.schedule}: the blocks stay gathered from forward to "
                      "backward, as in ZeRO-2, for the split backward: gathered_weights)")
+    if lay.grads_stay_unsharded:
+        lines.append("(FSDP under pipeline parallelism: torch's schedule leaves the stage "
+                     "gathered after each backward and its gradients unsharded until the last: "
+                     "gathered_weights, gradients)")
     if plan.cpu_offload_bytes:
         lines.append(f"{'(offloaded to CPU)':<28}{plan.cpu_offload_bytes:>18,}"
                      f"{plan.cpu_offload_bytes / GIB:>10.2f}")

@@ -28,4 +28,7 @@ def test_zero3_under_zero_bubble_holds_the_blocks_gathered_as_planned(tmp_path: 
         assert after == pytest.approx(rank["zero2 ZBV"]["gathered_mib"])
         assert before < after
     planned = out["planned_mib"]
-    assert planned["zero3 ZBV"] == planned["zero2 ZBV"] > planned["zero3 1F1B"]
+    assert planned["zero3 ZBV"] == planned["zero2 ZBV"]
+    # under PP every FSDP layout holds its stage gathered at the end of a backward
+    # (tests/distributed/test_pp_fsdp_memory.py measures it); ZBV also through its forward
+    assert planned["zero3 1F1B"] >= 4 * block

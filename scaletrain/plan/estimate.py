@@ -10,7 +10,12 @@ from typing import Any, Literal
 from scaletrain.config_sections import ParallelConfig, PrecisionConfig, TrainingConfig
 from scaletrain.models.args import ModelArgs, count_active_params, count_params
 from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
-from scaletrain.parallel.feasibility import RunLayout, mode_for_zero, reshards_after_forward
+from scaletrain.parallel.feasibility import (
+    RunLayout,
+    mode_for_zero,
+    reshards_after_forward,
+    runs_torch_ddp,
+)
 from scaletrain.parallel.feasibility import layout_problems as run_problems
 from scaletrain.plan.activations import DTYPE_BYTES, ActivationSpec, logits_buffer_bytes
 from scaletrain.plan.comm import comm_bytes, expert_params
@@ -151,10 +156,10 @@ class Layout:
 
     @property
     def ddp_wrapped(self) -> bool:
-        """torch's DDP holds the model (ZeRO-0/1 without TP or PP: the trainer's
-        `Parallelism.ddp_wrapped`); with TP or PP the step all-reduces flat buckets."""
-        return (self.zero <= 1 and self.dims.tp == 1 and self.dims.pp == 1
-                and self.dims.dp * self.dims.cp > 1)
+        """torch's DDP holds the model (ZeRO-0/1 without TP or PP, fp32 parameters: the
+        trainer's `Parallelism.ddp_wrapped`); otherwise the step all-reduces flat buckets."""
+        return runs_torch_ddp(self.zero, self.dims.tp, self.dims.pp, self.stored_dtype) \
+            and self.dims.dp * self.dims.cp > 1
 
     @property
     def data_parallel(self) -> str:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.parallel.feasibility import runs_torch_ddp
 from scaletrain.plan.activations import DTYPE_BYTES
 from scaletrain.plan.collectives import Fabric, per_node
 from scaletrain.plan.command import train_command
@@ -304,12 +303,12 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     the replicas runs in the last micro-batch only. Under pipeline parallelism torch's schedule
     reduces each stage's gradients once per step, after the stage's last backward, exposed.
     DDP's bucketed all-reduce runs during the last micro-batch's backward (no sync before it),
-    but for its last bucket; where the trainer
-    does not run torch's DDP (TP, PP or 16-bit parameters: `runs_torch_ddp`) the replicas'
-    gradients are summed after the backward, exposed. ZeRO-1's gather of the
-    updated weights (`train/zero1.py`: each owner broadcasts them in the parameters' dtype, bf16
-    with 16-bit parameters) runs after the optimizer step, exposed. `distributed_optimizer`:
-    ZeRO-1 as Megatron's distributed optimizer runs it (`_distopt_exposed`).
+    but for its last bucket; where the trainer does not run torch's DDP (TP, PP or 16-bit
+    parameters: `Layout.ddp_wrapped`) the replicas' gradients are summed after the backward,
+    exposed. ZeRO-1's gather of the updated weights (`train/zero1.py`: each owner broadcasts
+    them in the parameters' dtype, bf16 with 16-bit parameters) runs after the optimizer step,
+    exposed. `distributed_optimizer`: ZeRO-1 as Megatron's distributed optimizer runs it
+    (`_distopt_exposed`).
     """
     lay = plan.layout
     d = lay.dims
@@ -353,7 +352,7 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
         return _distopt_exposed(lay, fabric, compute, params, n, k)
     buckets = max(1, math.ceil(grad_wire * params / DDP_BUCKET_BYTES))
     one = fabric.time("all_reduce", grad_wire * params / buckets, n, k)
-    if runs_torch_ddp(lay.zero, d.tp, d.pp, lay.stored_dtype):
+    if lay.ddp_wrapped:
         # DDP's hooks: every bucket but the last during the last micro-batch's backward (no
         # sync before it); the last bucket is ready when the backward ends
         backward = 2 / 3 * compute / m

@@ -3,7 +3,6 @@ are asserted: only that the numbers exist and both sides trained the same model)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -12,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_helpers import load_bench
+
 pytest.importorskip("transformers")
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +26,7 @@ def _restore_log_level() -> Iterator[None]:
 
 
 def test_train_cpu_bench_reports_both_sides(tmp_path: Path) -> None:
-    bench = _load("train_cpu")
+    bench = load_bench("train_cpu")
     out = tmp_path / "train_cpu.json"
     bench.main([
         "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn-dim", "128",
@@ -66,7 +57,7 @@ def test_train_gpu_bench_skips_without_cuda(tmp_path: Path, capsys: pytest.Captu
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present; the skip path does not apply")
-    bench = _load("train_gpu")
+    bench = load_bench("train_gpu")
     out = tmp_path / "train_gpu.json"
     assert bench.main(["--json", str(out)]) is None
     assert "no CUDA device: skipped" in capsys.readouterr().out
@@ -75,7 +66,7 @@ def test_train_gpu_bench_skips_without_cuda(tmp_path: Path, capsys: pytest.Captu
 
 def test_finetune_cpu_bench_reports_every_method(tmp_path: Path) -> None:
     pytest.importorskip("bitsandbytes")
-    bench = _load("finetune_cpu")
+    bench = load_bench("finetune_cpu")
     out = tmp_path / "finetune_cpu.json"
     bench.main(["--models", "tiny", "--methods", "full,qlora-r8", "--steps", "2",
                 "--batch", "2", "--seq-len", "128", "--precision", "fp32",
@@ -93,7 +84,7 @@ def test_finetune_cpu_bench_reports_every_method(tmp_path: Path) -> None:
 
 
 def test_families_cpu_bench_trains_the_same_model_on_both_sides(tmp_path: Path) -> None:
-    bench = _load("families_cpu")
+    bench = load_bench("families_cpu")
     out = tmp_path / "families_cpu.json"
     bench.main(["--families", "gemma2", "--out", str(out),
                 "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn-dim",

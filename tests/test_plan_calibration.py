@@ -8,8 +8,6 @@ predicted order: the search ranks layouts as the published measurements do.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -25,17 +23,9 @@ from scaletrain.plan.estimate import estimate
 from scaletrain.plan.hardware import get_device
 from scaletrain.plan.memory import stage_params
 from scaletrain.plan.search import CONTENTION, Cluster, step_time
+from tests.bench_helpers import load_bench
 
 RUNS = load_runs()
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load_bench(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_row_names_its_source_and_a_measurement() -> None:
@@ -61,7 +51,7 @@ def test_matmul_efficiencies_are_the_fit() -> None:
     """The devices' `gemm_efficiency` (A100, Hopper) are what `bench/plan_calibration_fit.py`
     fits: no step of 0.02 from the shipped pair lowers the largest |log(predicted / measured)|
     over the table while keeping every group's measured order."""
-    fit = _load_bench("plan_calibration_fit")
+    fit = load_bench("plan_calibration_fit")
     now = fit.shipped()
     worst, _, order, _ = fit.score(now)
     assert order

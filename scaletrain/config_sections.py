@@ -369,7 +369,12 @@ class ParallelConfig:
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B or a zero-bubble schedule."""
     pp_microbatches: int | None = None
-    """Pipeline micro-batches per step (None = the gradient-accumulation steps)."""
+    """Micro-batches the pipeline schedule runs at a time (None = all the step's
+    gradient-accumulation steps in one run). A divisor k of the accumulation steps m runs the
+    schedule m / k times per step: torch keeps one receive buffer per micro-batch of a run
+    (and, under FSDP, the stage gathered with unsharded gradients until the run's last
+    backward), so k bounds that memory, at a bubble of (p - 1) / k instead of (p - 1) / m and
+    one FSDP gradient reduction per run."""
     pp_virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules use more than 1)."""
     data_parallel: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"

@@ -22,7 +22,7 @@ from scaletrain.models.transformer import Transformer
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.pp import stage_ids
 from scaletrain.plan.activations import ActivationSpec, deferred_weight_grad_bytes
-from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.estimate import Layout, PlanError, estimate
 from scaletrain.plan.pipeline_memory import FORWARD, INPUT_DONE, ChunkBytes, chunk_ids, rank_peak
 from tests.pipeline_reference import torch_order
 
@@ -197,3 +197,56 @@ def test_receive_buffers_and_held_sends_grow_with_the_microbatches() -> None:
         zbv = _pp_plan("ZBVZeroBubble", vpp=2, gbs=m).stages
         # the V's turn (chunks 3 and 4 on rank 3) passes on the same rank: no send there
         assert zbv[3]["memory_bytes"]["pipeline_sends"] == 2 * m * boundary
+
+
+def test_schedule_runs_bound_what_a_stage_holds_at_a_bubble_per_run() -> None:
+    """`parallel.pp_microbatches` k < m runs the schedule m / k times per step: a stage holds
+    what a k-micro-batch step holds (receive buffers, in-flight micro-batches), the bubble is
+    (p - 1) / k, and FSDP reduces once per run, its reduced shards beside the unsharded
+    gradients of the run (`tests/distributed/test_reductions_per_step.py` counts the trainer's
+    reductions and receive buffers; `test_parity.py` `pp-1f1b-runs`, `pp-x-fsdp-runs`)."""
+    args = get_preset("llama3-8b")
+
+    def plan(gbs: int, runs_of: int | None, zero: int = 0, dp: int = 1):
+        lay = Layout(dims=ParallelDims(pp=4, dp_shard=dp), mbs=1, gbs=gbs * dp, seq_len=4096,
+                     zero=zero, pp_microbatches=runs_of)
+        return estimate(args, lay)
+
+    whole, runs, short = plan(32, None), plan(32, 8), plan(8, None)
+    buffers = "pipeline_buffers"
+    assert runs.memory_bytes[buffers] == short.memory_bytes[buffers] \
+        == whole.memory_bytes[buffers] // 4
+    # 1F1B holds p - s micro-batches however many a run has
+    assert runs.memory_bytes["activations"] == whole.memory_bytes["activations"]
+    assert runs.bubble_fraction == short.bubble_fraction > whole.bubble_fraction
+    fsdp_whole, fsdp_runs = plan(32, None, zero=3, dp=8), plan(32, 8, zero=3, dp=8)
+    rs = fsdp_whole.comm_bytes_per_step["reduce_scatter"]
+    assert fsdp_runs.comm_bytes_per_step["reduce_scatter"] == pytest.approx(4 * rs)
+    sharded = fsdp_whole.memory_bytes["gradients"] / 8  # the fp32 gradients sharded over 8
+    assert fsdp_runs.memory_bytes["gradients"] == pytest.approx(
+        fsdp_whole.memory_bytes["gradients"] + sharded)
+    with pytest.raises(PlanError, match="must divide the accumulation steps"):
+        plan(32, 6)
+
+
+def test_advice_runs_the_schedule_over_fewer_micro_batches_where_buffers_do_not_fit() -> None:
+    """llama3-70b, TP 8 x PP 4 (v 2) x DP 2, 256 micro-batches of 8,192 tokens: torch's receive
+    buffers and held sends (32 GiB each) do not fit an H100; the advice runs the schedule over
+    the largest divisor of the micro-batches that fits, at its bubble's cost."""
+    from scaletrain.plan.advice import RUNS_FLAG, advise
+
+    args = get_preset("llama3-70b")
+    lay = Layout(dims=ParallelDims(pp=4, dp_shard=2, tp=8), mbs=1, gbs=512, seq_len=8192,
+                 zero=1, vpp=2, schedule="Interleaved1F1B", sequence_parallel=True,
+                 recompute="partial")
+    plan = estimate(args, lay)
+    budget = 74 * 2**30
+    assert plan.peak_bytes > budget
+    runs = [a for a in advise(plan, budget, limit=50) if a.change.startswith(RUNS_FLAG)]
+    assert len(runs) == 1
+    (best,) = runs
+    k = best.plan.layout.pipeline_microbatches
+    assert best.plan.peak_bytes <= budget and 256 % k == 0 and k < 256
+    assert best.bubble_cost > 0 and not best.plan.trainer_problems
+    larger = lay.replace(pp_microbatches=2 * k) if 2 * k < 256 else lay
+    assert estimate(args, larger).peak_bytes > budget  # the largest that fits

@@ -43,6 +43,9 @@ def _estimate_main(argv: list[str]) -> int:
     p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel degree (MoE; borrowed from the data-parallel shards)")
     p.add_argument("--vpp", type=positive_int, default=1, help="model chunks per pipeline rank")
+    p.add_argument("--pp-microbatches", type=positive_int, default=None,
+                   help="micro-batches per run of the pipeline schedule (a divisor of the "
+                        "accumulation steps; default: all of a step's in one run)")
     # Every default below is `scaletrain train`'s (its config, read in `_layout`), so a plan
     # with only the layout given is what `train` runs on it: `None` means "the trainer's".
     on_off = argparse.BooleanOptionalAction
@@ -138,6 +141,7 @@ def _layout(a: argparse.Namespace, cfg: Config, device: Device | None) -> Layout
         dims=dims, mbs=mbs, seq_len=a.seq_len or cfg.data.seq_len, gbs=gbs, zero=a.zero,
         sequence_parallel=given(a.sequence_parallel, par.sequence_parallel) and a.tp > 1,
         vpp=a.vpp, schedule=a.schedule or ("Interleaved1F1B" if a.vpp > 1 else par.pp_schedule),
+        pp_microbatches=given(a.pp_microbatches, par.pp_microbatches),
         cpu_offload=given(a.cpu_offload, par.cpu_offload),
         fsdp_param_dtype=given(a.fsdp_param_dtype, par.fsdp_param_dtype),
         fsdp_reduce_dtype=par.fsdp_reduce_dtype,

@@ -176,9 +176,10 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
                        "embedding and the head on one rank in two FSDP roots, which cannot share "
                        "the weight; use another pipeline schedule, data_parallel ddp/zero1, or "
                        "an untied model")
-        if micro != lay.grad_accum:
-            out.append(f"parallel.pp_microbatches ({micro}) must equal the accumulation steps "
-                       f"({lay.grad_accum}): the micro-batches of a step are the pipeline's")
+        if micro > lay.grad_accum or lay.grad_accum % micro:
+            out.append(f"parallel.pp_microbatches ({micro}) must divide the accumulation steps "
+                       f"({lay.grad_accum}): a step runs the schedule over that many "
+                       "micro-batches at a time")
     out += fp8_problems(lay)
     if lay.cpu_offload and lay.mode not in ("zero2", "zero3"):
         out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")

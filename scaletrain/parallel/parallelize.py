@@ -105,6 +105,7 @@ class Parallelism:
         self.dp_rank, self.dp_size = 0, 1
         self.cp_rank, self.pp_rank = 0, 0
         self.schedule = None
+        self.run_microbatches = 0
         self.stage_specs: list = []
         self.stage_modules: list[nn.Module] = []
         self.grad_sync_group: dist.ProcessGroup | None = None
@@ -403,14 +404,16 @@ class Parallelism:
                         microbatches: int,
                         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
                         hidden: bool = False) -> None:
-        """Build the pipeline stages and schedule (after the model is materialized); each stage
-        forward runs under `autocast` (the run's mixed precision). `hidden`: the last stage
-        hands `loss_fn` the final-norm hidden states instead of the logits (the fused loss)."""
+        """Build the pipeline stages and a schedule of `microbatches` per run (after the model
+        is materialized); each stage forward runs under `autocast` (the run's mixed
+        precision). `hidden`: the last stage hands `loss_fn` the final-norm hidden states
+        instead of the logits (the fused loss)."""
         assert self.mesh is not None
         for m in self.stage_modules:
             m.autocast = autocast or contextlib.nullcontext
             m.hidden = hidden
         self.pipe_loss = PipelineLoss(loss_fn)
+        self.run_microbatches = microbatches  # per schedule run (`pipeline_forward_backward`)
         self.schedule, self.stages = build_schedule(
             self.stage_modules, self.mesh["pp"], self.cfg.pp_schedule, microbatches,
             self.pipe_loss, self.device)
@@ -457,9 +460,20 @@ class Parallelism:
 
     def pipeline_forward_backward(self, batches: list[Batch], n_valid: torch.Tensor,
                                   scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """One schedule step over the micro-batches; this rank's sum of token losses (zero
-        outside the last stage)."""
+        """The step's micro-batches through the schedule, `parallel.pp_microbatches` of them
+        per run (all in one run by default); this rank's sum of token losses (zero outside the
+        last stage). Gradients accumulate over the runs (FSDP reduces after each run's last
+        backward and sums the reduced shards)."""
         batches = [self.shard_batch(x, y)[:2] for x, y in batches]  # context parallel
+        per_run = self.run_microbatches
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for start in range(0, len(batches), per_run):
+            total += self._pipeline_run(batches[start:start + per_run], n_valid, scale)
+        return total
+
+    def _pipeline_run(self, batches: list[Batch], n_valid: torch.Tensor,
+                      scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One schedule step over `batches`; this rank's sum of their token losses."""
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         self.pipe_loss.n_valid, self.pipe_loss.scale, self.pipe_loss.sums = n_valid, scale, []
@@ -471,7 +485,7 @@ class Parallelism:
         # a merged return nobody reads (torch keeps them all by default: m x the logits)
         self.schedule.step(*args, return_outputs=False, **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        # The first step also calls the loss during shape inference: the last n calls count.
+        # The first run also calls the loss during shape inference: the last n calls count.
         for loss in self.pipe_loss.sums[len(self.pipe_loss.sums) - len(batches):]:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
         return total

@@ -2,18 +2,20 @@
 
 Each change is one knob the trainer has (recomputation, ZeRO stage, FSDP parameter dtype, CPU
 offload, a smaller micro-batch with more accumulation steps for the same global batch, tensor
-or pipeline parallelism taken from data parallelism), re-planned
-with the same estimate (for a fine-tuning plan, as the same fine-tuning method); the cost is
-the extra hardware FLOPs (recomputation) or the extra bytes communicated per step. Changes the
-trainer would refuse are not offered.
+or pipeline parallelism taken from data parallelism, the pipeline schedule run over fewer
+micro-batches at a time), re-planned with the same estimate (for a fine-tuning plan, as the
+same fine-tuning method); the cost is the extra hardware FLOPs (recomputation), the extra
+pipeline bubble or the extra bytes communicated per step. Changes the trainer would refuse are
+not offered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.feasibility import schedule_problems
 from scaletrain.plan import finetune
 from scaletrain.plan.estimate import Layout, Plan, PlanError, estimate, layout_problems
 
@@ -29,11 +31,15 @@ class Advice:
     """Extra hardware FLOPs per token, relative (0.33 = a third more compute)."""
     comm_cost_bytes: int
     """Extra bytes this rank communicates per step."""
+    bubble_cost: float = 0.0
+    """Extra pipeline bubble, as a fraction of compute (0.1 = idle for a tenth more)."""
 
     def describe(self) -> str:
         costs = []
         if self.flops_cost > 0.005:
             costs.append(f"+{self.flops_cost:.0%} compute")
+        if self.bubble_cost > 0.0005:
+            costs.append(f"+{self.bubble_cost:.1%} pipeline bubble")
         if self.comm_cost_bytes > 0:
             costs.append(f"+{self.comm_cost_bytes / 1e9:.3g} GB communication per step")
         if self.plan.cpu_offload_bytes:
@@ -65,6 +71,7 @@ def _changes(lay: Layout) -> Iterator[tuple[str, Layout]]:
     if not multi and not lay.offload and lay.precision != "fp16":
         yield "--optimizer.offload true", lay.replace(offload=True)
     yield from _smaller_micro_batches(lay)
+    yield from _pipeline_runs(lay)
     for name in ("tp", "pp"):
         for k in (2, 4, 8):
             if d.dp_shard % k == 0 and d.dp_shard // k >= 1 and getattr(d, name) == 1:
@@ -94,16 +101,32 @@ def _smaller_micro_batches(lay: Layout) -> Iterator[tuple[str, Layout]]:
                lay.replace(mbs=mbs, gbs=gbs))
 
 
-def _one_micro_batch(found: list[Advice], budget_bytes: float) -> list[Advice]:
-    """Of the smaller micro-batches, only the largest that fits (the least slowdown), or when
-    none fits the smallest (it saves the most)."""
-    smaller = [a for a in found if a.change.startswith(MICRO_BATCH_FLAG)]
-    if not smaller:
+RUNS_FLAG = "--parallel.pp_microbatches"
+
+
+def _pipeline_runs(lay: Layout) -> Iterator[tuple[str, Layout]]:
+    """The step's micro-batches through the pipeline schedule k at a time, for each divisor k
+    of them below the current run that the schedule accepts: a k-micro-batch step's receive
+    buffers and held sends, its bubble; `advise` keeps the largest k that fits."""
+    if lay.dims.pp == 1:
+        return
+    m = lay.grad_accum
+    for k in range(lay.pipeline_microbatches - 1, 0, -1):
+        if m % k == 0 and not schedule_problems(lay.schedule, lay.dims.pp, lay.vpp, k):
+            yield f"{RUNS_FLAG} {k}", lay.replace(pp_microbatches=k)
+
+
+def _keep_largest(found: list[Advice], budget_bytes: float, flag: str,
+                  size: Callable[[Layout], int]) -> list[Advice]:
+    """Of the changes setting `flag` (one knob at several sizes), only the largest size that
+    fits (the least slowdown), or when none fits the one that saves the most."""
+    sized = [a for a in found if a.change.startswith(flag)]
+    if not sized:
         return found
-    fitting = [a for a in smaller if a.plan.peak_bytes <= budget_bytes]
-    keep = (max(fitting, key=lambda a: a.plan.layout.mbs) if fitting
-            else min(smaller, key=lambda a: a.plan.peak_bytes))
-    return [a for a in found if a is keep or not a.change.startswith(MICRO_BATCH_FLAG)]
+    fitting = [a for a in sized if a.plan.peak_bytes <= budget_bytes]
+    keep = (max(fitting, key=lambda a: size(a.plan.layout)) if fitting
+            else min(sized, key=lambda a: a.plan.peak_bytes))
+    return [a for a in found if a is keep or not a.change.startswith(flag)]
 
 
 def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
@@ -122,11 +145,13 @@ def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
             continue
         flops = new.hardware_flops_per_token / plan.hardware_flops_per_token - 1
         comm = sum(new.comm_bytes_per_step.values()) - sum(plan.comm_bytes_per_step.values())
-        out.append(Advice(change, new, flops, max(0, comm)))
-    out = _one_micro_batch(out, budget_bytes)
+        bubble = max(0.0, new.bubble_fraction - plan.bubble_fraction)
+        out.append(Advice(change, new, flops, max(0, comm), bubble))
+    out = _keep_largest(out, budget_bytes, MICRO_BATCH_FLAG, lambda lay: lay.mbs)
+    out = _keep_largest(out, budget_bytes, RUNS_FLAG, lambda lay: lay.pipeline_microbatches)
     fitting = [a for a in out if a.plan.peak_bytes <= budget_bytes]
     if fitting:
-        return sorted(fitting, key=lambda a: (a.flops_cost, a.comm_cost_bytes,
+        return sorted(fitting, key=lambda a: (a.flops_cost + a.bubble_cost, a.comm_cost_bytes,
                                               a.plan.cpu_offload_bytes))[:limit]
     return sorted(out, key=lambda a: a.plan.peak_bytes)[:limit]
 

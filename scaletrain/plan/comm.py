@@ -74,10 +74,10 @@ def comm_bytes(args: ModelArgs, lay: Layout, stage_params: int, layers: int, w_b
                 + _ring(k // dims.ep) * experts / dims.ep
             # ZeRO-3 gathers each block again in backward unless it stays gathered
             v = {"all_gather": (1 if lay.blocks_stay_gathered else 2) * m * fsdp_bytes * gather,
-                 "reduce_scatter": m * fsdp_bytes * grad_wire}
+                 "reduce_scatter": lay.gradient_reductions * fsdp_bytes * grad_wire}
             if dims.dp_replicate > 1:  # HSDP: the shards are all-reduced across replicas
-                v["all_reduce"] = m * 2 * _ring(dims.dp_replicate) * stage_params / k \
-                    * grad_wire
+                v["all_reduce"] = lay.replica_all_reduces * 2 * _ring(dims.dp_replicate) \
+                    * stage_params / k * grad_wire
         for k, x in v.items():
             kinds[k] += x
             by_dim["dp"] += x

@@ -75,6 +75,8 @@ def train_flags(model: str, args: ModelArgs, lay: Layout) -> list[str]:
         if d.pp > 1:
             flags += ["--parallel.pp_schedule", lay.schedule,
                       "--parallel.pp_virtual_stages", str(lay.vpp)]
+            if lay.pp_microbatches is not None:
+                flags += ["--parallel.pp_microbatches", str(lay.pp_microbatches)]
     elif lay.offload:
         flags += ["--optimizer.offload", "true"]
     # Always spelled out, whatever the trainer's defaults: they decide the planned bytes per

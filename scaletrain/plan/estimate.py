@@ -123,6 +123,30 @@ class Layout:
         return self.gbs // per_step
 
     @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches of one run of the pipeline schedule (`parallel.pp_microbatches`, by
+        default all of the step's)."""
+        return self.pp_microbatches or self.grad_accum
+
+    @property
+    def pipeline_runs(self) -> int:
+        """Runs of the pipeline schedule per step (1 without pipeline parallelism)."""
+        return max(1, self.grad_accum // self.pipeline_microbatches) if self.dims.pp > 1 else 1
+
+    @property
+    def gradient_reductions(self) -> int:
+        """FSDP's gradient reductions (reduce-scatters) per step: one per micro-batch, or
+        under pipeline parallelism one per schedule run (torch defers them to a run's last
+        backward)."""
+        return self.pipeline_runs if self.dims.pp > 1 else self.grad_accum
+
+    @property
+    def replica_all_reduces(self) -> int:
+        """HSDP's all-reduces across the replicas per step: one (the last micro-batch's:
+        `Parallelism.micro_batch_sync`), or one per schedule run under pipeline parallelism."""
+        return self.pipeline_runs
+
+    @property
     def shard_group(self) -> int:
         """Ranks that shard the model state under ZeRO: FSDP (ZeRO-2/3) shards over
         dp_shard x cp (replicating across dp_replicate: HSDP); ZeRO-1 shards the optimizer over
@@ -202,6 +226,10 @@ def layout_problems(args: ModelArgs, lay: Layout) -> list[str]:
                    f"data parallel ({lay.mbs} x {lay.dims.dp})")
     if lay.vpp > 1 and lay.dims.pp == 1:
         out.append("virtual pipeline stages (--vpp) need pipeline parallelism (--pp > 1)")
+    if lay.pp_microbatches is not None and (
+            lay.pp_microbatches <= 0 or lay.grad_accum % lay.pp_microbatches):
+        out.append(f"parallel.pp_microbatches ({lay.pp_microbatches}) must divide the "
+                   f"accumulation steps ({lay.grad_accum})")
     if lay.seq_len > args.max_seq_len:
         out.append(f"seq_len ({lay.seq_len}) exceeds the model's max_seq_len "
                    f"({args.max_seq_len}); pass --set model.max_seq_len={lay.seq_len}")
@@ -399,7 +427,7 @@ def estimate(args: ModelArgs, lay: Layout) -> Plan:
     except ValueError as e:
         raise PlanError(str(e)) from None
     spec = _spec(args, lay)
-    m = lay.grad_accum
+    m = lay.pipeline_microbatches  # of one schedule run: what a stage holds at once
     per_stage: list[tuple[int, dict[str, int], StageParams, StageActivations, int]] = []
     for stage in range(dims.pp):
         sp = stage_params(args, dims.pp, dims.tp, stage, lay.vpp, lay.schedule)
@@ -445,7 +473,9 @@ def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: Act
     zero = 3 if lay.fsdp else lay.zero
     states = sharded_state(per_param, sp.total, zero, lay.shard_group)
     if lay.grads_stay_unsharded:  # accumulated unsharded, in FSDP's reduce dtype
-        states["gradients"] = DTYPE_BYTES[lay.fsdp_reduce_dtype] * sp.total
+        unsharded = DTYPE_BYTES[lay.fsdp_reduce_dtype] * sp.total
+        # beside the reduced shards of the step's earlier schedule runs
+        states["gradients"] = unsharded + (states["gradients"] if lay.pipeline_runs > 1 else 0)
     if lay.fsdp and lay.stored_dtype != "fp32":
         # 16-bit parameters under FSDP: its fp32 shards are the master weights and the
         # 16-bit weights exist only gathered (`gathered_weights`, `comm_buffers`)

@@ -301,7 +301,8 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
     its recomputed forward). Each block's exposed time is what its own compute cannot cover;
     the first gather and the last reduce-scatter are never covered; HSDP's all-reduce across
     the replicas runs in the last micro-batch only. Under pipeline parallelism torch's schedule
-    reduces each stage's gradients once per step, after the stage's last backward, exposed.
+    reduces each stage's gradients once per schedule run (`Layout.pipeline_runs`: one by
+    default), after the stage's last backward of the run, exposed.
     DDP's bucketed all-reduce runs during the last micro-batch's backward (no sync before it),
     but for its last bucket; where the trainer does not run torch's DDP (TP, PP or 16-bit
     parameters: `Layout.ddp_wrapped`) the replicas' gradients are summed after the backward,
@@ -334,7 +335,7 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
             # and reduce each stage's once, after its last backward (`perform_reduce_grad`):
             # the gathers as without PP, the reduce-scatter (and HSDP's all-reduce) exposed
             per_mb = layers * (_overlap(ag, fwd) + _overlap(backward_ag, bwd)) + ag
-            return m * per_mb + layers * (rs + ar)
+            return m * per_mb + lay.pipeline_runs * layers * (rs + ar)
 
         def micro_batch(ar: float) -> float:
             # a block's reduce-scatter (and HSDP's all-reduce after it) runs during the

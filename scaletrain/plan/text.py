@@ -45,7 +45,9 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
         f"FLOPs per token: {plan.flops_per_token:.4g} model ({_flops_rule(plan)}), "
         f"{plan.hardware_flops_per_token:.4g} hardware (with recomputation)",
         f"pipeline bubble: {plan.bubble_fraction:.1%} of compute; activations of "
-        f"{plan.in_flight_microbatches:g} micro-batch(es) in flight",
+        f"{plan.in_flight_microbatches:g} micro-batch(es) in flight"
+        + (f"; {lay.pipeline_runs} schedule runs of {lay.pipeline_microbatches} micro-batches"
+           if lay.pipeline_runs > 1 else ""),
         "",
         f"{'memory (most loaded rank)':<28}{'bytes':>18}{'GiB':>10}{'GB':>10}",
     ]

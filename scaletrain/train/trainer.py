@@ -151,7 +151,8 @@ class Trainer:
         self.eval_loss, self.eval_forward = ((step_loss, step_forward) if cfg.training.fused_loss
                                              else (cross_entropy_sum, self.model_forward))
         if self.par.dims.pp > 1:
-            self.par.attach_pipeline(self.model, step_loss, self.ga,
+            self.par.attach_pipeline(self.model, step_loss,
+                                     cfg.parallel.pp_microbatches or self.ga,
                                      lambda: precision.autocast(self.device, self.dtype),
                                      hidden=cfg.training.fused_loss)
         if self.par.master_weights and not self.par.enabled:  # one process: bf16 weights

@@ -98,6 +98,9 @@ LAYOUTS_2 = [
     ("cp-nolb", ["--parallel.cp", "2", "--parallel.cp_load_balance", "false"], 1, 2),
     ("pp-gpipe", ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe"], 1, 2),
     ("pp-1f1b", ["--parallel.pp", "2", "--parallel.pp_schedule", "1F1B"], 1, 4),
+    # the step's 4 micro-batches in two schedule runs of 2 (`parallel.pp_microbatches`)
+    ("pp-1f1b-runs", ["--parallel.pp", "2", "--parallel.pp_schedule", "1F1B",
+                      "--parallel.pp_microbatches", "2"], 1, 4),
     *[(f"pp-{s}", ["--parallel.pp", "2", "--parallel.pp_schedule", s,
                    "--parallel.pp_virtual_stages", "2"], 1, 4)
       for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")],
@@ -123,6 +126,8 @@ LAYOUTS_4 = [
     ("hsdp-x-tp", ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
                    "--parallel.tp", "2"], 2, 2),
     ("pp-x-fsdp", ["--parallel.pp", "2"], 2, 2),
+    # FSDP reduces after each of the two schedule runs and sums the reduced shards
+    ("pp-x-fsdp-runs", ["--parallel.pp", "2", "--parallel.pp_microbatches", "2"], 2, 4),
     ("fsdp-x-cp", ["--parallel.cp", "2"], 2, 2),
     ("pp-x-tp", ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.dp_shard", "1"], 1, 2),
     ("pp-x-cp", ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.dp_shard", "1"], 1, 2),

@@ -6,7 +6,8 @@ runs it and as the planner times it (`plan.search._dp_exposed`), counted on 4 gl
   gradients are the same on every rank;
 - FSDP without PP reduce-scatters every micro-batch (its gradients stay sharded);
 - FSDP under PP reduce-scatters once per step (torch's schedule defers the reduction to after
-  the stage's last backward).
+  the stage's last backward), or once per schedule run with `parallel.pp_microbatches`, which
+  also bounds torch's receive buffers to the micro-batches of a run.
 
 Loss and gradient parity of these layouts with accumulation against one process is in
 `tests/distributed/test_parity.py` and the parity matrix."""
@@ -28,6 +29,9 @@ LAYOUTS = {
     "fsdp": ["--parallel.dp_shard", "4"],
     "pp-x-fsdp": ["--parallel.pp", "2", "--parallel.dp_shard", "2",
                   "--parallel.pp_schedule", "1F1B"],
+    # two schedule runs of 2 micro-batches per step at 4 (`parallel.pp_microbatches`)
+    "pp-x-fsdp-runs": ["--parallel.pp", "2", "--parallel.dp_shard", "2",
+                       "--parallel.pp_schedule", "1F1B", "--parallel.pp_microbatches", "2"],
 }
 
 
@@ -61,12 +65,15 @@ def _entry(rank: int, world: int, out_dir: str, cache: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
     for name, flags in LAYOUTS.items():
-        for ga in (2, 4):  # PP's 1F1B needs pp micro-batches
+        for ga in (2, 4) if name != "pp-x-fsdp-runs" else (4,):  # 1F1B needs pp micro-batches
             cfg = tiny_config(Path(out_dir) / f"{name}-ga{ga}", Path(cache), *MODEL, *BASE,
                               *flags, "--training.grad_accum_steps", str(ga),
                               "--training.steps", "2")
             trainer = Trainer(cfg)
             out[name, ga] = _count_step(trainer)
+            if trainer.par.dims.pp > 1:  # torch's receive buffers: one per micro-batch of a run
+                out[name, ga]["receive_buffers"] = sum(
+                    len(stage.args_recv_info) for stage in trainer.par.stages)
             if name == "hsdp" and ga == 4:  # the next step's reduced gradients, before the update
                 _, out["hsdp grads"] = train_steps(trainer, 1,
                                                    lambda t=trainer: full_grads(t.model))
@@ -87,6 +94,11 @@ def test_reductions_per_step_with_accumulation(tmp_path: Path) -> None:
         assert hsdp4["reduce_scatter"] == 2 * hsdp2["reduce_scatter"] > 0
         assert r["fsdp", 4]["reduce_scatter"] == 2 * r["fsdp", 2]["reduce_scatter"] > 0
         assert r["pp-x-fsdp", 4]["reduce_scatter"] == r["pp-x-fsdp", 2]["reduce_scatter"] > 0
+        # in runs of 2: a reduction per run, and the receive buffers of 2 micro-batches
+        runs = r["pp-x-fsdp-runs", 4]
+        assert runs["reduce_scatter"] == 2 * r["pp-x-fsdp", 4]["reduce_scatter"]
+        assert runs["receive_buffers"] == r["pp-x-fsdp", 2]["receive_buffers"] \
+            == r["pp-x-fsdp", 4]["receive_buffers"] // 2 > 0
     # every rank holds the same full gradients: the replicas' sums were all-reduced
     for name, g in results[0]["hsdp grads"].items():
         for r in results[1:]:

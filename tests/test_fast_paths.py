@@ -101,15 +101,21 @@ def _capture_grads(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
-def test_training_step_with_fused_loss_equals_plain(tmp_path: Path) -> None:
-    """Two steps with grad accumulation 2 and the default clipping: the same losses, gradient
-    norms and (clipped) gradients the optimizer sees with `training.fused_loss` as without."""
+def _plain_and_fused(tmp_path: Path, *extra: str) -> tuple[Trainer, Trainer]:
+    """Two trainers on the same data and flags (micro-batch 2, fp32), the second with
+    `training.fused_loss` in chunks of 5 tokens."""
     cache = tmp_path / "cache"
-    common = ("--training.micro_batch_size", "2", "--training.grad_accum_steps", "2",
-              "--precision.dtype", "fp32")
+    common = ("--training.micro_batch_size", "2", "--precision.dtype", "fp32", *extra)
     plain = Trainer(tiny_config(tmp_path / "a", cache, *common))
     fused = Trainer(tiny_config(tmp_path / "b", cache, *common, "--training.fused_loss", "true",
                                 "--training.loss_chunk_tokens", "5"))
+    return plain, fused
+
+
+def test_training_step_with_fused_loss_equals_plain(tmp_path: Path) -> None:
+    """Two steps with grad accumulation 2 and the default clipping: the same losses, gradient
+    norms and (clipped) gradients the optimizer sees with `training.fused_loss` as without."""
+    plain, fused = _plain_and_fused(tmp_path, "--training.grad_accum_steps", "2")
     grads_p, grads_f = _capture_grads(plain), _capture_grads(fused)
     for _ in range(2):
         batches = plain.next_batches()
@@ -153,12 +159,7 @@ def test_validation_with_fused_loss_equals_plain_without_logits(tmp_path: Path,
                                                                  ) -> None:
     """Validation follows the training step's loss path: with `training.fused_loss` the same
     validation loss as the plain path, and the model is never asked for whole logits."""
-    cache = tmp_path / "cache"
-    common = ("--training.micro_batch_size", "2", "--precision.dtype", "fp32",
-              "--training.eval_sequences", "4")
-    plain = Trainer(tiny_config(tmp_path / "a", cache, *common))
-    fused = Trainer(tiny_config(tmp_path / "b", cache, *common, "--training.fused_loss", "true",
-                                "--training.loss_chunk_tokens", "5"))
+    plain, fused = _plain_and_fused(tmp_path, "--training.eval_sequences", "4")
     fused.model.load_state_dict(plain.model.state_dict())
     heads: list[bool] = []
     forward = Transformer.forward

@@ -10,9 +10,10 @@ from scaletrain.cli import main as cli
 from scaletrain.models.args import PRESETS, count_params, get_preset
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.plan import korthikanti
-from scaletrain.plan.estimate import Layout, bubble_fraction, estimate, in_flight
+from scaletrain.plan.estimate import Layout, bubble_fraction, estimate
 from scaletrain.plan.hardware import DEVICES, get_device, match_device, peak_tflops
 from scaletrain.plan.memory import model_state_bytes, sharded_state, stage_params, state_bytes
+from scaletrain.plan.pipeline_memory import in_flight
 
 PUBLISHED = {"llama3.2-1b": 1_235_814_400, "llama3-8b": 8_030_261_248,
              "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,

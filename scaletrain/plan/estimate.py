@@ -36,7 +36,6 @@ from scaletrain.plan.memory import (
     stage_params,
     state_bytes,
 )
-from scaletrain.plan.pipeline_memory import in_flight  # noqa: F401 (part of this API)
 from scaletrain.plan.stage_activations import StageActivations, stage_activations
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -472,10 +471,10 @@ def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: Act
     # FSDP2 (the trainer's ZeRO-2 and ZeRO-3) keeps the weights sharded at rest too.
     zero = 3 if lay.fsdp else lay.zero
     states = sharded_state(per_param, sp.total, zero, lay.shard_group)
-    if lay.grads_stay_unsharded:  # accumulated unsharded, in FSDP's reduce dtype
-        unsharded = DTYPE_BYTES[lay.fsdp_reduce_dtype] * sp.total
-        # beside the reduced shards of the step's earlier schedule runs
-        states["gradients"] = unsharded + (states["gradients"] if lay.pipeline_runs > 1 else 0)
+    if lay.grads_stay_unsharded:  # accumulated unsharded, in FSDP's reduce dtype, beside
+        # the reduced shards of the step's earlier schedule runs
+        earlier_runs = states["gradients"] if lay.pipeline_runs > 1 else 0
+        states["gradients"] = DTYPE_BYTES[lay.fsdp_reduce_dtype] * sp.total + earlier_runs
     if lay.fsdp and lay.stored_dtype != "fp32":
         # 16-bit parameters under FSDP: its fp32 shards are the master weights and the
         # 16-bit weights exist only gathered (`gathered_weights`, `comm_buffers`)
@@ -499,7 +498,8 @@ def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: Act
     cast = lay.stored_dtype == "fp32" and c < 4 and gathered == 4
     mem["cast_weights"] = sp.total * c if cast else 0
     # ZeRO-2 under FSDP (reshard_after_forward=False), and ZeRO-3 under a zero-bubble
-    # schedule: every block stays gathered from its forward to its backward.
+    # schedule: every block stays gathered from its forward to its backward; under any
+    # pipeline schedule the stage stays gathered after each backward (`grads_stay_unsharded`).
     # Expert parallelism: FSDP gathers a rank's own experts only (1/ep of each layer's;
     # composed with TP, 1/(ep x tp): the experts are split over both, `parallel/ep_tp.py`).
     not_local = (1 - 1 / dims.ep) * expert_params(args, 1) / dims.tp

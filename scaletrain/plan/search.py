@@ -335,7 +335,8 @@ def _dp_exposed(plan: Plan, fabric: Fabric, compute: float, layers: int,
             # and reduce each stage's once, after its last backward (`perform_reduce_grad`):
             # the gathers as without PP, the reduce-scatter (and HSDP's all-reduce) exposed
             per_mb = layers * (_overlap(ag, fwd) + _overlap(backward_ag, bwd)) + ag
-            return m * per_mb + lay.pipeline_runs * layers * (rs + ar)
+            return m * per_mb + layers * (lay.gradient_reductions * rs
+                                          + lay.replica_all_reduces * ar)
 
         def micro_batch(ar: float) -> float:
             # a block's reduce-scatter (and HSDP's all-reduce after it) runs during the

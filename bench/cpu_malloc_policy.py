@@ -3,13 +3,17 @@
     python bench/cpu_malloc_policy.py                  # the policies of POLICIES, 2 repeats
     python bench/cpu_malloc_policy.py default trainer  # only those policies
     REPEATS=3 STEPS=6 SEQ=256 LAYOUTS="one process,TP2 x DP2" TAG=_x python bench/...
+    LAYOUTS="PP2 1F1B,PP2 GPipe" TAG=_pp python bench/cpu_malloc_policy.py \
+        default trainer trainer@1 trainer@0.25
 
-For one process, DDP (2 ranks), ZeRO-3 (2 ranks) and TP 2 x DP 2 (4 ranks) on the `debug`
+For the layouts of `bench/cpu_peak_vs_plan.py` (one process, DDP 2, ZeRO-3 2, TP 2 x DP 2 and
+two pipeline stages; a pipeline rank against its own stage's plan) on the `debug`
 preset at 128 tokens (`SEQ`; 128 is the setting of `tests/distributed/test_cpu_peak.py`; bf16
 autocast where the CPU has AVX-512 bf16), every rank builds the real `Trainer` under torchrun
 (gloo). `trainer` runs the trainer's own policy (its defaults: `training.cpu_mmap_threshold_mb`
 4, `training.cpu_malloc_trim` true, `train/host_allocator.py`: what `mmap4m+fwd` does, plus a
-trim before the memory baseline); every other policy turns the trainer's off and applies its
+trim before the memory baseline), `trainer@N` the same with its threshold at N MiB; every
+other policy turns the trainer's off and applies its
 own before the trainer is built:
 
 - `default`: glibc as it comes (dynamic mmap threshold, raised up to 32 MiB);
@@ -42,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench._spawn
 
-from bench.cpu_peak_vs_plan import LAYOUTS  # noqa: E402  (the same four layouts)
+from bench.cpu_peak_vs_plan import LAYOUTS, planned_peak  # noqa: E402  (the same layouts)
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ["default", "trainer", "mmap4m+fwd", "mmap128k", "mmap512k", "mmap1m"]
@@ -62,9 +66,12 @@ def common_flags(output: Path, cache: Path, steps: int) -> list[str]:
 
 
 def policy_flags(policy: str) -> list[str]:
-    """`trainer`: the trainer's own policy (its defaults); any other: the trainer's off."""
+    """`trainer`: the trainer's own policy (its defaults); `trainer@N`: with its threshold at
+    N MiB (`training.cpu_mmap_threshold_mb`); any other: the trainer's off."""
     if policy == "trainer":
         return []
+    if policy.startswith("trainer@"):
+        return ["--training.cpu_mmap_threshold_mb", policy.removeprefix("trainer@")]
     return ["--training.cpu_mmap_threshold_mb", "0", "--training.cpu_malloc_trim", "false"]
 
 
@@ -72,6 +79,8 @@ def apply_policy(policy: str) -> bool:
     """The policy's mallopt calls; True when it trims after each step."""
     from scaletrain.train import host_allocator as ha
 
+    if policy.startswith("trainer"):
+        return False
     parts = policy.split("+")
     base = parts[0]
     if base.startswith("mmap"):
@@ -115,11 +124,12 @@ def worker(out_dir: str, policy: str, argv: list[str]) -> None:
 
     trainer.run_step = timed_step  # type: ignore[method-assign]
     if {"ftrim", "fwd"} & set(policy.split("+")):  # trim once the forward pass has returned
-        trainer.model.register_forward_hook(lambda *_: None if malloc_trim() else None)
+        for module in [trainer.model, *trainer.par.stage_modules]:  # stages: their own forward
+            module.register_forward_hook(lambda *_: None if malloc_trim() else None)
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))
     record = {"rank": rank, "measured": int(trainer.mem_baseline.peak_above_gib() * 2**30),
-              "planned": plan.peak_bytes, "steps": steps}
+              "planned": planned_peak(plan, trainer), "steps": steps}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
 
 

@@ -1,8 +1,10 @@
 """CPU training peak per rank, measured, against the plan `train --dry-run` prints.
 
     python bench/cpu_peak_vs_plan.py        # table + bench/results/cpu_peak_vs_plan.{json,txt}
+    LAYOUTS="PP2 1F1B,PP2 GPipe" TAG=_pp python bench/cpu_peak_vs_plan.py pinned  # some of them
 
-For one process, DDP (2 ranks), ZeRO-3 (2 ranks) and TP 2 x DP 2 (4 ranks) on the `debug`
+For one process, DDP (2 ranks), ZeRO-3 (2 ranks), TP 2 x DP 2 (4 ranks) and two pipeline
+stages (1F1B and GPipe, 4 micro-batches; each rank against its own stage's plan) on the `debug`
 preset (bf16 autocast where the CPU has AVX-512 bf16, as `train` picks it), every rank builds
 the real `Trainer` (under torchrun, gloo) and runs 3 steps. Measured: the trainer's own
 `peak_mem_gib` quantity, the peak resident set size (VmHWM, reset at the trainer's memory
@@ -48,6 +50,10 @@ LAYOUTS = {  # name: (ranks, flags)
     "DDP 2": (2, ["--parallel.data_parallel", "ddp"]),
     "ZeRO-3 2": (2, ["--parallel.data_parallel", "zero3"]),
     "TP2 x DP2": (4, ["--parallel.tp", "2", "--parallel.data_parallel", "ddp"]),
+    "PP2 1F1B": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "1F1B",
+                     "--training.grad_accum_steps", "4"]),
+    "PP2 GPipe": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe",
+                      "--training.grad_accum_steps", "4"]),
 }
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
         "--model.n_kv_heads", "2", "--model.ffn_dim", "128", "--model.vocab_size", "512",
@@ -62,6 +68,15 @@ def common_flags(output: Path, cache: Path, steps: int = 3) -> list[str]:
             "--training.steps", str(steps), "--training.eval_interval", "0",
             "--training.sample_tokens", "0", "--checkpoint.interval", "0",
             "--metrics.tensorboard", "false", "--metrics.progress_bar", "false"]
+
+
+def planned_peak(plan: object, trainer: object) -> int:
+    """The plan's peak of this rank: its own pipeline stage's under PP (rank 0 holds the
+    embedding, the last stage the head and the loss), else the plan's (every rank alike)."""
+    stages = plan.stages  # type: ignore[attr-defined]
+    if not stages:
+        return plan.peak_bytes  # type: ignore[attr-defined]
+    return stages[trainer.par.pp_rank]["memory_bytes"]["peak"]  # type: ignore[attr-defined]
 
 
 def _status_bytes(key: str) -> int:
@@ -92,7 +107,7 @@ def worker(out_dir: str, argv: list[str]) -> None:
     cpu = time.process_time() - cpu
     rank = int(os.environ.get("RANK", "0"))
     record = {"rank": rank, "measured": int(trainer.mem_baseline.peak_above_gib() * 2**30),
-              "baseline": trainer.mem_baseline.bytes, "planned": plan.peak_bytes,
+              "baseline": trainer.mem_baseline.bytes, "planned": planned_peak(plan, trainer),
               "rss_file_growth": _status_bytes("RssFile") - file_at_baseline,
               "train_page_faults": faults, "train_cpu_s": cpu,
               "memory_bytes": plan.memory_bytes}
@@ -117,9 +132,12 @@ def main() -> None:
                 "tiny": (pinned, [*TINY, *off])}
     if len(sys.argv) > 1:  # e.g. `tiny`: only those variants
         variants = {k: v for k, v in variants.items() if k in sys.argv[1:]}
+    chosen = os.environ.get("LAYOUTS")  # e.g. "PP2 1F1B,PP2 GPipe"
+    layouts = {k: v for k, v in LAYOUTS.items() if not chosen or k in chosen.split(",")}
+    tag = os.environ.get("TAG", "")
     rows, lines = [], []
     with tempfile.TemporaryDirectory() as cache:
-        for name, (ranks, flags) in LAYOUTS.items():
+        for name, (ranks, flags) in layouts.items():
             for variant, (extra_env, extra) in variants.items():
                 records = launch(ranks, [*common_flags(Path(cache, "unused"), Path(cache)),
                                          *flags, *extra], {**base_env, **extra_env})
@@ -133,10 +151,10 @@ def main() -> None:
                 lines.append(line)
                 print(line, flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_peak_vs_plan.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / f"cpu_peak_vs_plan{tag}.json").write_text(json.dumps(rows, indent=1))
     head = ("layout       variant        per rank: measured/planned peak above the baseline "
             "(planned/measured - 1, page faults while training 3 steps)")
-    (RESULTS / "cpu_peak_vs_plan.txt").write_text("\n".join([head, *lines]) + "\n")
+    (RESULTS / f"cpu_peak_vs_plan{tag}.txt").write_text("\n".join([head, *lines]) + "\n")
 
 
 if __name__ == "__main__":

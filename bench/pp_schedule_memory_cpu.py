@@ -1,9 +1,9 @@
-"""Does the planner's memory of the zero-bubble pipeline schedules match what the trainer holds?
+"""Does the planner's memory of the pipeline schedules match what the trainer holds?
 
 Trains a few steps of a small model on 2 CPU ranks (gloo, PP 2, the debug preset's width with
 8 layers, so each rank holds 4 blocks, in 2 virtual stages where the schedule has them), with
 enough tokens per micro-batch that the activations dominate the peak, under each schedule:
-1F1B, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble. For each it reports the
+GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble. For each it reports the
 trainer's `peak_mem_gib` (the resident set's peak above its baseline: rank 0, which logs it,
 the first stage, and rank 1, read by bench/_rank_peak.py) against each stage's `peak` that
 `train --dry-run --json` plans for the same flags (its `stages` list), as
@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "bench" / "results" / "pp_schedule_memory_cpu.json"
-SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
+SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "InterleavedZeroBubble": 2,
+             "ZBVZeroBubble": 2}
 MIB = 2**20
 
 

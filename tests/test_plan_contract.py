@@ -264,4 +264,4 @@ def test_plan_text_of_zero3_under_zbv_says_the_blocks_stay_gathered(
     # accumulate in fp32 (FSDP's reduce dtype)
     assert (row(zbv, "gathered_weights"), row(one, "gathered_weights")) == (5.21, 4.23)
     assert (row(zbv, "gradients"), row(one, "gradients")) == (10.41, 8.46)
-    assert (row(one, "total"), row(zbv, "total")) == (41.90, 46.27)
+    assert (row(one, "total"), row(zbv, "total")) == (41.90, 45.66)

@@ -108,3 +108,23 @@ def test_plan_under_tensor_parallel_reads_shards(capsys: pytest.CaptureFixture[s
         assert host == host_load_bytes(a, "lora", parts), extra
         assert host["sharded"] and host["weights"] < 0.51 * host_load_bytes(a, "lora", 1)[
             "weights"], extra
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_cpu_dry_run_names_what_glibcs_heap_adds(pipeline: bool,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU `train --dry-run` says what its peak leaves out, with the measured figures of
+    docs/plan.md ('The allocator policy of CPU runs'), and under pipeline parallelism the
+    threshold that brings a stage's peak to its plan."""
+    from scaletrain import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    layout = (["--parallel.pp", "2", "--training.grad_accum_steps", "4"] if pipeline
+              else ["--parallel.data_parallel", "ddp"])
+    assert cli.main(["train", "--dry-run", "--training.device", "cpu", *layout]) == 0
+    (note,) = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("host RAM: ")]
+    assert "within 5 % of the plan" in note
+    assert ("--training.cpu_mmap_threshold_mb 0.25" in note) == pipeline

@@ -279,6 +279,18 @@ def activation_bytes(args: ModelArgs, spec: ActivationSpec, layer_indices: range
                            rope_tables_autograd=rope_seen and args.arch == "llama")
 
 
+def held_logits_bytes(args: ModelArgs, spec: ActivationSpec) -> int:
+    """The logits a pipeline's last stage keeps per micro-batch between its forward and its
+    backward: torch's stage holds its output (`PipelineStage.fwd_cache`) until then, so where
+    several micro-batches wait for their backward (GPipe; the last chunk of the interleaved
+    schedules) each keeps its (tokens x vocabulary) logits in the compute dtype. One process
+    holds one micro-batch's, which `logits_buffer_bytes` counts. None with the fused loss: the
+    stage's output is then the hidden states, counted in the head's activations."""
+    if spec.fused_loss:
+        return 0
+    return DTYPE_BYTES[spec.compute_dtype] * spec.tokens * (args.vocab_size // spec.tp)
+
+
 def logits_buffer_bytes(args: ModelArgs, spec: ActivationSpec) -> int:
     """Transient loss memory beyond the saved log-softmax: the logits themselves (c bytes, alive
     through backward) and two fp32 gradient buffers of logits size in the loss backward. Under

@@ -17,7 +17,12 @@ from scaletrain.parallel.feasibility import (
     runs_torch_ddp,
 )
 from scaletrain.parallel.feasibility import layout_problems as run_problems
-from scaletrain.plan.activations import DTYPE_BYTES, ActivationSpec, logits_buffer_bytes
+from scaletrain.plan.activations import (
+    DTYPE_BYTES,
+    ActivationSpec,
+    held_logits_bytes,
+    logits_buffer_bytes,
+)
 from scaletrain.plan.comm import comm_bytes, expert_params
 from scaletrain.plan.flops import attention_forward_flops, flops_per_token
 from scaletrain.plan.host_memory import (
@@ -490,7 +495,11 @@ def _stage_memory(args: ModelArgs, lay: Layout, per_param: StateBytes, spec: Act
         mem["pipeline_buffers"] = act.p2p_buffers
     if act.held_sends:
         mem["pipeline_sends"] = act.held_sends
-    mem["logits_loss"] = logits_buffer_bytes(args, spec) if sp.head > 0 or dims.pp == 1 else 0
+    mem["logits_loss"] = 0
+    if dims.pp == 1:
+        mem["logits_loss"] = logits_buffer_bytes(args, spec)
+    elif sp.head > 0:  # the logits are the stage's output, held with its activations
+        mem["logits_loss"] = logits_buffer_bytes(args, spec) - held_logits_bytes(args, spec)
     w = per_param.weights
     gathered = DTYPE_BYTES[lay.gather_dtype] if lay.fsdp else w
     # Autocast keeps a 16-bit copy of every fp32 weight it used until backward; FSDP

@@ -2,9 +2,10 @@
 
 Each chunk of the rank keeps, per micro-batch, its activations from its forward to its backward
 (`activation_bytes` of its layers; the embedding's ids on the first chunk, the final norm, head
-input and loss on the last). Under a zero-bubble schedule the backward is split: torch's
-input-gradient pass runs with the graph retained, so the activations stay until the deferred
-weight-gradient pass, together with the gradients at every weight's node
+input and loss on the last, and the logits, the stage's output, which torch's stage keeps until
+the micro-batch's backward: `held_logits_bytes`). Under a zero-bubble schedule the backward
+is split: torch's input-gradient pass runs with the graph retained, so the activations stay
+until the deferred weight-gradient pass, together with the gradients at every weight's node
 (`deferred_weight_grad_bytes`), the stage input's gradient and the received output gradient;
 only the loss's own tensors (log-softmax, targets) go with the detached loss. The first chunk
 runs no input-gradient pass (torch's stage 0 does its whole backward in W). Checkpointed blocks
@@ -28,6 +29,7 @@ from scaletrain.plan.activations import (
     ActivationSpec,
     activation_bytes,
     deferred_weight_grad_bytes,
+    held_logits_bytes,
 )
 from scaletrain.plan.memory import chunk_layers
 from scaletrain.plan.pipeline_memory import (
@@ -93,6 +95,9 @@ def stage_activations(args: ModelArgs, spec: ActivationSpec, pp: int, vpp: int,
     mine = chunk_ids(stage, pp, v, schedule) if pp > 1 else [0]
     acts = {c: activation_bytes(args, spec, runs[c], first_stage=c == 0, last_stage=c == n - 1)
             for c in mine}
+    if pp > 1 and n - 1 in acts:  # torch's stage keeps its output, the logits, until backward
+        last = acts[n - 1]
+        acts[n - 1] = dataclasses.replace(last, head=last.head + held_logits_bytes(args, spec))
     whole = _sum(list(acts.values()))
     recompute = whole.recompute
     stage_layers = max(1, sum(len(runs[c]) for c in mine))

@@ -133,8 +133,9 @@ class Trainer:
         self.mem_baseline = MemoryBaseline(self.device)  # peaks are reported above it
         self.model_args = self._model_args()
         self.model = self._build_model()  # initialized from training.seed, as in one process
-        if trim_heap:
-            trim_after_forward(self.model)
+        if trim_heap:  # pipeline stages run their own forward, not the model's
+            for module in [self.model, *self.par.stage_modules]:
+                trim_after_forward(module)
         # Then each rank's own training stream (dropout): see `train/rng.py`.
         self.rng_stream = rng.rng_stream(self.dp_rank, self.par.cp_rank, self.par.dims.cp,
                                          self.par.pp_rank, self.dp_size)

@@ -2,8 +2,8 @@
 the search ranks each published layout among the layouts it evaluates.
 
     python bench/plan_calibration.py [--rank] [--untied] [--one-nic] [--no-tp-overlap]
-                                     [--no-dp-overlap] [--no-hsdp] [--breakdown]
-                                     [--json OUT.json]
+                                     [--no-dp-overlap] [--no-hsdp] [--gpt2-sp]
+                                     [--breakdown] [--json OUT.json]
 
 `--rank` runs the layout search for each run's model, cluster and batch and prints the rank the
 published layout's predicted step time would take among the fitting layouts (1 = the search's
@@ -12,7 +12,10 @@ first choice; timed as the search times layouts, without a row's `tp_comm_overla
 dp, and for ZeRO-2/3 the shard group: HSDP's dp_shard), how many layouts fit, whether the
 search itself evaluated the published layout (`yes`), and the search's seconds; the search
 reduces gradients in the run's dtype (`reduce_dtype`) and stores bf16 weights with fp32
-masters, as the published runs did (`Run.layout`). `--no-hsdp` searches without HSDP.
+masters, as the published runs did (`Run.layout`). `--no-hsdp` searches without HSDP;
+`--gpt2-sp` runs the GPT-2-style models sequence parallel in the search, as the trainer can
+(the search keeps them without it: docs/plan.md, "GPT-2 and sequence parallelism in the
+search").
 `--untied` plans the GPT-style rows with untied embeddings (a planner or trainer that refuses
 tied embeddings under PP can then rank them; one embedding matrix more).
 `--one-nic` predicts every row with one NIC's worth per rank across nodes for the
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import time
 
+from scaletrain.plan import search as search_module
 from scaletrain.plan.calibration import BAND, DEEPSPEED_ZERO3_2021, load_runs, predict
 from scaletrain.plan.estimate import Layout
 from scaletrain.plan.search import search
@@ -84,8 +88,13 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--no-hsdp", action="store_true",
                    help="search without HSDP layouts (the search space before it had them)")
+    p.add_argument("--gpt2-sp", action="store_true",
+                   help="the search runs GPT-2 models sequence parallel as well (as the "
+                        "trainer can; plan/search.py SEQUENCE_PARALLEL_ARCHS)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.gpt2_sp:
+        search_module.SEQUENCE_PARALLEL_ARCHS = ("llama", "gpt2")
     rows = []
     print(f"band {BAND[0]}-{BAND[1]}")
     print(f"{'run':<44} {'gpu':<15} {'meas':>6} {'pred':>6} {'ratio':>6}"

@@ -163,10 +163,6 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
     if d.cp > 1 and args.arch != "llama":
         out.append(f"context parallelism is not implemented for arch '{args.arch}' (only "
                    "'llama'); use data, tensor or pipeline parallelism")
-    if d.tp > 1 and args.arch != "llama" and lay.sequence_parallel:
-        out.append(f"sequence parallelism is not implemented for arch '{args.arch}' (its "
-                   "learned positions are added to the whole sequence); set "
-                   "parallel.sequence_parallel false for tensor parallelism")
     if d.pp > 1:
         micro = lay.pp_microbatches or lay.grad_accum
         out += schedule_problems(lay.pp_schedule, d.pp, lay.pp_virtual_stages, micro)

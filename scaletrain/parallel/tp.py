@@ -73,7 +73,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
     if top:
         parallelize_module(model, tp_mesh, top)
     if getattr(model, "pos_embeddings", None) is not None:
-        _replicate(model.pos_embeddings, tp_mesh)
+        if sequence_parallel:
+            _positions_of_the_shard(model.pos_embeddings, tp_mesh)
+        else:
+            _replicate(model.pos_embeddings, tp_mesh)
     if model.args.arch != "llama" and not sequence_parallel and model.output is not None:
         _replicate(model.norm, tp_mesh)
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
@@ -174,11 +177,28 @@ def _family_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]
     return plan
 
 
+def _positions_of_the_shard(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """GPT-2's learned position table under sequence parallelism: a replicated DTensor that
+    looks up every position and hands back this rank's sequence shard of the result (a local
+    slice, the sequence shard the embedding's output holds). Its backward all-gathers the
+    shards' gradients, so the table's gradient is the whole sequence's on every rank."""
+
+    def to_dtensor(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                     for t in inputs)
+
+    def to_shard(_: nn.Module, out: DTensor, __: DeviceMesh) -> object:
+        # (seq, dim) for 1-D positions, (batch, seq, dim) for per-row ones
+        return out.redistribute(placements=[Shard(out.ndim - 2)]).to_local()
+
+    distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_shard)
+
+
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """`module`'s parameters as replicated DTensors, taking and returning plain tensors (so the
-    optimizer and clipping see one kind of parameter). Used for GPT-2's learned position table,
-    which is added to the whole (replicated) embedding output (hence GPT-2 runs tensor
-    parallel without sequence parallelism), and its LayerNorms."""
+    optimizer and clipping see one kind of parameter). Used for GPT-2's learned position table
+    without sequence parallelism, where it is added to the whole (replicated) embedding output,
+    and its LayerNorms."""
 
     def to_dtensor(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)

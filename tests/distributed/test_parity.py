@@ -94,6 +94,8 @@ LAYOUTS_2 = [
     ("tp-sp-ac-attn", ["--parallel.tp", "2", "--activation_checkpoint.mode", "partial",
                        "--activation_checkpoint.scope", "attention"], 1, 2),
     ("tp-gpt2", ["--parallel.tp", "2", "--parallel.sequence_parallel", "false"], 1, 2, GPT2),
+    # sequence parallel: each rank adds its sequence shard of the learned positions
+    ("tp-sp-gpt2", ["--parallel.tp", "2"], 1, 2, GPT2),
     ("cp", ["--parallel.cp", "2"], 1, 2),
     ("cp-nolb", ["--parallel.cp", "2", "--parallel.cp_load_balance", "false"], 1, 2),
     ("pp-gpipe", ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe"], 1, 2),

@@ -580,9 +580,10 @@ def rank_key(c: Candidate) -> tuple:
 
 SEQUENCE_PARALLEL_ARCHS = ("llama",)
 """The architectures the search runs sequence parallel. The trainer runs GPT-2 sequence
-parallel too (`parallel/tp.py`), but the search keeps it off there for now: with it, the
-published GPT layouts of the calibration table rank far lower (docs/plan.md, "GPT-2 and
-sequence parallelism in the search"; `bench/plan_calibration.py --gpt2-sp`)."""
+parallel too (`parallel/tp.py`), but the search keeps it off there until the trainer overlaps
+its TP and ZeRO-0/1 collectives: with it, the published GPT layouts, timed with those
+collectives exposed, rank far lower (docs/plan.md, "GPT-2 and sequence parallelism in the
+search"; `bench/plan_calibration.py --gpt2-sp`)."""
 
 
 def search(args: ModelArgs, cluster: Cluster, seq_len: int, gbs_tokens: int,

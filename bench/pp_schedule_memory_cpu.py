@@ -72,15 +72,17 @@ def planned(argv: list[str]) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def measured(argv: list[str], steps: int) -> list[float]:
+def measured(argv: list[str], steps: int, env: dict[str, str] | None = None,
+             world: int = 2) -> list[float]:
     """Each rank's peak above its baseline (bytes): rank 0's as the trainer logs it, checked
-    against the wrapper's reading of the same quantity, which also gives rank 1's."""
+    against the wrapper's reading of the same quantity, which also gives the other ranks'.
+    `env`: the ranks' environment (default: this bench's, glibc's mmap threshold pinned)."""
     out = Path(argv[argv.index("--output") + 1])
     peaks = out.parent / f"{out.name}-peaks"
     peaks.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(ROOT / "bench" / "_rank_peak.py"), "train", *argv]
-    done = subprocess.run(cmd, env={**_env(), "RANK_PEAK_DIR": str(peaks)},
+           str(world), str(ROOT / "bench" / "_rank_peak.py"), "train", *argv]
+    done = subprocess.run(cmd, env={**(env or _env()), "RANK_PEAK_DIR": str(peaks)},
                           capture_output=True, text=True, timeout=1200)
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
@@ -88,7 +90,7 @@ def measured(argv: list[str], steps: int) -> list[float]:
     assert len(lines) == steps
     logged = max(m["peak_mem_gib"] for m in lines) * 2**30
     ranks = [json.loads((peaks / f"rank{r}.json").read_text())["peak_above_bytes"]
-             for r in range(2)]
+             for r in range(world)]
     assert abs(ranks[0] - logged) <= 0.02 * logged, (ranks[0], logged)
     return ranks
 

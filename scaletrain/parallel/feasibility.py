@@ -32,12 +32,22 @@ def resolve_mode(data_parallel: str, dims: ParallelDims) -> str:
     return "zero3" if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 else "ddp"
 
 
-def runs_torch_ddp(zero: int, tp: int, pp: int, param_dtype: str) -> bool:
-    """Whether replicated data parallelism (ZeRO-0/1) runs as torch's DDP, whose hooks
-    all-reduce buckets during the backward: the whole model (no tensor or pipeline parallelism)
-    with fp32 parameters. Otherwise the replicas' gradients are summed after the backward
-    (`Parallelism.sync_gradients`), nothing behind which to hide."""
-    return zero in (0, 1) and tp == 1 and pp == 1 and param_dtype == "fp32"
+def runs_torch_ddp(replicated: bool, tp: int, pp: int, param_dtype: str) -> bool:
+    """Whether data parallelism runs as torch's DDP, whose hooks all-reduce buckets during the
+    backward: replicated weights (ZeRO-0/1) of the whole model (no tensor or pipeline
+    parallelism) with fp32 parameters. Otherwise ZeRO-0/1 replicas' gradients are summed after
+    the backward (`Parallelism.sync_gradients`), nothing behind which to hide."""
+    return replicated and tp == 1 and pp == 1 and param_dtype == "fp32"
+
+
+def pipeline_microbatches_problem(micro: int, grad_accum: int) -> str | None:
+    """Why `parallel.pp_microbatches` = `micro` cannot run with `grad_accum` accumulation steps
+    (None when it can): a step runs the schedule over that many micro-batches at a time."""
+    if micro <= 0 or grad_accum % micro:
+        return (f"parallel.pp_microbatches ({micro}) must divide the accumulation steps "
+                f"({grad_accum}): a step runs the schedule over that many micro-batches at "
+                "a time")
+    return None
 
 
 def reshards_after_forward(mode: str, pp: int, pp_schedule: str) -> bool:
@@ -172,10 +182,9 @@ def layout_problems(args: ModelArgs, lay: RunLayout) -> list[str]:
                        "embedding and the head on one rank in two FSDP roots, which cannot share "
                        "the weight; use another pipeline schedule, data_parallel ddp/zero1, or "
                        "an untied model")
-        if micro > lay.grad_accum or lay.grad_accum % micro:
-            out.append(f"parallel.pp_microbatches ({micro}) must divide the accumulation steps "
-                       f"({lay.grad_accum}): a step runs the schedule over that many "
-                       "micro-batches at a time")
+        problem = pipeline_microbatches_problem(micro, lay.grad_accum)
+        if problem:
+            out.append(problem)
     out += fp8_problems(lay)
     if lay.cpu_offload and lay.mode not in ("zero2", "zero3"):
         out.append("parallel.cpu_offload needs data_parallel zero2 or zero3")

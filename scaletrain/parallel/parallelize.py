@@ -106,6 +106,8 @@ class Parallelism:
         self.cp_rank, self.pp_rank = 0, 0
         self.schedule = None
         self.run_microbatches = 0
+        self._units: list[FSDPModule] = []  # `_fsdp_units`' cache, and the model it is of
+        self._units_of: nn.Module | None = None
         self.stage_specs: list = []
         self.stage_modules: list[nn.Module] = []
         self.grad_sync_group: dist.ProcessGroup | None = None
@@ -293,8 +295,8 @@ class Parallelism:
         """DDP/ZeRO-1 of the whole model (no tensor or pipeline parallelism) with fp32
         parameters: torch's DDP. 16-bit parameters take the replicas' path (their fp32
         gradient buffers are reduced by the step)."""
-        return self.mode in ("ddp", "zero1") and runs_torch_ddp(
-            1, self.dims.tp, self.dims.pp, self.param_dtype)
+        return runs_torch_ddp(self.mode in ("ddp", "zero1"), self.dims.tp, self.dims.pp,
+                              self.param_dtype)
 
     @property
     def fsdp(self) -> bool:
@@ -324,10 +326,16 @@ class Parallelism:
         if hasattr(model, "no_sync"):
             return contextlib.nullcontext() if last else model.no_sync()
         if self.fsdp and self.dims.dp_replicate > 1:
-            for unit in model.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.set_requires_all_reduce(last, recurse=False)
+            for unit in self._fsdp_units(model):
+                unit.set_requires_all_reduce(last, recurse=False)
         return contextlib.nullcontext()
+
+    def _fsdp_units(self, model: nn.Module) -> list[FSDPModule]:
+        """`model`'s FSDP units, found once (the step asks for them every micro-batch)."""
+        if self._units_of is not model:
+            self._units = [u for u in model.modules() if isinstance(u, FSDPModule)]
+            self._units_of = model
+        return self._units
 
     def precompute_fp8_scales(self, model: nn.Module) -> None:
         """After the optimizer step: the fp8 all-gather's weight scales for the next step (a

@@ -13,6 +13,7 @@ from scaletrain.parallel.dims import ParallelDims, ParallelDimsError
 from scaletrain.parallel.feasibility import (
     RunLayout,
     mode_for_zero,
+    pipeline_microbatches_problem,
     reshards_after_forward,
     runs_torch_ddp,
 )
@@ -186,7 +187,7 @@ class Layout:
     def ddp_wrapped(self) -> bool:
         """torch's DDP holds the model (ZeRO-0/1 without TP or PP, fp32 parameters: the
         trainer's `Parallelism.ddp_wrapped`); otherwise the step all-reduces flat buckets."""
-        return runs_torch_ddp(self.zero, self.dims.tp, self.dims.pp, self.stored_dtype) \
+        return runs_torch_ddp(self.zero <= 1, self.dims.tp, self.dims.pp, self.stored_dtype) \
             and self.dims.dp * self.dims.cp > 1
 
     @property
@@ -230,10 +231,10 @@ def layout_problems(args: ModelArgs, lay: Layout) -> list[str]:
                    f"data parallel ({lay.mbs} x {lay.dims.dp})")
     if lay.vpp > 1 and lay.dims.pp == 1:
         out.append("virtual pipeline stages (--vpp) need pipeline parallelism (--pp > 1)")
-    if lay.pp_microbatches is not None and (
-            lay.pp_microbatches <= 0 or lay.grad_accum % lay.pp_microbatches):
-        out.append(f"parallel.pp_microbatches ({lay.pp_microbatches}) must divide the "
-                   f"accumulation steps ({lay.grad_accum})")
+    problem = (pipeline_microbatches_problem(lay.pp_microbatches, lay.grad_accum)
+               if lay.pp_microbatches is not None else None)
+    if problem:
+        out.append(problem)
     if lay.seq_len > args.max_seq_len:
         out.append(f"seq_len ({lay.seq_len}) exceeds the model's max_seq_len "
                    f"({args.max_seq_len}); pass --set model.max_seq_len={lay.seq_len}")

@@ -49,7 +49,8 @@ class Device:
 
 def _dev(name: str, mem: float, bf16: float, fp32: float, intra: float, inter: float,
          fp8: float | None = None, aliases: tuple[str, ...] = (), rail: bool = False,
-         per_node: int = 8, gemm: float = 0.76, attention: float = 0.5) -> Device:
+         per_node: int = 8, gemm: float = Device.gemm_efficiency,
+         attention: float = Device.attention_efficiency) -> Device:
     peaks = {"bf16": bf16, "fp16": bf16, "fp32": fp32}
     if fp8 is not None:
         peaks["fp8"] = fp8

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_helpers import load_bench
 from tests.proc_helpers import scaled
 
 ROOT = Path(__file__).parents[2]
@@ -125,7 +126,8 @@ def test_pipeline_stage_peak_within_10_percent_of_the_measured_peak(
     stages = _planned(flags, world, monkeypatch)["stages"]
     assert [(s["stage"], s["embedding"], s["head"]) for s in stages] == [
         (0, True, False), (1, False, True)]
-    measured = _measured_per_rank(flags, world, tmp_path_factory.mktemp(f"{layout}_peaks"))
+    # each rank's peak as the trainer measures it (`bench/_rank_peak.py` reads rank 1's)
+    measured = load_bench("pp_schedule_memory_cpu").measured(flags, 3, _env(), world)
     for rank, (stage, peak) in enumerate(zip(stages, measured)):
         planned = stage["memory_bytes"]["peak"]
         record_property(f"rank{rank}_planned_mib", round(planned / 2**20, 1))
@@ -133,23 +135,6 @@ def test_pipeline_stage_peak_within_10_percent_of_the_measured_peak(
         assert planned == pytest.approx(peak, rel=0.10), (
             f"{layout} rank {rank}: planned {planned / 2**20:.1f} MiB, "
             f"measured {peak / 2**20:.1f} MiB")
-
-
-def _measured_per_rank(flags: list[str], world: int, peaks: Path) -> list[int]:
-    """Every rank's peak above its baseline (bytes), the trainer's quantity: rank 0's as it
-    logs it, each rank's as `bench/_rank_peak.py` reads it when the run ends."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(world), str(ROOT / "bench" / "_rank_peak.py"), "train", *flags]
-    done = subprocess.run(cmd, env={**_env(), "RANK_PEAK_DIR": str(peaks)},
-                          capture_output=True, text=True, timeout=scaled(300))
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = Path(flags[flags.index("--output") + 1])
-    logged = max(json.loads(line)["peak_mem_gib"]
-                 for line in (out / "metrics.jsonl").read_text().splitlines()) * 2**30
-    ranks = [json.loads((peaks / f"rank{r}.json").read_text())["peak_above_bytes"]
-             for r in range(world)]
-    assert ranks[0] == pytest.approx(logged, rel=0.02)  # the same quantity
-    return ranks
 
 
 def _trims_in_a_step(rank: int, world: int, out_dir: str, cache: str) -> None:

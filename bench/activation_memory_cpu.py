@@ -3,8 +3,8 @@ formula for the same dimensions.
 
 Measured: what autograd saves (`train/saved_bytes.py`, storages counted once, weights and
 their autocast copies left out) for a model of 2 blocks minus a model of 1 block, one forward
-on CPU. Planned: `plan/activations.py` for one block. Megatron: Korthikanti et al. 2022's
-accounting adapted to the Llama block (`plan/korthikanti.py: llama_layer_bytes`).
+on CPU. Planned: `plan/memory/activations.py` for one block. Megatron: Korthikanti et al. 2022's
+accounting adapted to the Llama block (`plan/memory/korthikanti.py: llama_layer_bytes`).
 
     python bench/activation_memory_cpu.py --model llama3.2-1b --seq 2048 --dtype bf16
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import scaletrain
 from scaletrain.models.args import ModelArgs, get_preset
-from scaletrain.plan.activations import ActivationSpec, plain_layer
-from scaletrain.plan.korthikanti import llama_layer_bytes
+from scaletrain.plan.memory.activations import ActivationSpec, plain_layer
+from scaletrain.plan.memory.korthikanti import llama_layer_bytes
 from scaletrain.train.saved_bytes import per_layer_saved_bytes
 
 ROOT = Path(__file__).resolve().parent.parent

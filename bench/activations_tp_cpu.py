@@ -5,11 +5,11 @@ Measured: what autograd saves on rank 0 (storages counted once, a DTensor by its
 parameters left out) for a model of 2 blocks minus a model of 1 block, one forward, 16-bit
 parameters (Megatron's setting). The measurement is in this file so that it runs on any
 source tree: point PYTHONPATH at another checkout to measure its layers ("before").
-Planned: that tree's `plan/activations.py` for one block. Megatron: Korthikanti et al. 2022
-(arXiv:2205.05198, table 2) adapted to the Llama block as `plan/korthikanti.py` does, in bytes
-per token: tensor parallel 8 h + (4 h + 4 g d + 6 f) / t, with sequence parallelism
-(12 h + 4 g d + 6 f) / t. The vocabulary is cut to `--vocab` (it does not enter a block's
-count; the embedding and loss cancel in the difference).
+Planned: that tree's `plan/memory/activations.py` for one block. Megatron: Korthikanti et al. 2022
+(arXiv:2205.05198, table 2) adapted to the Llama block as `plan/memory/korthikanti.py` does,
+in bytes per token: tensor parallel 8 h + (4 h + 4 g d + 6 f) / t, with sequence
+parallelism (12 h + 4 g d + 6 f) / t. The vocabulary is cut to `--vocab` (it does not enter a
+block's count; the embedding and loss cancel in the difference).
 
     python bench/activations_tp_cpu.py --label after
     PYTHONPATH=/path/to/old/tree python bench/activations_tp_cpu.py --label before
@@ -75,7 +75,7 @@ def _measure(args: Any, mbs: int, seq: int, mesh: Any, sp: bool, regather: bool)
 
 
 def _planned(args: Any, mbs: int, seq: int, t: int, sp: bool, regather: bool) -> int:
-    from scaletrain.plan.activations import ActivationSpec, plain_layer
+    from scaletrain.plan.memory.activations import ActivationSpec, plain_layer
 
     kw = {"sp_regather": regather} if "sp_regather" in {
         f.name for f in dataclasses.fields(ActivationSpec)} else {}

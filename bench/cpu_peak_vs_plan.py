@@ -21,7 +21,7 @@ threshold), so that every freed tensor of 128 KiB or more goes back to the syste
   ones resident where later blocks do not fit;
 - `tiny`: the same layout, pinned, with a tiny model (dim 64, 2 layers, vocab 512, 32 tokens)
   whose tensors are a few MB: its peak is the process's own runtime (torch's pages, threads,
-  gloo), which `plan/host_memory.py` carries as `host_runtime`.
+  gloo), which `plan/memory/host.py` carries as `host_runtime`.
 
 Both variants turn the trainer's own allocator policy off (`training.cpu_mmap_threshold_mb 0`,
 `training.cpu_malloc_trim false`); `bench/cpu_malloc_policy.py` measures the runs with it, as

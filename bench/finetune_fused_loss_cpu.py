@@ -17,8 +17,9 @@ from scaletrain.finetune.lora import TARGETS, LoRASettings
 from scaletrain.finetune.methods import apply_method
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, estimate
-from scaletrain.plan.finetune import finetune_plan
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.finetune.plan import finetune_plan
+from scaletrain.plan.layout import Layout
 from scaletrain.train.saved_bytes import measure_saved_bytes
 
 MIB = 2**20

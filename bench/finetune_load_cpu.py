@@ -97,9 +97,9 @@ def base_sizes(directory: Path, dtype: torch.dtype) -> dict[str, int]:
 
 def plan_peak(directory: Path, world: int) -> int:
     """What `scaletrain plan --method lora --dp WORLD --zero 3` states for this base's load
-    (`plan.finetune_host`; fp32 shards + the largest tensor read in bf16 and cast)."""
+    (`plan.finetune.host`; fp32 shards + the largest tensor read in bf16 and cast)."""
     from scaletrain.models.hf import hf_model_args
-    from scaletrain.plan.finetune_host import host_load_bytes
+    from scaletrain.plan.finetune.host import host_load_bytes
 
     return int(host_load_bytes(hf_model_args(directory), "lora", world)["peak"])
 

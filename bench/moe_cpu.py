@@ -104,7 +104,8 @@ def _plan_mib(nproc: int, tp: int, ep: int, mbs: int) -> tuple[float, float]:
     buffers (a gathered block, its prefetched successor, its unsharded gradients: EP gathers
     only the rank's own experts) of debug-moe, in MiB."""
     from scaletrain.parallel.dims import ParallelDims
-    from scaletrain.plan.estimate import Layout, estimate
+    from scaletrain.plan.estimate import estimate
+    from scaletrain.plan.layout import Layout
 
     dims = ParallelDims.resolve(nproc, dp_shard=-1, tp=tp, ep=ep)
     plan = estimate(get_preset("debug-moe"), Layout(

@@ -35,10 +35,10 @@ import dataclasses
 import json
 import time
 
-from scaletrain.plan import search as search_module
-from scaletrain.plan.calibration import BAND, DEEPSPEED_ZERO3_2021, load_runs, predict
-from scaletrain.plan.estimate import Layout
-from scaletrain.plan.search import search
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.search import space as search_module
+from scaletrain.plan.search.calibration import BAND, DEEPSPEED_ZERO3_2021, load_runs, predict
+from scaletrain.plan.search.space import search
 
 
 def search_rank(pred, untied: bool, hsdp: bool = True) -> tuple[int, int | None, int, bool,
@@ -90,7 +90,7 @@ def main() -> None:
                    help="search without HSDP layouts (the search space before it had them)")
     p.add_argument("--gpt2-sp", action="store_true",
                    help="the search runs GPT-2 models sequence parallel as well (as the "
-                        "trainer can; plan/search.py SEQUENCE_PARALLEL_ARCHS)")
+                        "trainer can; plan/search/space.py SEQUENCE_PARALLEL_ARCHS)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.gpt2_sp:

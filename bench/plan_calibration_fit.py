@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
 
-import scaletrain.plan.calibration as calibration
-from scaletrain.plan import search as step_model
+import scaletrain.plan.search.calibration as calibration
 from scaletrain.plan.hardware import get_device
+from scaletrain.plan.timing import step_time as step_model
 
 RUNS = calibration.load_runs()
 HOPPER = ("H100", "H200", "GH200", "B200")

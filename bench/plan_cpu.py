@@ -43,7 +43,7 @@ RSS_CASES = [
 def saved_bytes_table() -> list[dict]:
     from scaletrain.config import ActivationCheckpointConfig as AC
     from scaletrain.models.args import ModelArgs
-    from scaletrain.plan.activations import ActivationSpec, activation_bytes
+    from scaletrain.plan.memory.activations import ActivationSpec, activation_bytes
     from scaletrain.train.saved_bytes import measure_saved_bytes
 
     rows = []
@@ -79,7 +79,8 @@ def _rss_child(name: str, mbs: int, seq: int, dtype: str, recompute: str) -> dic
     from scaletrain.models.transformer import build_model
     from scaletrain.parallel.activation_checkpoint import apply_ac
     from scaletrain.parallel.dims import ParallelDims
-    from scaletrain.plan.estimate import Layout, estimate
+    from scaletrain.plan.estimate import estimate
+    from scaletrain.plan.layout import Layout
     from scaletrain.train.loss import cross_entropy_sum
     from scaletrain.train.optim import build_optimizer
 

@@ -91,7 +91,7 @@ def run_plan(argv: list[str]) -> dict[str, Any]:
 def torchtune_states(row: dict[str, Any], plan: dict[str, Any]) -> dict[str, int]:
     """torchtune's model states per GPU for `row`, from our parameter counts."""
     from scaletrain.commands._plan_args import parse_model
-    from scaletrain.plan.finetune_estimate import estimate
+    from scaletrain.plan.finetune.estimate import estimate
 
     n = row["gpus"]
     if row["fsdp_cpu_offload"]:  # every sharded state, gradients included, on the host
@@ -116,7 +116,7 @@ def torchtune_loss(row: dict[str, Any], plan: dict[str, Any]) -> tuple[int, int]
     kept for backward, and one chunk's fp32 working set (our fused-loss formula for a chunk
     of tokens / 8), where `plan` keeps full logits (`logits_loss` and the loss activations)."""
     from scaletrain.commands._plan_args import parse_model
-    from scaletrain.plan.activations import ActivationSpec, logits_buffer_bytes
+    from scaletrain.plan.memory.activations import ActivationSpec, logits_buffer_bytes
 
     args = parse_model(row["model"], [])
     tokens = row["mbs"] * row["seq"]

@@ -114,7 +114,7 @@ def plan_peak(directory: Path, world: int, stored_bytes: int) -> int:
     """What `scaletrain plan --method qlora --dp WORLD --zero 3` (one process: no --dp) states
     for this base's load."""
     from scaletrain.models.hf import hf_model_args
-    from scaletrain.plan.finetune_host import host_load_bytes
+    from scaletrain.plan.finetune.host import host_load_bytes
 
     return int(host_load_bytes(hf_model_args(directory), "qlora", world, stored_bytes)["peak"])
 

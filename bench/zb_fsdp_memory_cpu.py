@@ -111,8 +111,9 @@ def _rank(rank: int, port: int, tmp: str, out: dict[str, Any]) -> None:
 def _planned() -> dict[str, float]:
     from scaletrain.config import load_config
     from scaletrain.parallel.dims import ParallelDims
-    from scaletrain.plan.estimate import Layout, estimate
-    from scaletrain.plan.memory import stage_params
+    from scaletrain.plan.estimate import estimate
+    from scaletrain.plan.layout import Layout
+    from scaletrain.plan.memory.states import stage_params
 
     args = load_config(_argv(Path("x"), Path("y"), [])).model.to_model_args()
     out = {"one block": stage_params(args).per_layer * 4 / MIB}

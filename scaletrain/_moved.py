@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from collections.abc import Callable
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
@@ -18,9 +19,33 @@ MOVED = {
     "scaletrain.train.native_format": "scaletrain.checkpoint.native_format",
     "scaletrain.train.safe_dcp": "scaletrain.checkpoint.safe_dcp",
     "scaletrain.train.integrity": "scaletrain.checkpoint.integrity",
-    "scaletrain.finetune.estimate": "scaletrain.plan.finetune_estimate",
+    "scaletrain.finetune.estimate": "scaletrain.plan.finetune.estimate",
     "scaletrain.data.io": "scaletrain.curate.io",
     "scaletrain.data.runner": "scaletrain.curate.runner",
+    # the planner's sub-rooms (docs/api.md)
+    "scaletrain.plan.activations": "scaletrain.plan.memory.activations",
+    "scaletrain.plan.korthikanti": "scaletrain.plan.memory.korthikanti",
+    "scaletrain.plan.stage_activations": "scaletrain.plan.memory.stage_activations",
+    "scaletrain.plan.pipeline_memory": "scaletrain.plan.memory.pipeline",
+    "scaletrain.plan.host_memory": "scaletrain.plan.memory.host",
+    "scaletrain.plan.collectives": "scaletrain.plan.timing.collectives",
+    "scaletrain.plan.comm": "scaletrain.plan.timing.comm",
+    "scaletrain.plan.advice": "scaletrain.plan.search.advice",
+    "scaletrain.plan.command": "scaletrain.plan.search.command",
+    "scaletrain.plan.cpu_device": "scaletrain.plan.search.cpu_device",
+    "scaletrain.plan.calibration": "scaletrain.plan.search.calibration",
+    "scaletrain.plan.finetune_estimate": "scaletrain.plan.finetune.estimate",
+    "scaletrain.plan.finetune_activations": "scaletrain.plan.finetune.activations",
+    "scaletrain.plan.finetune_flops": "scaletrain.plan.finetune.flops",
+    "scaletrain.plan.finetune_host": "scaletrain.plan.finetune.host",
+}
+
+MOVED_NAMES: dict[str, tuple[str, ...]] = {
+    # a module (or a module that became a package of the same name) whose names moved out
+    "scaletrain.plan.estimate": ("scaletrain.plan.layout",),
+    "scaletrain.plan.search": ("scaletrain.plan.timing.step_time", "scaletrain.plan.search.space"),
+    "scaletrain.plan.memory": ("scaletrain.plan.memory.states",),
+    "scaletrain.plan.finetune": ("scaletrain.plan.finetune.plan",),
 }
 
 
@@ -59,3 +84,24 @@ class _MovedFinder:
 def install() -> None:
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+def forward(module: str) -> Callable[[str], object]:
+    """A module `__getattr__` for `module` (a key of MOVED_NAMES): a name that moved out of it
+    warns and is taken from its new module, so `from old import name` works for one release."""
+
+    def __getattr__(name: str) -> object:
+        if not name.startswith("__"):
+            for new in MOVED_NAMES[module]:
+                value = getattr(importlib.import_module(new), name, _MISSING)
+                if value is not _MISSING:
+                    warnings.warn(f"{module}.{name} moved to {new}; import it from there (the "
+                                  "old path goes in the next release)", DeprecationWarning,
+                                  stacklevel=2)
+                    return value
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+_MISSING = object()

@@ -232,7 +232,7 @@ def test_estimate_matches_the_built_model(method: str, kw: dict, tiny_args: Mode
     """`gemma`: post-norms and q/k norms (Gemma 2 / Qwen3 block shapes)."""
     from scaletrain.finetune.freeze import train_norms
     from scaletrain.finetune.heads import SequenceClassifier
-    from scaletrain.plan.finetune_estimate import estimate
+    from scaletrain.plan.finetune.estimate import estimate
 
     kw = dict(kw)
     args = tiny_args.replace(ffn_dim=128, tie_embeddings=False)

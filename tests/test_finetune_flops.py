@@ -1,4 +1,4 @@
-"""The fine-tuning FLOP formula (`plan/finetune_flops.py`) against an independent count of the
+"""The fine-tuning FLOP formula (`plan/finetune/flops.py`) against an independent count of the
 matmuls a real step runs: `torch.utils.flop_counter.FlopCounterMode` over forward + backward
 of a tiny model prepared by each method (attention on SDPA's math backend, whose matmuls the
 counter sees; it does not count the CPU flash kernel). Full fine-tuning of a language model
@@ -19,7 +19,7 @@ from scaletrain.finetune.lora import LoRASettings
 from scaletrain.finetune.methods import apply_method, with_head
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.transformer import build_model
-from scaletrain.plan.finetune_flops import finetune_flops_per_token
+from scaletrain.plan.finetune.flops import finetune_flops_per_token
 from scaletrain.plan.flops import flops_per_token
 
 SEQ, BATCH = 32, 2

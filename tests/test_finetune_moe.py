@@ -21,7 +21,7 @@ from scaletrain.finetune.lora_experts import LoRAExperts, expert_adapters  # noq
 from scaletrain.finetune.peft_io import load_adapter  # noqa: E402
 from scaletrain.finetune.trainer import FinetuneTrainer  # noqa: E402
 from scaletrain.models.hf import load_hf_checkpoint  # noqa: E402
-from scaletrain.plan.finetune_estimate import estimate  # noqa: E402
+from scaletrain.plan.finetune.estimate import estimate  # noqa: E402
 from tests.family_helpers import tokens  # noqa: E402
 from tests.finetune_helpers import qa_records, word_tokenizer, write_jsonl  # noqa: E402
 from tests.moe_hf_helpers import hf_moe_model  # noqa: E402

@@ -96,8 +96,8 @@ def test_step_metrics_report_the_fp8_peak_alongside(tmp_path: Path) -> None:
 
 def test_dry_run_plan_reports_the_fp8_layout_refusal(tmp_path: Path) -> None:
     """`train --dry-run` asks the same feasibility check: precision.fp8 reaches it."""
-    from scaletrain.plan.estimate import trainer_problems
     from scaletrain.plan.from_config import layout_from_config
+    from scaletrain.plan.layout import trainer_problems
     from tests.trainer_helpers import tiny_config
 
     cfg = tiny_config(tmp_path / "o", tmp_path / "c", "--precision.fp8", "tensorwise",

@@ -55,6 +55,15 @@ def test_every_room_is_in_a_layer() -> None:
     assert rooms == placed, rooms ^ placed
 
 
+def test_every_planner_sub_room_is_in_a_layer() -> None:
+    contract = next(c for c in _contracts() if c.get("containers") == ["scaletrain.plan"])
+    placed = {m.strip() for layer in contract["layers"] for m in layer.split("|")}
+    plan = PACKAGE / "plan"
+    rooms = {p.stem if p.suffix else p.name for p in plan.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
+    assert rooms == placed, rooms ^ placed
+
+
 @needs_linter
 def test_contracts_hold() -> None:
     res = _lint(ROOT)
@@ -68,6 +77,7 @@ def test_contracts_hold() -> None:
     ("inference/chat.py", "from scaletrain.data import tokenizer", "The inference layer"),
     ("curate/pii.py", "from scaletrain.io_never import x", None),  # unknown: not a breach
     ("profiling/load.py", "from scaletrain.profiling import analyze", "No import cycles"),
+    ("plan/memory/host.py", "from scaletrain.plan.timing import comm", "The planner's sub-rooms"),
 ])
 def test_contracts_catch_a_breach(tmp_path: Path, module: str, line: str,
                                   contract: str | None) -> None:

@@ -22,7 +22,8 @@ from scaletrain.commands._memory_fit import (
 )
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.layout import Layout
 from tests.trainer_helpers import tiny_argv, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ def test_a_run_that_fits_is_not_stopped(tmp_path: Path, cache: Path) -> None:
 def test_advice_halves_the_micro_batch_down_to_what_fits() -> None:
     """A layout over budget by 4x in activations: the advice keeps the global batch and names
     the largest micro-batch that fits, with the accumulation that keeps GBS."""
-    from scaletrain.plan.advice import advice_lines, advise
+    from scaletrain.plan.search.advice import advice_lines, advise
 
     args = get_preset("llama3.2-1b")
     lay = Layout(dims=ParallelDims(), mbs=64, seq_len=2048, gbs=128, precision="bf16")

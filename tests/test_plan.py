@@ -9,11 +9,17 @@ import pytest
 from scaletrain.cli import main as cli
 from scaletrain.models.args import PRESETS, count_params, get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan import korthikanti
-from scaletrain.plan.estimate import Layout, bubble_fraction, estimate
+from scaletrain.plan.estimate import bubble_fraction, estimate
 from scaletrain.plan.hardware import DEVICES, get_device, match_device, peak_tflops
-from scaletrain.plan.memory import model_state_bytes, sharded_state, stage_params, state_bytes
-from scaletrain.plan.pipeline_memory import in_flight
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.memory import korthikanti
+from scaletrain.plan.memory.pipeline import in_flight
+from scaletrain.plan.memory.states import (
+    model_state_bytes,
+    sharded_state,
+    stage_params,
+    state_bytes,
+)
 
 PUBLISHED = {"llama3.2-1b": 1_235_814_400, "llama3-8b": 8_030_261_248,
              "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
@@ -170,7 +176,7 @@ def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], argv: list[str],
 
 
 def test_cli_method_covers_fine_tuning(capsys: pytest.CaptureFixture[str]) -> None:
-    from scaletrain.plan.finetune_estimate import estimate as ft_estimate
+    from scaletrain.plan.finetune.estimate import estimate as ft_estimate
 
     base = ["plan", "--model", "llama3.2-1b", "--seq-len", "1024", "--mbs", "1", "--json",
             "--precision", "bf16", "--param-dtype", "bf16"]

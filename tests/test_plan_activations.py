@@ -6,7 +6,7 @@ import pytest
 
 from scaletrain.config import ActivationCheckpointConfig as AC
 from scaletrain.models.args import PRESETS, ModelArgs
-from scaletrain.plan.activations import ActivationSpec, activation_bytes
+from scaletrain.plan.memory.activations import ActivationSpec, activation_bytes
 from scaletrain.train.saved_bytes import measure_saved_bytes
 
 SHAPES = {
@@ -103,7 +103,8 @@ def test_fused_loss_saved_bytes_match_the_estimate(shape: str, precision: str) -
 def test_fused_loss_in_the_plan_of_a_large_vocabulary() -> None:
     from scaletrain.models.args import get_preset
     from scaletrain.parallel.dims import ParallelDims
-    from scaletrain.plan.estimate import Layout, estimate
+    from scaletrain.plan.estimate import estimate
+    from scaletrain.plan.layout import Layout
 
     args = get_preset("llama3-8b")
     lay = Layout(dims=ParallelDims(), mbs=1, seq_len=8192, precision="bf16", param_dtype="bf16")

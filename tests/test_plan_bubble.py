@@ -15,7 +15,8 @@ import pytest
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import SCHEDULE_NAMES
-from scaletrain.plan.estimate import ZERO_BUBBLE_COSTS, Layout, bubble_fraction, estimate
+from scaletrain.plan.estimate import ZERO_BUBBLE_COSTS, bubble_fraction, estimate
+from scaletrain.plan.layout import Layout
 from tests.pipeline_reference import torch_bubble, torch_order
 
 # (schedule, v): every schedule the trainer offers, with the chunks per rank it accepts

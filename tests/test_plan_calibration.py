@@ -1,4 +1,5 @@
-"""The step-time model against published measured runs (`plan/calibration/published_runs.toml`).
+"""The step-time model against published measured runs
+(`plan/search/calibration/published_runs.toml`).
 
 Predicted / measured TFLOP/s per GPU stays inside the stated band for every row, and within each
 group (one model, GPU count and batch, several layouts) the measured order of the layouts is the
@@ -11,18 +12,18 @@ import dataclasses
 
 import pytest
 
-from scaletrain.plan.calibration import (
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.hardware import get_device
+from scaletrain.plan.memory.states import stage_params
+from scaletrain.plan.search.calibration import (
     BAND,
     DEEPSPEED_ZERO3_2021,
     MEGATRON_DISTOPT,
     load_runs,
     predict,
 )
-from scaletrain.plan.collectives import Fabric, per_node
-from scaletrain.plan.estimate import estimate
-from scaletrain.plan.hardware import get_device
-from scaletrain.plan.memory import stage_params
-from scaletrain.plan.search import CONTENTION, Cluster, step_time
+from scaletrain.plan.timing.collectives import Fabric, per_node
+from scaletrain.plan.timing.step_time import CONTENTION, Cluster, step_time
 from tests.bench_helpers import load_bench
 
 RUNS = load_runs()

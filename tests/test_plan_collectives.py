@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.models.args import get_preset
-from scaletrain.plan.collectives import (
+from scaletrain.plan.hardware import get_device
+from scaletrain.plan.search.space import search
+from scaletrain.plan.timing.collectives import (
     LAUNCH_S,
     NETWORK_EFFICIENCY,
     NVLINK_RING_EFFICIENCY,
     Fabric,
 )
-from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import Cluster, search
+from scaletrain.plan.timing.step_time import Cluster
 
 H100 = Fabric(get_device("H100"))
 BIG = 8 * 2**30  # nccl-tests' largest size (-e 8G), where busbw peaks

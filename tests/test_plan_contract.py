@@ -14,10 +14,12 @@ from scaletrain.config import load_config
 from scaletrain.models.args import get_preset
 from scaletrain.models.hf import hf_config_from_model_args
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.estimate import estimate
 from scaletrain.plan.from_config import layout_from_config
 from scaletrain.plan.hardware import get_device, match_device
-from scaletrain.plan.search import Cluster, search
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.search.space import search
+from scaletrain.plan.timing.step_time import Cluster
 from scaletrain.runtime import resolve_device
 
 GIB = 2**30
@@ -170,7 +172,7 @@ def test_hf_config_file_or_folder_is_a_model(tmp_path: Path,
 
 
 def test_advice_names_changes_that_make_it_fit() -> None:
-    from scaletrain.plan.advice import advise, combine
+    from scaletrain.plan.search.advice import advise, combine
 
     args = get_preset("llama3-8b")
     budget = get_device("H100").memory_bytes
@@ -194,8 +196,8 @@ def test_advice_names_changes_that_make_it_fit() -> None:
 def test_advice_for_a_fine_tuning_plan_stays_fine_tuning() -> None:
     """Each change offered for a LoRA plan is re-planned as the same LoRA run (frozen base,
     adapter-only states), equal to planning the changed layout with the method directly."""
-    from scaletrain.plan.advice import advise, combine
-    from scaletrain.plan.finetune import finetune_plan
+    from scaletrain.plan.finetune.plan import finetune_plan
+    from scaletrain.plan.search.advice import advise, combine
 
     args = get_preset("llama3.1-8b")
     # bf16 weights (`--precision.param_dtype bf16`): with the trainer's fp32 default the frozen

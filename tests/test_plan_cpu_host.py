@@ -1,5 +1,5 @@
 """The host's own terms of a CPU plan and the data-parallel buffers sized from the gradients
-(`plan/host_memory.py`, `plan/memory.py`; measured against the trainer in
+(`plan/memory/host.py`, `plan/memory/states.py`; measured against the trainer in
 tests/distributed/test_cpu_peak.py)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from scaletrain.commands import plan as plan_cmd
 from scaletrain.commands import train as train_cmd
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, estimate
-from scaletrain.plan.host_memory import LOADER_WORKER_BYTES, RUNTIME_BYTES, HostProcess
-from scaletrain.plan.memory import grad_sync_bucket_bytes
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.memory.host import LOADER_WORKER_BYTES, RUNTIME_BYTES, HostProcess
+from scaletrain.plan.memory.states import grad_sync_bucket_bytes
 
 ARGS = get_preset("debug")
 BASE = Layout(mbs=8, seq_len=256, precision="bf16", param_dtype="fp32", kernels="cpu")

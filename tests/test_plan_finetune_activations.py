@@ -14,12 +14,12 @@ from scaletrain.config import ActivationCheckpointConfig as AC
 from scaletrain.finetune.lora import TARGETS, LoRASettings
 from scaletrain.finetune.methods import apply_method, with_head
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.activations import ActivationSpec, activation_bytes
-from scaletrain.plan.finetune_activations import (
+from scaletrain.plan.finetune.activations import (
     finetune_activation_bytes,
     kept_weight_casts,
     method_blocks,
 )
+from scaletrain.plan.memory.activations import ActivationSpec, activation_bytes
 from scaletrain.train.saved_bytes import measure_saved_bytes
 
 SHAPES = {
@@ -138,8 +138,9 @@ def test_the_plan_uses_the_fine_tuning_rule() -> None:
     """`finetune_plan` (plan --method, finetune --dry-run) reports these bytes (recomputation
     included); a classification plan has no (tokens x vocabulary) rows."""
     from scaletrain.parallel.dims import ParallelDims
-    from scaletrain.plan.estimate import Layout, estimate
-    from scaletrain.plan.finetune import finetune_plan
+    from scaletrain.plan.estimate import estimate
+    from scaletrain.plan.finetune.plan import finetune_plan
+    from scaletrain.plan.layout import Layout
 
     args = SHAPES["gqa"]
     lay = Layout(dims=ParallelDims(), mbs=2, seq_len=40, precision="bf16", param_dtype="fp32",

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, estimate
-from scaletrain.plan.finetune import finetune_plan
-from scaletrain.plan.finetune_estimate import estimate as ft_estimate
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.finetune.estimate import estimate as ft_estimate
+from scaletrain.plan.finetune.plan import finetune_plan
+from scaletrain.plan.layout import Layout
 
 ARGS = get_preset("llama3.2-1b")
 STATES = ("weights", "gradients", "master_weights", "optimizer")

@@ -1,4 +1,4 @@
-"""`plan --method` states host RAM per rank at the base's load (`plan/finetune_host.py`): the
+"""`plan --method` states host RAM per rank at the base's load (`plan/finetune/host.py`): the
 rank's fp32 shards of the base under FSDP and/or TP (the whole base otherwise; QLoRA: its part
 of the 4-bit base, on one process too) plus the largest tensor in flight, counted from the
 model's own parameters (an independent count from the preset's dimensions here)."""
@@ -11,7 +11,7 @@ import pytest
 
 from scaletrain.commands import plan as plan_cmd
 from scaletrain.models.args import PRESETS
-from scaletrain.plan.finetune_host import host_load_bytes
+from scaletrain.plan.finetune.host import host_load_bytes
 
 
 def test_host_bytes_from_the_dimensions() -> None:
@@ -64,7 +64,7 @@ def test_nf4_sizes_are_bitsandbytes() -> None:
     from scaletrain.finetune.qlora import to_nf4
     from scaletrain.finetune.qlora_load import nf4_sizes
     from scaletrain.finetune.qlora_shard import NF4Linear
-    from scaletrain.plan.finetune_host import nf4_bytes
+    from scaletrain.plan.finetune.host import nf4_bytes
 
     for out, inp in ((3, 64), (96, 128), (257, 64 * 257)):
         layer = NF4Linear(to_nf4(torch.nn.Linear(inp, out, bias=False), torch.float32))

@@ -9,16 +9,17 @@ import json
 import pytest
 
 from scaletrain.cli import main as cli
-from scaletrain.plan.calibration import load_runs
-from scaletrain.plan.calibration.measured_range import (
+from scaletrain.plan.hardware import get_device
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.search.calibration import load_runs
+from scaletrain.plan.search.calibration.measured_range import (
     MeasuredRange,
     calibration_note,
     measured_range,
     sharded_group,
 )
-from scaletrain.plan.estimate import Layout
-from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import Cluster, search
+from scaletrain.plan.search.space import search
+from scaletrain.plan.timing.step_time import Cluster
 
 RUNS = load_runs()
 BY_NAME = {r.name: r for r in RUNS}

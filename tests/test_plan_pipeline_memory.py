@@ -21,9 +21,10 @@ from scaletrain.models.args import get_preset
 from scaletrain.models.transformer import Transformer
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.pp import stage_ids
-from scaletrain.plan.activations import ActivationSpec, deferred_weight_grad_bytes
-from scaletrain.plan.estimate import Layout, PlanError, estimate
-from scaletrain.plan.pipeline_memory import FORWARD, INPUT_DONE, ChunkBytes, chunk_ids, rank_peak
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.layout import Layout, PlanError
+from scaletrain.plan.memory.activations import ActivationSpec, deferred_weight_grad_bytes
+from scaletrain.plan.memory.pipeline import FORWARD, INPUT_DONE, ChunkBytes, chunk_ids, rank_peak
 from tests.pipeline_reference import torch_order
 
 # (schedule, v) the trainer runs, at (p, m) torch accepts for all of them
@@ -233,7 +234,7 @@ def test_advice_runs_the_schedule_over_fewer_micro_batches_where_buffers_do_not_
     """llama3-70b, TP 8 x PP 4 (v 2) x DP 2, 256 micro-batches of 8,192 tokens: torch's receive
     buffers and held sends (32 GiB each) do not fit an H100; the advice runs the schedule over
     the largest divisor of the micro-batches that fits, at its bubble's cost."""
-    from scaletrain.plan.advice import RUNS_FLAG, advise
+    from scaletrain.plan.search.advice import RUNS_FLAG, advise
 
     args = get_preset("llama3-70b")
     lay = Layout(dims=ParallelDims(pp=4, dp_shard=2, tp=8), mbs=1, gbs=512, seq_len=8192,

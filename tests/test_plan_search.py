@@ -10,10 +10,12 @@ import pytest
 from scaletrain.cli import main as cli
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.collectives import Fabric, per_node
-from scaletrain.plan.estimate import DDP_BUCKET_BYTES, Layout, estimate
+from scaletrain.plan.estimate import estimate
 from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import CONTENTION, Cluster, search, step_time
+from scaletrain.plan.layout import DDP_BUCKET_BYTES, Layout
+from scaletrain.plan.search.space import search
+from scaletrain.plan.timing.collectives import Fabric, per_node
+from scaletrain.plan.timing.step_time import CONTENTION, Cluster, step_time
 
 H100 = get_device("H100")
 M = 2**20
@@ -121,7 +123,7 @@ def test_commands_spell_every_model_override_the_trainer_takes() -> None:
     import dataclasses
 
     from scaletrain.config_sections import ModelConfig
-    from scaletrain.plan.command import MODEL_OVERRIDES
+    from scaletrain.plan.search.command import MODEL_OVERRIDES
 
     assert set(MODEL_OVERRIDES) == {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
 
@@ -129,8 +131,9 @@ def test_commands_spell_every_model_override_the_trainer_takes() -> None:
 def test_moe_plan_counts_active_flops_ep_memory_and_all_to_all() -> None:
     from scaletrain.models.args import count_active_params, get_preset
     from scaletrain.parallel.dims import ParallelDims
-    from scaletrain.plan.estimate import Layout, estimate
+    from scaletrain.plan.estimate import estimate
     from scaletrain.plan.flops import attention_forward_flops, flops_per_token
+    from scaletrain.plan.layout import Layout
 
     mixtral = get_preset("mixtral-8x7b")
     # 6 x the active parameters but the embedding lookup (the head multiplies), + attention
@@ -155,9 +158,10 @@ def test_moe_plan_counts_active_flops_ep_memory_and_all_to_all() -> None:
 
 def test_search_proposes_expert_parallel_degrees_the_trainer_accepts() -> None:
     from scaletrain.models.args import get_preset
-    from scaletrain.plan.estimate import Layout
     from scaletrain.plan.hardware import get_device
-    from scaletrain.plan.search import Cluster, search
+    from scaletrain.plan.layout import Layout
+    from scaletrain.plan.search.space import search
+    from scaletrain.plan.timing.step_time import Cluster
 
     args = get_preset("qwen3-30b-a3b").replace(n_layers=8, n_experts=8)
     fitting, _ = search(args, Cluster(get_device("H100"), 16), 4096, 4096 * 64,
@@ -176,8 +180,9 @@ def test_ep_x_tp_plan_counts_experts_split_over_both() -> None:
     from scaletrain.models.args import get_preset
     from scaletrain.parallel.dims import ParallelDims
     from scaletrain.parallel.feasibility import layout_problems
-    from scaletrain.plan.comm import expert_params
-    from scaletrain.plan.estimate import Layout, estimate
+    from scaletrain.plan.estimate import estimate
+    from scaletrain.plan.layout import Layout
+    from scaletrain.plan.timing.comm import expert_params
 
     args = get_preset("qwen3-30b-a3b")
     plans = {ep: estimate(args, Layout(dims=ParallelDims(dp_shard=8, tp=2, ep=ep), mbs=1,
@@ -205,9 +210,10 @@ def test_ep_x_tp_plan_counts_experts_split_over_both() -> None:
 def test_search_proposes_ep_x_tp_the_trainer_accepts() -> None:
     from scaletrain.models.args import get_preset
     from scaletrain.parallel.feasibility import layout_problems
-    from scaletrain.plan.estimate import Layout
     from scaletrain.plan.hardware import get_device
-    from scaletrain.plan.search import Cluster, search
+    from scaletrain.plan.layout import Layout
+    from scaletrain.plan.search.space import search
+    from scaletrain.plan.timing.step_time import Cluster
 
     args = get_preset("qwen3-30b-a3b").replace(n_layers=8, n_experts=8)
     fitting, rest = search(args, Cluster(get_device("H100"), 16), 4096, 4096 * 64,

@@ -14,9 +14,11 @@ import pytest
 from scaletrain.cli import main as cli
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.estimate import estimate
 from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import ZERO_OF_MODE, Cluster, search, shard_groups, step_time
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.search.space import ZERO_OF_MODE, search, shard_groups
+from scaletrain.plan.timing.step_time import Cluster, step_time
 
 A100 = get_device("A100-80GB")
 LLAMA2_7B = get_preset("llama2-7b")

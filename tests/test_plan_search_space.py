@@ -11,10 +11,12 @@ import pytest
 from scaletrain.cli import main as cli
 from scaletrain.models.args import ModelArgs, get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan import search as search_mod
-from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.estimate import estimate
 from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import ZERO_OF_MODE, Cluster, candidates, search
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.search import space as search_mod
+from scaletrain.plan.search.space import ZERO_OF_MODE, candidates, search
+from scaletrain.plan.timing.step_time import Cluster
 
 A100 = get_device("A100")
 
@@ -100,7 +102,7 @@ def test_cpu_device_is_this_host_measured(capsys: pytest.CaptureFixture[str]) ->
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(r["step_time_s"] > 0 for r in rows)
     from scaletrain.host import host_ram_bytes
-    from scaletrain.plan.cpu_device import cpu_device
+    from scaletrain.plan.search.cpu_device import cpu_device
 
     dev = cpu_device(2)
     assert dev.peak_tflops["fp32"] > 0 and dev.memory_bytes <= host_ram_bytes() / 2 + 2**30

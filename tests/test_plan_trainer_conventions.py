@@ -9,7 +9,8 @@ from __future__ import annotations
 from scaletrain.config_sections import PrecisionConfig
 from scaletrain.models.args import get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, estimate
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.layout import Layout
 
 
 def test_a_default_layout_plans_the_trainers_parameter_dtype() -> None:

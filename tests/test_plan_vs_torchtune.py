@@ -58,7 +58,7 @@ def test_every_row_names_its_source_and_settings() -> None:
 def test_plan_cli_takes_lora_targets(capsys: pytest.CaptureFixture[str]) -> None:
     from scaletrain.cli import main as cli
     from scaletrain.models.args import get_preset
-    from scaletrain.plan.finetune_estimate import estimate
+    from scaletrain.plan.finetune.estimate import estimate
 
     base = ["plan", "--model", "llama3.2-1b", "--seq-len", "256", "--mbs", "1",
             "--precision", "bf16", "--method", "lora", "--json"]

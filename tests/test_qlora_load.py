@@ -192,7 +192,7 @@ def test_one_process_peak_rss_is_the_4bit_base_not_the_fp32_base(tmp_path: Path)
     from bench.finetune_load_cpu import base_sizes, make_base
     from bench.qlora_load_cpu import run
     from scaletrain.models.hf import hf_model_args
-    from scaletrain.plan.finetune_host import host_load_bytes
+    from scaletrain.plan.finetune.host import host_load_bytes
 
     base = make_base(tmp_path / "hf", RSS_DIMS, "30MB", torch.bfloat16)
     plan = host_load_bytes(hf_model_args(base), "qlora", 1, 2)

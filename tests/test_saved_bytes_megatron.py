@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.activations import ActivationSpec, plain_layer
-from scaletrain.plan.korthikanti import llama_layer_bytes
+from scaletrain.plan.memory.activations import ActivationSpec, plain_layer
+from scaletrain.plan.memory.korthikanti import llama_layer_bytes
 from scaletrain.train.saved_bytes import per_layer_saved_bytes
 
 SHAPES = {

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.plan.estimate import Layout
 from scaletrain.plan.hardware import Device
-from scaletrain.plan.search import Cluster
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.timing.step_time import Cluster
 from scaletrain.tune.candidates import from_search, user_candidate
 from scaletrain.tune.flags import merge, parse_flags
 from scaletrain.tune.halving import Tuner, TuneSetup

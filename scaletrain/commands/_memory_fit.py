@@ -3,7 +3,7 @@ above the memory there is, and when a step runs out anyway.
 
 The message names the peak the planner estimates for this layout (`plan.from_config`, the
 same estimate `--dry-run` prints), the memory the device has, and the cheapest change that fits
-(`plan.advice`, e.g. a smaller micro-batch with more accumulation); the verb exits with
+(`plan.search.advice`, e.g. a smaller micro-batch with more accumulation); the verb exits with
 `EXIT_OUT_OF_MEMORY` (3, as `--dry-run` does for a layout that does not fit).
 
 The check before set-up refuses only far beyond the device (`MARGIN`), so a run the estimate
@@ -24,7 +24,7 @@ import torch
 from scaletrain.host import available_ram_bytes, host_ram_bytes
 
 if TYPE_CHECKING:
-    from scaletrain.plan.estimate import Plan
+    from scaletrain.plan.layout import Plan
 
 log = logging.getLogger("scaletrain")
 
@@ -81,7 +81,7 @@ def size(n: float) -> str:
 def cheapest_fix(plan: Plan, budget: float, goal: str = "fits") -> str:
     """The planner's advice as one clause: the cheapest single change that fits `budget`, else
     changes that fit together, else what is left to do."""
-    from scaletrain.plan.advice import advise, combine
+    from scaletrain.plan.search.advice import advise, combine
 
     found = advise(plan, budget)
     if found and found[0].plan.peak_bytes <= budget:

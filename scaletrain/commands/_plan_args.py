@@ -8,8 +8,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.estimate import PlanError
 from scaletrain.plan.hardware import Device, get_device
+from scaletrain.plan.layout import PlanError
 
 if TYPE_CHECKING:
     from scaletrain.config import Config

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from scaletrain.config import Config, ConfigError
 
 if TYPE_CHECKING:
-    from scaletrain.plan.estimate import Plan
     from scaletrain.plan.hardware import Device
+    from scaletrain.plan.layout import Plan
 
 PROG = "scaletrain finetune --dry-run"
 
@@ -31,7 +31,7 @@ def plan_finetune(cfg: Config, fit: bool = False) -> tuple[Plan, Device | None]:
     from scaletrain.finetune.trainer import check_config, fit_seq_len, with_ddp_default
     from scaletrain.inference.loader import model_args_of
     from scaletrain.plan.estimate import estimate
-    from scaletrain.plan.finetune import finetune_plan
+    from scaletrain.plan.finetune.plan import finetune_plan
     from scaletrain.plan.from_config import device_for, layout_from_config
     from scaletrain.runtime import resolve_device
 
@@ -62,7 +62,7 @@ def dry_run(cfg: Config, fit_seq_len: bool = False, as_json: bool = False) -> in
     from scaletrain.commands.train_dry_run import report
     from scaletrain.finetune.base import FinetuneError
     from scaletrain.finetune.lora import LoRAError
-    from scaletrain.plan.estimate import PlanError
+    from scaletrain.plan.layout import PlanError
     from scaletrain.train.checkpoint import CheckpointError
 
     try:

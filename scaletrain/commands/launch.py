@@ -79,8 +79,8 @@ def check_train_args(train_args: list[str], world_size: int) -> tuple[str | None
     the run's output directory). A flag the config does not know exits here with the train
     parser's message."""
     from scaletrain.config import ConfigError, load_config
-    from scaletrain.plan.estimate import PlanError
     from scaletrain.plan.from_config import dims_from_config
+    from scaletrain.plan.layout import PlanError
 
     try:
         cfg = load_config(train_args)

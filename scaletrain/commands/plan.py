@@ -20,9 +20,10 @@ from scaletrain.commands._plan_args import (
 )
 from scaletrain.config import resolve_batch
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
-from scaletrain.plan.estimate import Layout, PlanError, check_dims, estimate
-from scaletrain.plan.finetune import METHODS, finetune_plan
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.finetune.plan import METHODS, finetune_plan
 from scaletrain.plan.from_config import host_process
+from scaletrain.plan.layout import Layout, PlanError, check_dims
 from scaletrain.plan.text import plan_report
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def _estimate_main(argv: list[str]) -> int:
                              targets=targets, lora_dropout=a.lora_dropout)
     print(plan_report(plan, device, a.json))
     if not a.json and device is not None and plan.peak_bytes > device.memory_bytes:
-        from scaletrain.plan.advice import advice_lines
+        from scaletrain.plan.search.advice import advice_lines
 
         print("\n".join(advice_lines(plan, device.memory_bytes)))
     return 0

@@ -17,10 +17,11 @@ from scaletrain.commands._plan_args import (
     resolve_precision,
     train_defaults,
 )
-from scaletrain.plan.calibration.measured_range import calibration_note
-from scaletrain.plan.estimate import Layout, PlanError
 from scaletrain.plan.from_config import host_process
-from scaletrain.plan.search import Candidate, Cluster, alternatives, search, why_lost
+from scaletrain.plan.layout import Layout, PlanError
+from scaletrain.plan.search.calibration.measured_range import calibration_note
+from scaletrain.plan.search.space import Candidate, alternatives, search, why_lost
+from scaletrain.plan.timing.step_time import Cluster
 
 SCHEDULE_SHORT = {"1F1B": "1F1B", "Interleaved1F1B": "I1F1B", "InterleavedZeroBubble": "ZB",
                   "ZBVZeroBubble": "ZBV", "GPipe": "GPipe", "LoopedBFS": "BFS"}
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> int:
         raise PlanError("--gpu is required for a search (e.g. --gpu H100, or cpu)")
     on_host = a.gpu.lower() == "cpu"
     if on_host:  # this host, measured, shared by the ranks of one host
-        from scaletrain.plan.cpu_device import cpu_device
+        from scaletrain.plan.search.cpu_device import cpu_device
 
         if a.gpus_per_node is None:
             a.gpus_per_node = a.gpus

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from scaletrain.config import Config, ConfigError
 
 if TYPE_CHECKING:
-    from scaletrain.plan.estimate import Plan
     from scaletrain.plan.hardware import Device
+    from scaletrain.plan.layout import Plan
 
 EXIT_DOES_NOT_FIT = 3
 
@@ -27,8 +27,8 @@ def split_flags(argv: list[str]) -> tuple[list[str], bool, bool]:
 
 
 def dry_run(cfg: Config, as_json: bool = False) -> int:
-    from scaletrain.plan.estimate import PlanError
     from scaletrain.plan.from_config import plan_config
+    from scaletrain.plan.layout import PlanError
     from scaletrain.runtime import resolve_device
 
     try:
@@ -57,7 +57,7 @@ def host_ram_note(pipeline: bool) -> str:
 
 def report(plan: Plan, device: Device | None, as_json: bool, prog: str) -> int:
     """Print the plan (text with advice when it does not fit, or JSON); the exit code."""
-    from scaletrain.plan.advice import advice_lines
+    from scaletrain.plan.search.advice import advice_lines
     from scaletrain.plan.text import plan_report
 
     fits = device is None or plan.peak_bytes <= device.memory_bytes

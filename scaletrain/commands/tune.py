@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
         return _fail(f"unknown option {bad[0]} (tune's own options: `{PROG} --help`; every "
                      "other flag is a `scaletrain train` --section.field flag)")
     from scaletrain.config import ConfigError, load_config
-    from scaletrain.plan.estimate import PlanError
+    from scaletrain.plan.layout import PlanError
     from scaletrain.tune.halving import TuneError
 
     try:
@@ -119,7 +119,7 @@ def _tune(a: argparse.Namespace, train_argv: list[str], cfg: Config, nproc: int,
 
     from scaletrain.data.sources import resolve_model_args
     from scaletrain.plan.from_config import layout_from_config
-    from scaletrain.plan.search import Cluster
+    from scaletrain.plan.timing.step_time import Cluster
     from scaletrain.profiling.report import write_atomic
     from scaletrain.runtime import resolve_device, resolve_dtype
     from scaletrain.tune import report

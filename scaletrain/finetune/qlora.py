@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from scaletrain.plan.finetune_estimate import NF4_BLOCK_SIZE
+from scaletrain.plan.finetune.estimate import NF4_BLOCK_SIZE
 
 log = logging.getLogger("scaletrain.finetune")
 

@@ -12,7 +12,7 @@ scales' offset is a mean over the whole layer, so a shard cannot be quantized al
 copying into each parameter the region this rank holds (`checkpoint.sharded_load.
 local_region`). The bytes are those of one process's quantization, and the peak host memory
 of a rank is its part of the stored base (block linears at ~0.52 byte per weight, the rest in
-fp32) plus one whole weight in flight (`plan/finetune_host.py` states it).
+fp32) plus one whole weight in flight (`plan/finetune/host.py` states it).
 
 Under torchrun the ranks share the work: layer i is read and quantized by rank i % N and
 broadcast whole (0.52 byte per weight) to the others, each keeping its region; so each rank

@@ -39,8 +39,8 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.fp8 import apply_fp8
-from scaletrain.plan.finetune import FUSED_LOSS_CLASSIFICATION, finetune_layout_problem
-from scaletrain.plan.finetune_flops import finetune_flops_per_token
+from scaletrain.plan.finetune.flops import finetune_flops_per_token
+from scaletrain.plan.finetune.plan import FUSED_LOSS_CLASSIFICATION, finetune_layout_problem
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.metrics import truncate_jsonl
@@ -166,7 +166,7 @@ class FinetuneTrainer(Trainer):
             self._write_meta()
 
     def _flops_per_token(self) -> float:
-        """The matmuls this method runs per token (`plan/finetune_flops.py`): the TFLOP/s and
+        """The matmuls this method runs per token (`plan/finetune/flops.py`): the TFLOP/s and
         MFU of the logs, as `finetune --dry-run` and `plan --method` count them."""
         ft = self.ft
         lora = ft.method in ("lora", "qlora")

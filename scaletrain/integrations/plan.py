@@ -10,8 +10,9 @@ import torch
 
 from scaletrain.models.hf import model_args_from_hf_config
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, Plan, estimate, plan_json
+from scaletrain.plan.estimate import estimate, plan_json
 from scaletrain.plan.from_config import device_for
+from scaletrain.plan.layout import Layout, Plan
 from scaletrain.plan.text import format_plan
 
 log = logging.getLogger("scaletrain.integrations")

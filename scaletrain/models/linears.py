@@ -1,7 +1,7 @@
 """The linear projections of one decoder block, by short name -> module path in the block.
 
 One table for what LoRA can target (`finetune.lora`) and what the fine-tuning plan counts
-(`plan.finetune_estimate`), so the two cannot drift apart.
+(`plan.finetune.estimate`), so the two cannot drift apart.
 """
 
 from __future__ import annotations

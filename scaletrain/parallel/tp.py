@@ -11,7 +11,8 @@ again (`sp_regather.py`, as Megatron-LM does; DTensor's `ColwiseParallel` would 
 gathered input, t times the bytes): every activation of the block is divided by tp, at the
 cost of one more all-gather per attention and MLP in backward. The arithmetic is DTensor's
 (bitwise equal); `regather=False` keeps DTensor's path. The head still keeps its gathered input
-(once per model). `plan/activations.py` counts what is saved; `plan/comm.py` the collectives.
+(once per model). `plan/memory/activations.py` counts what is saved; `plan/timing/comm.py` the
+collectives.
 The embedding is vocabulary-parallel (row-wise over vocabulary rows); the head is column-wise
 over the vocabulary and, with `loss_parallel`, its logits stay sharded: the cross-entropy is
 computed on the shards and the full logits are never gathered.

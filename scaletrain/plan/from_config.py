@@ -11,10 +11,11 @@ from scaletrain.config import Config, resolve_batch
 from scaletrain.host import host_ram_bytes
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import ZERO_STAGE, resolve_mode
-from scaletrain.plan.estimate import Layout, Plan, check_dims, estimate, plan_json
+from scaletrain.plan.estimate import estimate, plan_json
 from scaletrain.plan.hardware import Device, match_device
-from scaletrain.plan.host_memory import HostProcess
-from scaletrain.plan.memory import GradConvention
+from scaletrain.plan.layout import Layout, Plan, check_dims
+from scaletrain.plan.memory.host import HostProcess
+from scaletrain.plan.memory.states import GradConvention
 
 
 def dims_from_config(cfg: Config, world_size: int) -> ParallelDims:

@@ -23,7 +23,7 @@ class Device:
     network (one NIC per GPU, the common layout of training clusters). `rail_optimized`: GPU i
     of every node sits on the same leaf switch (NVIDIA's SuperPOD layout), so collectives
     across nodes between same-rank GPUs take one switch hop. Latencies (microseconds) are the
-    alpha of the alpha-beta collective model (`plan.collectives`).
+    alpha of the alpha-beta collective model (`plan.timing.collectives`).
     """
 
     name: str
@@ -38,7 +38,7 @@ class Device:
     inter_latency_us: float = 8.0
     gemm_efficiency: float = 0.76
     """Fraction of `peak_tflops` large training matmuls sustain (before the size factors of
-    `plan.search.compute_time`); fitted to the calibration table (`plan/calibration/`)."""
+    `plan.search.compute_time`); fitted to the calibration table (`plan/search/calibration/`)."""
     attention_efficiency: float = 0.5
     """Fraction of peak the fused attention kernels (FlashAttention-2 through SDPA) reach."""
 
@@ -62,7 +62,7 @@ def _dev(name: str, mem: float, bf16: float, fp32: float, intra: float, inter: f
 # 50-73 % of an A100's peak in forward + backward (Dao 2023, arXiv 2307.08691) and about 35 %
 # of an H100's (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608); the A100 value is the
 # low end, for causal masks and head dim 128. Matmuls: fitted to the published runs of
-# `plan/calibration/published_runs.toml` (29 A100 and 30 H100 rows) by
+# `plan/search/calibration/published_runs.toml` (29 A100 and 30 H100 rows) by
 # `bench/plan_calibration_fit.py` (bench/results/plan_calibration_fit.txt): the smallest largest
 # |log(predicted / measured)| with every group's measured order kept. Hopper-class parts sustain
 # a smaller fraction of their data-sheet peak than the A100 (0.72 against 0.76). Parts without

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 from scaletrain.models.args import ModelArgs, count_active_params
-from scaletrain.plan.calibration.measured_range import calibration_note
-from scaletrain.plan.estimate import Layout, Plan, plan_json
+from scaletrain.plan.estimate import plan_json
 from scaletrain.plan.hardware import Device
+from scaletrain.plan.layout import Layout, Plan
+from scaletrain.plan.search.calibration.measured_range import calibration_note
 
 GIB = 2**30
 GB = 1e9
@@ -82,7 +83,7 @@ def format_plan(plan: Plan, device: Device | None = None) -> str:
 def plan_report(plan: Plan, device: Device | None, as_json: bool) -> str:
     """What `plan` and the dry runs print first: the plan as JSON with its `calibration_note`,
     or as text followed by the note's line when the layout relies on a regime the calibration
-    table did not measure (`plan/calibration/measured_range.py`)."""
+    table did not measure (`plan/search/calibration/measured_range.py`)."""
     note = calibration_note(plan.layout)
     if as_json:
         return json.dumps({**plan_json(plan, device), "calibration_note": note}, indent=2)
@@ -138,7 +139,7 @@ def _finetune_lines(plan: Plan) -> list[str]:
 
 
 def _host_lines(host: dict | None) -> list[str]:
-    """Host RAM per rank at the base's load (`plan.finetune_host`)."""
+    """Host RAM per rank at the base's load (`plan.finetune.host`)."""
     if not host:
         return []
     if host.get("quantized_on_load"):

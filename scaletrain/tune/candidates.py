@@ -18,10 +18,12 @@ import torch
 
 from scaletrain.config import Config, ConfigError, load_config
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.command import train_flags
-from scaletrain.plan.estimate import Layout, PlanError, estimate
+from scaletrain.plan.estimate import estimate
 from scaletrain.plan.from_config import layout_from_config
-from scaletrain.plan.search import Candidate, Cluster, rank_key, search
+from scaletrain.plan.layout import Layout, PlanError
+from scaletrain.plan.search.command import train_flags
+from scaletrain.plan.search.space import Candidate, rank_key, search
+from scaletrain.plan.timing.step_time import Cluster
 from scaletrain.tune.flags import merge
 
 GIB = 2**30

@@ -15,8 +15,8 @@ import dataclasses
 import torch
 
 from scaletrain.host import available_ram_bytes, host_ram_bytes
-from scaletrain.plan.cpu_device import matmul_tflops
 from scaletrain.plan.hardware import Device, match_device
+from scaletrain.plan.search.cpu_device import matmul_tflops
 from scaletrain.train.precision import DTYPES
 
 CPU_LOOPBACK_GBS = 2.0

@@ -54,7 +54,8 @@ def held_bytes(trainer: Any) -> dict[str, int]:
 
 def planned_bytes(trainer: Any, zero: int) -> dict[str, int]:
     """The planner's per-rank model-state bytes for this run's layout and recipe."""
-    from scaletrain.plan.estimate import Layout, estimate
+    from scaletrain.plan.estimate import estimate
+    from scaletrain.plan.layout import Layout
 
     cfg = trainer.cfg
     lay = Layout(dims=trainer.par.dims, mbs=cfg.training.micro_batch_size,

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from scaletrain.models.args import get_preset
-from scaletrain.plan.estimate import Layout
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import Cluster, search
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.search.space import search
+from scaletrain.plan.timing.step_time import Cluster
 from tests.proc_helpers import scaled
 from tests.trainer_helpers import tiny_argv
 

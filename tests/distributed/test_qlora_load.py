@@ -7,7 +7,7 @@ Face base stored in bf16:
   books written after `to_empty` included); under DDP each replica's NF4 layers are the same;
 - each rank's peak host RSS while loading (measured: `VmHWM` over the RSS before loading,
   bitsandbytes imported first) is at least the rank's part of the 4-bit base that `plan
-  --method qlora` states for the layout (`plan/finetune_host.py`) and at most its whole figure
+  --method qlora` states for the layout (`plan/finetune/host.py`) and at most its whole figure
   (that part plus the tensor in flight) plus a stated margin, far below the whole fp32 base
   each process read before (measured here: 57-60 MiB against a plan of 46 MiB, of which 23 MiB
   the rank's part, and a 128 MiB fp32 base).
@@ -61,7 +61,7 @@ def _entry(rank: int, world: int, base: str, out: str) -> None:
     from bench.qlora_load_cpu import build_meta, load_on_rank
     from scaletrain.finetune.qlora_shard import shardable_nf4
     from scaletrain.models.hf import hf_model_args
-    from scaletrain.plan.finetune_host import host_load_bytes
+    from scaletrain.plan.finetune.host import host_load_bytes
 
     dist.init_process_group("gloo")
     directory = Path(base)
@@ -90,7 +90,7 @@ def _entry(rank: int, world: int, base: str, out: str) -> None:
 def test_qlora_base_is_quantized_layer_by_layer(tmp_path: Path) -> None:
     from bench.finetune_load_cpu import base_sizes, make_base
     from scaletrain.models.hf import hf_model_args
-    from scaletrain.plan.finetune_host import host_load_bytes
+    from scaletrain.plan.finetune.host import host_load_bytes
 
     base = make_base(tmp_path / "base", DIMS, "30MB", torch.bfloat16)
     fp32 = base_sizes(base, torch.float32)

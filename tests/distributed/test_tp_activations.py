@@ -6,7 +6,7 @@ RMSNorm and the gated activation on DTensors in every float dtype.
 Megatron-LM's count (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", arXiv:2205.05198, table 2), per layer and micro-batch, 16-bit activations:
 tensor parallel s b h (10 + 24/t + 5 a s / (h t)), tensor + sequence parallel s b h (34/t +
-5 a s / (h t)). Adapted to the Llama block as `plan/korthikanti.py: llama_layer_bytes` does
+5 a s / (h t)). Adapted to the Llama block as `plan/memory/korthikanti.py: llama_layer_bytes` does
 (flash attention: no a s / h term; no dropout masks; grouped-query K/V of g heads of size d; a
 gated MLP of width f), in bytes per token:
     tensor parallel:              8 h + (4 h + 4 g d + 6 f) / t
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.activations import ActivationSpec, plain_layer
+from scaletrain.plan.memory.activations import ActivationSpec, plain_layer
 from tests.proc_helpers import run_ranks
 
 TP = 2

@@ -20,7 +20,7 @@ time = alpha x (latency steps of the algorithm) + (bytes each rank moves) / bus 
   one node to eight although its ~100 GB of gathers and reduce-scatters per GPU and step would
   need 2-3 NICs per GPU. A group with one rank per node (data parallel under TP 8) gets one NIC.
   `stripe_nics=False` gives every rank one NIC whatever k: DeepSpeed's 2021 ZeRO-3 as measured
-  (Narayanan et al. 2021, Table 2; fitted, `plan/calibration/`).
+  (Narayanan et al. 2021, Table 2; fitted, `plan/search/calibration/`).
 - Latency (alpha): a ring's first chunk passes every rank once per pass, so its latency is the
   sum of its hops. As NCCL's own tuning model (`src/graph/tuning.cc`, `ncclTopoTuneModel`),
   the nInterSteps = nodes - 1 steps per pass that cross nodes pay the network's latency, the
@@ -62,7 +62,8 @@ class Fabric:
     gpus_per_node: int = 8
     stripe_nics: bool = True
     """Across nodes a group with k ranks per node gets k NICs (NCCL's rings striped over
-    them); False: one NIC per rank whatever k (DeepSpeed's 2021 ZeRO-3, `plan/calibration/`)."""
+    them); False: one NIC per rank whatever k (DeepSpeed's 2021 ZeRO-3,
+    `plan/search/calibration/`)."""
 
     def _intra(self) -> float:
         return self.device.intra_node_gbs * 1e9 * NVLINK_RING_EFFICIENCY

@@ -26,8 +26,8 @@ the active parameters, plus weight gradients of the trainable share.
 from __future__ import annotations
 
 from scaletrain.models.args import ModelArgs, count_params
-from scaletrain.plan.finetune_activations import BlockTraining, method_blocks
-from scaletrain.plan.finetune_estimate import _linear_shapes
+from scaletrain.plan.finetune.activations import BlockTraining, method_blocks
+from scaletrain.plan.finetune.estimate import _linear_shapes
 from scaletrain.plan.flops import attention_forward_flops, flops_per_token, matmul_params
 
 ATTENTION = ("q", "k", "v")
@@ -108,7 +108,7 @@ def _approximate(args: ModelArgs, seq_len: int, method: str, kw: dict, rank: int
                  num_labels: int | None) -> float:
     """Models outside the block walk: forward and input gradients of every active matmul
     and attention, weight gradients of the trainable share (LoRA: of the adapters)."""
-    from scaletrain.plan.finetune_estimate import estimate
+    from scaletrain.plan.finetune.estimate import estimate
 
     n = matmul_params(args)
     attention = attention_forward_flops(args, seq_len)

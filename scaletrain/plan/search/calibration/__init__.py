@@ -16,10 +16,11 @@ from typing import Any
 
 from scaletrain.models.args import ModelArgs, get_preset
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.plan.estimate import Layout, Plan, estimate
+from scaletrain.plan.estimate import estimate
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import get_device
-from scaletrain.plan.search import Cluster, step_time
+from scaletrain.plan.layout import Layout, Plan
+from scaletrain.plan.timing.step_time import Cluster, step_time
 
 try:
     import tomllib

@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from scaletrain.plan.calibration import DEEPSPEED_ZERO3_2021, Run, load_runs
-from scaletrain.plan.estimate import Layout
+from scaletrain.plan.layout import Layout
+from scaletrain.plan.search.calibration import DEEPSPEED_ZERO3_2021, Run, load_runs
 
 FRAMEWORK_LABELS = {DEEPSPEED_ZERO3_2021: "DeepSpeed ZeRO-3", None: "FSDP"}
 

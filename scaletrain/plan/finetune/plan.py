@@ -1,6 +1,6 @@
 """A plan for fine-tuning, for `scaletrain plan --method`: the model-state rows of the
 pretraining plan recomputed for the parameters a method trains (counts from
-`scaletrain.plan.finetune_estimate`, the numbers the fine-tuning trainer reports)."""
+`scaletrain.plan.finetune.estimate`, the numbers the fine-tuning trainer reports)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import dataclasses
 from typing import Any
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.estimate import Layout, Plan, PlanError, peak_bytes
-from scaletrain.plan.finetune_flops import finetune_flops_per_token
-from scaletrain.plan.finetune_host import host_load_bytes
-from scaletrain.plan.memory import offload_states, state_bytes
+from scaletrain.plan.estimate import peak_bytes
+from scaletrain.plan.finetune.flops import finetune_flops_per_token
+from scaletrain.plan.finetune.host import host_load_bytes
+from scaletrain.plan.layout import Layout, Plan, PlanError
+from scaletrain.plan.memory.states import offload_states, state_bytes
 
 METHODS = ("pretrain", "full", "freeze", "lora", "qlora")
 
@@ -54,7 +55,7 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     reduce the trainable gradients only, FSDP gathers every weight.
 
     Activations, kept weight casts and the logits/loss buffers are what the method keeps
-    for backward (`plan.finetune_activations`, equal to the measured saved bytes): frozen
+    for backward (`plan.finetune.activations`, equal to the measured saved bytes): frozen
     blocks in front of the first trainable one keep nothing, frozen linears keep no input,
     adapters keep their r-wide intermediate, a classification head keeps (batch x labels)
     logits instead of (tokens x vocabulary). `full` language modelling is pretraining's
@@ -63,7 +64,7 @@ def finetune_plan(plan: Plan, method: str, *, rank: int = 8, train_last: int | N
     """
     from scaletrain.models.args import count_params
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
-    from scaletrain.plan.finetune_estimate import estimate, lora_params_per_rank
+    from scaletrain.plan.finetune.estimate import estimate, lora_params_per_rank
 
     lay = plan.layout
     d = lay.dims
@@ -171,12 +172,12 @@ def _adapted_block_share(args: ModelArgs, method: str, rank: int,
     codes and 8-bit absmax, as `finetune_estimate` counts them) plus the adapters, and only
     the adapters have gradients."""
     from scaletrain.models.args import count_params
-    from scaletrain.plan.activations import DTYPE_BYTES
-    from scaletrain.plan.finetune_estimate import (
+    from scaletrain.plan.finetune.estimate import (
         NF4_BLOCK_SIZE,
         _linear_shapes,
         lora_params_per_rank,
     )
+    from scaletrain.plan.memory.activations import DTYPE_BYTES
 
     pc = count_params(args)
     final_norm = 2 * args.dim if args.arch == "gpt2" else args.dim
@@ -196,14 +197,14 @@ def _activations(plan: Plan, method: str, options: dict[str, Any],
     `finetune_plan`); returns the activation breakdown and whether it is the method's own
     (False: pre-training's)."""
     from scaletrain.models.linears import BLOCK_LINEARS as TARGETS
-    from scaletrain.plan.activations import DTYPE_BYTES
     from scaletrain.plan.estimate import _spec
-    from scaletrain.plan.finetune_activations import (
+    from scaletrain.plan.finetune.activations import (
         finetune_activation_bytes,
         kept_weight_casts,
         method_blocks,
         supported,
     )
+    from scaletrain.plan.memory.activations import DTYPE_BYTES
 
     args, lay = plan.args, plan.layout
     spec = _spec(args, lay)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.feasibility import schedule_problems
-from scaletrain.plan import finetune
-from scaletrain.plan.estimate import Layout, Plan, PlanError, estimate, layout_problems
+from scaletrain.plan.estimate import estimate
+from scaletrain.plan.finetune import plan as finetune_plan
+from scaletrain.plan.layout import Layout, Plan, PlanError, layout_problems
 
 GIB = 2**30
 
@@ -138,7 +139,7 @@ def advise(plan: Plan, budget_bytes: float, limit: int = 5) -> list[Advice]:
         if layout_problems(plan.args, lay):
             continue
         try:
-            new = finetune.like(estimate(plan.args, lay), plan)
+            new = finetune_plan.like(estimate(plan.args, lay), plan)
         except PlanError:
             continue
         if new.trainer_problems or new.peak_bytes >= plan.peak_bytes:

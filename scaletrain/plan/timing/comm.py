@@ -29,10 +29,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.activations import DTYPE_BYTES
+from scaletrain.plan.memory.activations import DTYPE_BYTES
 
 if TYPE_CHECKING:
-    from scaletrain.plan.estimate import Layout
+    from scaletrain.plan.layout import Layout
 
 
 def _ring(n: int) -> float:

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletrain.models.args import ModelArgs
-from scaletrain.plan.activations import (
+from scaletrain.plan.memory.activations import (
     DTYPE_BYTES,
     ActivationBytes,
     ActivationSpec,
@@ -141,7 +141,7 @@ def block_bytes(args: ModelArgs, spec: ActivationSpec, b: BlockTraining, input_g
                                                                      b.norms)
     adapters = {name: c * t * rank for name in b.adapted}  # x A^T (the input of B)
     if b.dropout:  # its output (or its cast) for A, and the mask when x needs a gradient
-        from scaletrain.plan.finetune_estimate import _linear_shapes
+        from scaletrain.plan.finetune.estimate import _linear_shapes
 
         for name, (width, _) in _linear_shapes(args).items():
             if name in b.adapted:
@@ -159,7 +159,7 @@ def kept_weight_casts(args: ModelArgs, spec: ActivationSpec, blocks: list[BlockT
     """Bytes of the autocast copies of weights kept for backward (autocast over fp32
     parameters only): a trained linear's weight once, a frozen linear's on each call whose
     input needs a gradient; a LoRA base none (the fused layer casts it again in backward)."""
-    from scaletrain.plan.finetune_estimate import _linear_shapes
+    from scaletrain.plan.finetune.estimate import _linear_shapes
 
     c = DTYPE_BYTES[spec.compute_dtype]
     if c >= DTYPE_BYTES[spec.residual_dtype]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from scaletrain.models.args import ModelArgs, count_params
-from scaletrain.plan.pipeline_memory import chunk_ids, chunks_per_rank
+from scaletrain.plan.memory.pipeline import chunk_ids, chunks_per_rank
 
 GradConvention = Literal["playbook", "megatron", "bf16"]
 OPTIMIZER_BYTES = {"adamw": 8.0, "sgd": 4.0, "adamw8bit": 2.0, "adafactor": 0.0}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.feasibility import schedule_problems
-from scaletrain.plan.activations import (
+from scaletrain.plan.memory.activations import (
     DTYPE_BYTES,
     ActivationBytes,
     ActivationSpec,
@@ -31,8 +31,7 @@ from scaletrain.plan.activations import (
     deferred_weight_grad_bytes,
     held_logits_bytes,
 )
-from scaletrain.plan.memory import chunk_layers
-from scaletrain.plan.pipeline_memory import (
+from scaletrain.plan.memory.pipeline import (
     FORWARD,
     SINGLE_CHUNK,
     ZERO_BUBBLE,
@@ -42,6 +41,7 @@ from scaletrain.plan.pipeline_memory import (
     in_flight,
     rank_peak,
 )
+from scaletrain.plan.memory.states import chunk_layers
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import shlex
 
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.source import load_model_args
-from scaletrain.plan.estimate import Layout
+from scaletrain.plan.layout import Layout
 
 # The ModelArgs fields `--model.FIELD` can override (scaletrain.config_sections.ModelConfig).
 MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-log = logging.getLogger("scaletrain")
+log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -50,7 +50,7 @@ from scaletrain.data.tokenize_parts import (
 )
 from scaletrain.data.tokenizer import TextTokenizer
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson", ".parquet")
 _BATCH_CHARS = 4 << 20  # text per encode_batch call

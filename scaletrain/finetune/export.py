@@ -41,7 +41,7 @@ from scaletrain.models.hf import hf_slices, save_hf_stream, to_hf_state_dict
 from scaletrain.models.hf_save import PlannedTensor
 from scaletrain.models.transformer import Transformer
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _HF_LAYER0 = re.compile(r"^(model\.layers|transformer\.h)\.0\.")

@@ -28,7 +28,7 @@ from scaletrain.inference.loader import (
 )
 from scaletrain.models.args import ModelArgs
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from scaletrain.train.evaluate import evaluate
 from scaletrain.train.metrics import truncate_jsonl
 from scaletrain.train.trainer import Trainer, TrainResult
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 META_NAME = FINETUNE_META
 # Data-parallel fine-tuning: DDP, or FSDP's ZeRO-2/3 (`auto` is DDP: `with_ddp_default`).

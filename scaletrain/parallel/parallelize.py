@@ -52,7 +52,7 @@ from scaletrain.parallel.pp import (
 )
 from scaletrain.parallel.tp import apply_tp
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")

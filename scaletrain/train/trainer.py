@@ -44,7 +44,7 @@ from scaletrain.train.optim import build_optimizer
 from scaletrain.train.run_reports import diagnose_window, log_plan, run_trackers
 from scaletrain.train.step import StepOutput, TrainStep
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -32,7 +32,7 @@ from scaletrain.tune.candidates import TrialSpec, dry_run
 from scaletrain.tune.flags import merge
 from scaletrain.tune.trial import TrialResult, run_trial
 
-log = logging.getLogger("scaletrain.tune")
+log = logging.getLogger(__name__)
 
 FINISHED = ("ok", "oom", "failed", "stopped", "skipped")
 """Statuses `--resume` keeps ("budget": killed at a deadline, is run again)."""

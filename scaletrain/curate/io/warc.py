@@ -14,7 +14,7 @@ from scaletrain.optional import require
 if TYPE_CHECKING:
     from scaletrain.curate.io.readers import ReadReport
 
-log = logging.getLogger("scaletrain.curate.io")
+log = logging.getLogger(__name__)
 
 
 def _require(name: str) -> Any:

@@ -12,7 +12,7 @@ from scaletrain.curate.io.paths import InputError, file_size, open_raw
 from scaletrain.optional import require
 
 if TYPE_CHECKING:
-    from scaletrain.curate.io.readers import ReadReport
+    from scaletrain.curate.io.read_report import ReadReport
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from torch import nn
 from scaletrain.checkpoint.sharded_load import read_native_tensors
 from scaletrain.finetune.base import FinetuneError
 from scaletrain.finetune.base_pin import base_path, check_base
+from scaletrain.finetune.format import ADAPTER_DIR
 from scaletrain.finetune.lora import LoRALinear
 from scaletrain.finetune.peft_io import load_adapter
+from scaletrain.inference.finetuned import FINETUNE_META
 from scaletrain.inference.loader import (
-    ADAPTER_DIR,
-    FINETUNE_META,
     LoadedModel,
     find_checkpoint,
     load_model,

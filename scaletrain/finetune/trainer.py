@@ -45,7 +45,8 @@ from scaletrain.plan.finetune_flops import finetune_flops_per_token
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.metrics import truncate_jsonl
-from scaletrain.train.trainer import Trainer, TrainResult
+from scaletrain.train.trainer import Trainer
+from scaletrain.train.trainer_loop import TrainResult
 
 log = logging.getLogger(__name__)
 

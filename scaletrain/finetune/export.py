@@ -37,8 +37,9 @@ from scaletrain.inference.loader import (
     read_finetune_meta,
 )
 from scaletrain.models.args import ModelArgs
-from scaletrain.models.hf import hf_slices, save_hf_stream, to_hf_state_dict
+from scaletrain.models.hf import hf_slices, save_hf_stream
 from scaletrain.models.hf_save import PlannedTensor
+from scaletrain.models.hf_state_dict import to_hf_state_dict
 from scaletrain.models.transformer import Transformer
 
 log = logging.getLogger(__name__)

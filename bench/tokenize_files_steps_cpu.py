@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tokenize_files_cpu import FIXTURES, write_split  # noqa: E402
 
 from scaletrain.curate.io.readers import ReadReport  # noqa: E402
-from scaletrain.data.tokenize import group_texts, input_shards, read_documents  # noqa: E402
+from scaletrain.data.tokenize_inputs import group_texts, input_shards, read_documents  # noqa: E402
 from scaletrain.data.tokenizer import TextTokenizer  # noqa: E402
 
 

@@ -102,7 +102,8 @@ def build_baseline(trainer: Any, compiled: bool) -> tuple[torch.nn.Module, torch
     model soft-caps attention logits (Gemma 2), which transformers computes eagerly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from scaletrain.models.hf import hf_config_from_model_args, to_hf_state_dict
+    from scaletrain.models.hf import hf_config_from_model_args
+    from scaletrain.models.hf_state_dict import to_hf_state_dict
 
     args = trainer.model_args
     attn = "eager" if args.attn_softcap is not None else "sdpa"

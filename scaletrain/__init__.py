@@ -22,7 +22,7 @@ _API: dict[str, tuple[str, str]] = {
     "load_config": ("scaletrain.config", "load_config"),
     # training
     "Trainer": ("scaletrain.train.trainer", "Trainer"),
-    "TrainResult": ("scaletrain.train.trainer", "TrainResult"),
+    "TrainResult": ("scaletrain.train.trainer_loop", "TrainResult"),
     # planning
     "ModelArgs": ("scaletrain.models.args", "ModelArgs"),
     "get_preset": ("scaletrain.models.args", "get_preset"),

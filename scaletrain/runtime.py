@@ -13,7 +13,7 @@ import torch
 
 from scaletrain.config import ConfigError, PrecisionConfig
 
-log = logging.getLogger("scaletrain")
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from scaletrain.curate.io.readers import ReadReport
 from scaletrain.data.small_jsonl import SMALL_FILE_BYTES, read_small_jsonl
-from scaletrain.data.tokenize import group_texts, read_documents
+from scaletrain.data.tokenize_inputs import group_texts, read_documents
 
 CLEAN = {
     "one.jsonl": b'{"text": "one line"}\n',

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 from scaletrain.commands import data as data_cmd
 from scaletrain.curate.io.readers import MalformedRecord
 from scaletrain.data.indexed import IndexedDataset
-from scaletrain.data.tokenize import TokenizeError, input_shards, tokenize_to_indexed
+from scaletrain.data.tokenize import tokenize_to_indexed
+from scaletrain.data.tokenize_inputs import TokenizeError, input_shards
 
 FIXTURES = Path(__file__).resolve().parents[1] / "../shared/fixtures/data"
 if not FIXTURES.is_dir():

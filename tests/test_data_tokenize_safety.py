@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import scaletrain.data.tokenize as tokenize_mod
+import scaletrain.data.tokenize_inputs as tokenize_inputs
 from scaletrain.commands import data as data_cmd
 from scaletrain.data import indexed
 from scaletrain.data.indexed import IndexedDataset
@@ -176,7 +177,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path, monkeypatch, capsys) ->
 
 
 def test_files_a_folder_holds_but_tokenize_cannot_read_are_named(tmp_path: Path, caplog) -> None:
-    from scaletrain.data.tokenize import input_shards
+    from scaletrain.data.tokenize_inputs import input_shards
 
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "x"}])
     write_jsonl(tmp_path / "d" / "b.json", [{"text": "y"}])
@@ -249,7 +250,7 @@ def test_a_killed_worker_is_an_error_not_a_hang(tmp_path: Path) -> None:
     t.start()
     t.join(60)
     assert not t.is_alive(), "tokenize hangs after a worker was killed"
-    assert isinstance(outcome[0], tokenize_mod.TokenizeError)
+    assert isinstance(outcome[0], tokenize_inputs.TokenizeError)
     assert "a worker process died" in str(outcome[0]) and "run again" in str(outcome[0])
 
 

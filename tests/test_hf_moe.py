@@ -17,13 +17,12 @@ from scaletrain.commands import convert, generate  # noqa: E402
 from scaletrain.inference.generation import generate as generate_ids  # noqa: E402
 from scaletrain.models.args import PRESETS  # noqa: E402
 from scaletrain.models.hf import (  # noqa: E402
-    from_hf_state_dict,
     hf_config_from_model_args,
     load_hf_checkpoint,
     model_args_from_hf_config,
     save_hf_checkpoint,
-    to_hf_state_dict,
 )
+from scaletrain.models.hf_state_dict import from_hf_state_dict, to_hf_state_dict  # noqa: E402
 from scaletrain.models.transformer import build_model  # noqa: E402
 from tests.family_helpers import randomize, tokens  # noqa: E402
 from tests.moe_hf_helpers import MOE_FAMILIES, hf_moe_model  # noqa: E402

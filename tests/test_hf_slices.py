@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from scaletrain.checkpoint import sharded_load
-from scaletrain.models.hf import from_hf_state_dict, hf_model_args, hf_slices
+from scaletrain.models.hf import hf_model_args, hf_slices
 from scaletrain.models.hf_files import read_hf_weights
+from scaletrain.models.hf_state_dict import from_hf_state_dict
 from tests.family_helpers import hf_model
 from tests.moe_hf_helpers import hf_moe_model
 

@@ -13,13 +13,12 @@ transformers = pytest.importorskip("transformers")
 from scaletrain.inference.generation import generate, generate_batch  # noqa: E402
 from scaletrain.models.args import PRESETS, ModelArgs, count_params  # noqa: E402
 from scaletrain.models.hf import (  # noqa: E402
-    from_hf_state_dict,
     hf_config_from_model_args,
     load_hf_checkpoint,
     model_args_from_hf_config,
     save_hf_checkpoint,
-    to_hf_state_dict,
 )
+from scaletrain.models.hf_state_dict import from_hf_state_dict, to_hf_state_dict  # noqa: E402
 from scaletrain.models.transformer import build_model  # noqa: E402
 from tests.family_helpers import COMMON, FAMILIES, hf_model, randomize, tokens  # noqa: E402
 

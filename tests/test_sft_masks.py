@@ -104,7 +104,7 @@ def test_a_template_whose_turns_drop_their_generation_prompt_trains_as_rendered(
     d = tokenizer_dir(tmp_path, "deepseekv3")
     tok = transformers.AutoTokenizer.from_pretrained(str(d))
     fmt = ChatFormatter(tok.backend_tokenizer, tok.eos_token_id, *read_chat_template(d))
-    with caplog.at_level("WARNING", logger="scaletrain.chat"):
+    with caplog.at_level("WARNING", logger="scaletrain.inference.chat"):
         for record in RECORDS:
             messages = [dict(m) for m in record]
             ids, mask = fmt.encode({"messages": messages}, "rec")

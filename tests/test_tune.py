@@ -17,7 +17,8 @@ from scaletrain.tune.candidates import from_search, user_candidate
 from scaletrain.tune.flags import merge, parse_flags
 from scaletrain.tune.halving import Tuner, TuneSetup
 from scaletrain.tune.ranking import spearman
-from scaletrain.tune.report import correlation, page, summary
+from scaletrain.tune.report import page, summary
+from scaletrain.tune.results import correlation
 from scaletrain.tune.trial import TrialResult
 
 CPU = Device("test cpu", 8.0, {"fp32": 0.05}, intra_node_gbs=2.0, inter_node_gbs=2.0,

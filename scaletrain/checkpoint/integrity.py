@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import xxhash
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "scaletrain-manifest"

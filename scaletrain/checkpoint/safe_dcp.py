@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from scaletrain.checkpoint.integrity import CheckpointError
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"
 DAMAGED = "restore the checkpoint from a good copy, or delete it"

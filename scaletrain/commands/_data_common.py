@@ -12,7 +12,7 @@ from typing import Any
 from scaletrain.curate.io.paths import InputError
 from scaletrain.curate.pipeline import Step
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 
 def stage_parser(

@@ -26,7 +26,7 @@ from scaletrain.host import available_ram_bytes, host_ram_bytes
 if TYPE_CHECKING:
     from scaletrain.plan.layout import Plan
 
-log = logging.getLogger("scaletrain")
+log = logging.getLogger(__name__)
 
 EXIT_OUT_OF_MEMORY = 3
 MARGIN = {"cuda": 1.5, "cpu": 2.0}

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-log = logging.getLogger("scaletrain")
+log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def _inputs_and_tokenizer(args: argparse.Namespace) -> tuple[list[str], Any]:
     """The input files and the `--tokenizer`, loaded meanwhile in a thread (the Rust loader
     releases the GIL): a folder of 100,000 files takes about as long to list as the
     tokenizer to load. An input error is reported first, as without the thread."""
-    from scaletrain.data.tokenize import input_shards
+    from scaletrain.data.tokenize_inputs import input_shards
     from scaletrain.data.tokenizer import TextTokenizer
 
     if args.tokenizer is None:
@@ -57,11 +57,8 @@ def main(argv: list[str]) -> int:
     from scaletrain.curate.io.paths import InputError
     from scaletrain.curate.io.readers import ReadReport
     from scaletrain.data.indexed import strip_prefix
-    from scaletrain.data.tokenize import (
-        TokenizeError,
-        read_documents,
-        tokenize_to_indexed,
-    )
+    from scaletrain.data.tokenize import tokenize_to_indexed
+    from scaletrain.data.tokenize_inputs import TokenizeError, read_documents
     from scaletrain.data.tokenizer import TokenizerError, train_bpe
 
     prefix = strip_prefix(args.output)

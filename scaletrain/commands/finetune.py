@@ -19,7 +19,7 @@ from typing import Any
 from scaletrain.commands.train_dry_run import split_flags
 from scaletrain.config import ConfigError, flag_given, load_config
 
-log = logging.getLogger("scaletrain")
+log = logging.getLogger(__name__)
 
 _ALIASES = {"--base": "--finetune.base", "--method": "--finetune.method",
             "--task": "--finetune.task", "--data": "--finetune.data"}

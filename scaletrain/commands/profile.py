@@ -16,7 +16,7 @@ from scaletrain.config import ConfigError, load_config
 from scaletrain.profiling.analyze import latest_traces
 from scaletrain.profiling.capture import FRESH_RUN_FLAGS
 
-log = logging.getLogger("scaletrain")
+log = logging.getLogger(__name__)
 
 
 def _with_defaults(argv: list[str]) -> list[str]:

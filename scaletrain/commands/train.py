@@ -9,7 +9,7 @@ from typing import Any
 from scaletrain.commands.train_dry_run import split_flags
 from scaletrain.config import ConfigError, load_config
 
-log = logging.getLogger("scaletrain")
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> int:

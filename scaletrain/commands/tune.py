@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from scaletrain.config import Config
 
-log = logging.getLogger("scaletrain.tune")
+log = logging.getLogger(__name__)
 PROG = "scaletrain tune"
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from scaletrain.curate.io.readers import read_documents
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 INPUT_FILES = 4  # contiguous chunks, so the local executor runs tasks in parallel
 

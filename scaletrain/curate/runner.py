@@ -38,7 +38,7 @@ from scaletrain.curate.io.readers import ReadReport, Shard, plan_shards, read_sh
 from scaletrain.curate.io.writers import make_writer
 from scaletrain.curate.pipeline import Pipeline, Step, StepStats, merge_stats
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 WORK_DIR = "_work"
 DROPPED_DIR = "_dropped"

@@ -23,7 +23,7 @@ import numpy as np
 
 from scaletrain.data.gpt_dataset import GPTDataset
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 
 def greedy_blend(weights: Sequence[float], n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,7 @@ from scaletrain.data.indexed import IndexedDataset, IndexedDatasetError, Indexed
 from scaletrain.data.tokenize import write_texts
 from scaletrain.data.tokenizer import TextTokenizer, TokenizerError
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3  # 3: indexed datasets (train.bin/.idx, val.bin/.idx)
 # Directories never read from the standard library (installed packages are not the stdlib).

@@ -27,7 +27,7 @@ import numpy as np
 
 from scaletrain.data.indexed import IndexedDataset
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 INDEX_VERSION = 1
 _ARRAYS = ("doc_order", "sample_doc", "sample_off", "shuffle")

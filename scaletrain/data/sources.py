@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from scaletrain.config import Config
     from scaletrain.models.args import ModelArgs
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 
 class DataSourceError(ConfigError):

@@ -11,7 +11,8 @@ EOS.
 
 Malformed input is treated as curation treats it: a bad record (invalid UTF-8 or JSON, no
 text field, a compressed file that ends early) is counted, skipped and named with its file
-and line in the statistics; with `strict` the first one stops the run with that message.
+and line in the statistics; with `strict` the first one stops the run with that message
+(the files and records are read by `tokenize_inputs`).
 A curated folder (`scaletrain data curate`) is read through its manifest: the kept shards only.
 A very long document is encoded in pieces cut at spaces between words (where byte-level and
 metaspace pre-tokenizers split anyway), so its memory stays bounded by the piece size.
@@ -33,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.curate.io.paths import InputError, expand_inputs
-from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport, json_records
+from scaletrain.curate.io.paths import InputError
+from scaletrain.curate.io.readers import MAX_EXAMPLES, ReadReport
 from scaletrain.data import tokenize_parts as parts_plan
 from scaletrain.data.indexed import IndexedDatasetWriter, strip_prefix
-from scaletrain.data.small_jsonl import read_small_jsonl
+from scaletrain.data.tokenize_inputs import TokenizeError, group_texts
 from scaletrain.data.tokenize_parts import (
     FileStat,
     PartsDir,
@@ -46,20 +47,14 @@ from scaletrain.data.tokenize_parts import (
     part_name,
     plan_groups,
     run_fingerprint,
-    stat_files,
 )
 from scaletrain.data.tokenizer import TextTokenizer
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson", ".parquet")
 _BATCH_CHARS = 4 << 20  # text per encode_batch call
 _PIECE_CHARS = 1 << 20  # a longer document is encoded in pieces of about this size
 _ENCODED_HERE = False  # whether this process has encoded (its tokenizer threads started)
-
-
-class TokenizeError(ValueError):
-    """Unusable tokenization input; the message names the file and the fix."""
 
 
 @dataclass
@@ -100,122 +95,6 @@ class TokenizeStats:
         return {**asdict(self), "records": self.records,
                 "tokens_per_s": round(self.tokens_per_s, 1),
                 "tokens_per_document": round(self.tokens_per_document, 2)}
-
-
-# --- reading ----------------------------------------------------------------------------------
-def input_shards(path: str | Path) -> list[str]:
-    """The document files of `path`: a file, a glob, a curated folder (the kept shards its
-    manifest lists) or any other directory (searched recursively, `_work/` and `_dropped/`
-    of a curation run skipped). Paths as strings: 100,000 `Path` objects cost seconds."""
-    p = Path(path).expanduser()
-    if not p.exists() and not any(c in str(path) for c in "*?["):
-        raise TokenizeError(f"--input: '{p}' does not exist")
-    try:
-        files = expand_inputs(str(p))
-    except InputError as e:
-        if not (p.is_dir() and "matches no file" in str(e)):
-            raise TokenizeError(f"--input: {e}") from None
-        files = []
-    if p.is_file():
-        return files
-    skipped = [f for f in files if not f.endswith(SUFFIXES)]
-    if skipped:  # said, not silent: a 'docs.json' of JSON lines would otherwise just vanish
-        log.warning("--input: %d file(s) under '%s' are not %s and are not read (e.g. %s)",
-                    len(skipped), p, "/".join(SUFFIXES), skipped[0])
-    files = [f for f in files if f.endswith(SUFFIXES)]
-    if not files:
-        raise TokenizeError(f"--input: no {', '.join(SUFFIXES)} files under '{p}'")
-    return files
-
-
-def read_documents(path: str | Path, text_key: str = "text", report: ReadReport | None = None
-                   ) -> Iterator[str]:
-    """The `text_key` field of each record of a JSONL(.gz/.zst) or Parquet file; malformed
-    records go to `report` (skipped, or raised by a strict report). A file that cannot be
-    read as its format, or a Parquet file without the column, is malformed as a whole."""
-    report = report if report is not None else ReadReport()
-    name = os.fspath(path)
-    if name.endswith(".parquet"):
-        yield from _parquet_texts(path, text_key, report)
-        return
-    if not name.endswith(SUFFIXES):
-        raise TokenizeError(f"{path}: unknown document format (use {', '.join(SUFFIXES)})")
-    try:
-        for where, _, rec in json_records(str(path), report):
-            text = rec.get(text_key)
-            if not isinstance(text, str):
-                report.add(where, f"no string field '{text_key}' (set --text-key)")
-            elif text:
-                yield text
-            else:
-                report.empty += 1
-    except (OSError, EOFError) as e:  # not readable from its first byte
-        report.add(str(path), f"cannot read the file ({type(e).__name__}: {e}); check that "
-                              "it is complete and its suffix matches its compression")
-
-
-def group_texts(files: list[str], text_key: str, report: ReadReport,
-                known: list[tuple[int, int]] | None = None, seen: list[FileStat] | None = None,
-                limit: int | None = None) -> Iterator[str]:
-    """The documents of `files` in order: a small clean JSON-lines file in one read
-    (`read_small_jsonl`), any other through `read_documents`. `known`: each file's (size,
-    mtime_ns) as the caller's `stat` found them ((-1, -1): not known). Each file read goes
-    to `seen` with its size and modification time; with `limit`, no file is started once
-    the files read hold `limit` bytes."""
-    read = 0
-    for k, f in enumerate(files):
-        if limit is not None and k and read >= limit:
-            return
-        size, mtime_ns = known[k] if known else (-1, -1)
-        small = read_small_jsonl(f, text_key, size, mtime_ns)
-        if small is None:
-            st = next(stat_files([f]))
-            read += max(st.size, 0)
-            if seen is not None:
-                seen.append(st)
-            yield from read_documents(f, text_key, report)
-        else:
-            read += small.size
-            if seen is not None:
-                seen.append(FileStat(f, small.size, small.mtime_ns))
-            report.empty += small.empty
-            yield from small.texts
-
-
-def _parquet_texts(path: str | Path, text_key: str, report: ReadReport) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise TokenizeError("reading Parquet needs pyarrow: pip install 'scaletrain[data]'"
-                            ) from None
-    try:  # pyarrow raises several error types for a file that is not Parquet
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        report.add(str(path), f"cannot read Parquet file: {e}")
-        return
-    rows = pf.metadata.num_rows
-    if text_key not in pf.schema_arrow.names:
-        if rows:
-            report.add(str(path), f"no '{text_key}' column (has {pf.schema_arrow.names}; set "
-                                  "--text-key)", count=rows)
-        return
-    row = 0
-    try:
-        for batch in pf.iter_batches(columns=[text_key], batch_size=4096):
-            for t in batch.column(0).to_pylist():
-                if not isinstance(t, str):  # as a JSON record without a string text
-                    report.add(f"{path}:row{row}", f"no string field '{text_key}' "
-                                                   f"({type(t).__name__})")
-                elif t:
-                    yield t
-                else:
-                    report.empty += 1
-                row += 1
-    except (TokenizeError, InputError):  # InputError: a strict report's first record
-        raise
-    except Exception as e:  # a damaged row group: the rows not read are malformed
-        report.add(f"{path}:row{row}", f"cannot read Parquet file at row {row}: {e}",
-                   count=max(1, rows - row))
 
 
 # --- writing ----------------------------------------------------------------------------------

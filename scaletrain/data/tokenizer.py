@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-log = logging.getLogger("scaletrain.data")
+log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens recognised in a given tokenizer, in this order.

@@ -10,7 +10,7 @@ import torch
 from scaletrain.inference.loader import LoadedModel, load_model, model_args_of, read_chat_template
 from scaletrain.models.transformer import Transformer
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 BaseModel = LoadedModel
 """The base model of a fine-tune: a `LoadedModel` whose model is a `Transformer` with a

@@ -20,7 +20,7 @@ from typing import Any
 from scaletrain.checkpoint.integrity import checkpoint_fingerprint
 from scaletrain.finetune.base import FinetuneError
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 ALLOW_ENV = "SCALETRAIN_ALLOW_BASE_MISMATCH"
 _allow: contextvars.ContextVar[bool | None] = contextvars.ContextVar("allow_base_mismatch",

@@ -29,7 +29,7 @@ from scaletrain.models.hf import CONFIG_NAME, hf_slices
 from scaletrain.models.rope import inverse_frequencies
 from scaletrain.models.transformer import Transformer
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 # Wrappers that rename parameters (activation checkpointing, torch.compile, FSDP1-style) and a
 # LoRA layer's frozen `base`: stripped to get the checkpoint's name.

@@ -19,7 +19,7 @@ from scaletrain.finetune.base import BaseModel, FinetuneError
 from scaletrain.finetune.sft import pack, to_example
 from scaletrain.inference.chat import ChatFormatError, ChatFormatter
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 Item = tuple[dict[str, torch.Tensor], torch.Tensor]
 

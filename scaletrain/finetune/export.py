@@ -26,22 +26,23 @@ from torch import nn
 from scaletrain.checkpoint.sharded_load import read_native_tensors
 from scaletrain.finetune.base import FinetuneError
 from scaletrain.finetune.base_pin import base_path, check_base
+from scaletrain.finetune.format import ADAPTER_DIR
 from scaletrain.finetune.lora import LoRALinear
 from scaletrain.finetune.peft_io import load_adapter
+from scaletrain.inference.finetuned import FINETUNE_META
 from scaletrain.inference.loader import (
-    ADAPTER_DIR,
-    FINETUNE_META,
     LoadedModel,
     find_checkpoint,
     load_model,
     read_finetune_meta,
 )
 from scaletrain.models.args import ModelArgs
-from scaletrain.models.hf import hf_slices, save_hf_stream, to_hf_state_dict
+from scaletrain.models.hf import hf_slices, save_hf_stream
 from scaletrain.models.hf_save import PlannedTensor
+from scaletrain.models.hf_state_dict import to_hf_state_dict
 from scaletrain.models.transformer import Transformer
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _HF_LAYER0 = re.compile(r"^(model\.layers|transformer\.h)\.0\.")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 
 class FreezeError(ValueError):

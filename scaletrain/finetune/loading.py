@@ -15,20 +15,15 @@ from torch import nn
 from scaletrain.checkpoint.native_format import load_state
 from scaletrain.finetune.base import FinetuneError
 from scaletrain.finetune.base_pin import base_path, check_base
+from scaletrain.finetune.format import ADAPTER_DIR
 from scaletrain.finetune.heads import SequenceClassifier
 from scaletrain.finetune.lora import merge_lora
 from scaletrain.finetune.peft_io import load_adapter
-from scaletrain.inference.finetuned import register_finetuned_format
-from scaletrain.inference.loader import (
-    ADAPTER_DIR,
-    FINETUNE_META,
-    LoadedModel,
-    find_checkpoint,
-    load_model,
-)
+from scaletrain.inference.finetuned import FINETUNE_META, register_finetuned_format
+from scaletrain.inference.loader import LoadedModel, find_checkpoint, load_model
 from scaletrain.models.args import ModelArgs
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 
 @dataclass

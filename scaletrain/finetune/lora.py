@@ -19,7 +19,7 @@ from scaletrain.finetune.qlora import dequantize_weight, is_nf4
 from scaletrain.finetune.qlora_shard import NF4Linear
 from scaletrain.models.linears import BLOCK_LINEARS
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 # Short target names -> our module names inside a block (and the HF Llama names PEFT uses).
 TARGETS: dict[str, str] = BLOCK_LINEARS

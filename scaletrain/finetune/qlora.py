@@ -17,7 +17,7 @@ from torch import nn
 
 from scaletrain.plan.finetune.estimate import NF4_BLOCK_SIZE
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 BLOCK_SIZE = NF4_BLOCK_SIZE  # elements sharing one absmax; the plan counts the same
 

@@ -48,7 +48,7 @@ from scaletrain.finetune.qlora import BLOCK_SIZE, check_cpu_rows, to_nf4
 from scaletrain.finetune.qlora_shard import NF4Linear, bitsandbytes_nf4
 from scaletrain.inference.loader import LoadedModel
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 PARTS = ("weight", "absmax", "nested_absmax", "offset")
 """The `uint8` parameters of an `NF4Linear` (the packed codes, then the scales)."""

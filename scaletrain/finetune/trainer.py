@@ -29,12 +29,13 @@ from scaletrain.config import Config, ConfigError
 from scaletrain.finetune import data as ftdata
 from scaletrain.finetune.base import FinetuneError, check_base_manifest, load_base
 from scaletrain.finetune.base_pin import base_record, check_base
+from scaletrain.finetune.format import ADAPTER_DIR
 from scaletrain.finetune.freeze import memory_report, param_report
 from scaletrain.finetune.frozen_dtype import store_frozen
 from scaletrain.finetune.heads import SequenceClassifier, classification_scores
 from scaletrain.finetune.lora import LoRASettings, parse_targets
 from scaletrain.finetune.methods import apply_method, with_head
-from scaletrain.inference.loader import ADAPTER_DIR, FINETUNE_META
+from scaletrain.inference.finetuned import FINETUNE_META
 from scaletrain.models.args import ModelArgs
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
@@ -44,9 +45,10 @@ from scaletrain.plan.finetune.plan import FUSED_LOSS_CLASSIFICATION, finetune_la
 from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.metrics import truncate_jsonl
-from scaletrain.train.trainer import Trainer, TrainResult
+from scaletrain.train.trainer import Trainer
+from scaletrain.train.trainer_loop import TrainResult
 
-log = logging.getLogger("scaletrain.finetune")
+log = logging.getLogger(__name__)
 
 META_NAME = FINETUNE_META
 # Data-parallel fine-tuning: DDP, or FSDP's ZeRO-2/3 (`auto` is DDP: `with_ddp_default`).
@@ -491,4 +493,4 @@ class FinetuneTrainer(Trainer):
         return None  # `scaletrain predict` generates from the fine-tuned model
 
 
-__all__ = ["FinetuneTrainer", "AdapterCheckpointer", "META_NAME", "ADAPTER_DIR", "read_meta"]
+__all__ = ["FinetuneTrainer", "AdapterCheckpointer", "META_NAME", "read_meta"]

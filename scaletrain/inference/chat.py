@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 
-log = logging.getLogger("scaletrain.chat")
+log = logging.getLogger(__name__)
 
 
 class ChatFormatError(ValueError):

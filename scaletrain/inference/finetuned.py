@@ -19,6 +19,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "scaletrain.finetuned_format"
+FINETUNE_META = "finetune.json"
+"""The file that marks a fine-tuned output (its base model, method and task). The loader looks
+for it before any fine-tuned format is loaded, so it is this interface's, not the format's."""
 
 
 class FinetunedFormat(Protocol):
@@ -64,5 +67,5 @@ def finetuned_format() -> FinetunedFormat:
     return _registered
 
 
-__all__ = ["ENTRY_POINT_GROUP", "FinetunedFormat", "finetuned_format",
+__all__ = ["ENTRY_POINT_GROUP", "FINETUNE_META", "FinetunedFormat", "finetuned_format",
            "register_finetuned_format"]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from scaletrain.checkpoint.native_format import META_NAME, load_model_checkpoint
-from scaletrain.inference.finetuned import finetuned_format
+from scaletrain.inference.finetuned import FINETUNE_META, finetuned_format
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.hf import CONFIG_NAME, GENERATION_CONFIG_NAME, load_hf_checkpoint
 from scaletrain.models.transformer import Transformer
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FINETUNE_META = "finetune.json"
-ADAPTER_DIR = "adapter"
 _STEP_DIR = re.compile(r"step-(\d+)")
 # Special tokens that end a document in common tokenizers, most specific first.
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
@@ -323,4 +321,4 @@ def load_for_inference(
 
 __all__ = ["LoadedModel", "load_model", "load_for_inference", "find_checkpoint",
            "read_chat_template", "read_finetune_meta", "hf_eos_id", "hf_eos_ids",
-           "tokenizer_eos_id", "FINETUNE_META", "ADAPTER_DIR", "model_args_of"]
+           "tokenizer_eos_id", "model_args_of"]

@@ -30,7 +30,7 @@ from scaletrain.integrations.plan import precision_name
 from scaletrain.integrations.window import Window
 from scaletrain.train.trackers import MlflowTracker, TensorBoardTracker, Tracker, WandbTracker
 
-log = logging.getLogger("scaletrain.integrations")
+log = logging.getLogger(__name__)
 
 
 def _report_to(args: Any) -> list[str]:

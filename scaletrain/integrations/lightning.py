@@ -30,7 +30,7 @@ except ImportError:  # the older package name
 from scaletrain.integrations.window import Window
 from scaletrain.train.trackers import MlflowTracker, TensorBoardTracker, Tracker, WandbTracker
 
-log = logging.getLogger("scaletrain.integrations")
+log = logging.getLogger(__name__)
 
 
 class LoggerTracker:

@@ -15,7 +15,7 @@ from scaletrain.plan.from_config import device_for
 from scaletrain.plan.layout import Layout, Plan
 from scaletrain.plan.text import format_plan
 
-log = logging.getLogger("scaletrain.integrations")
+log = logging.getLogger(__name__)
 
 
 def hf_config_dict(config: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from scaletrain.profiling.summary import headline, scalars
 from scaletrain.train.run_reports import plan_scalars
 from scaletrain.train.trackers import Tracker
 
-log = logging.getLogger("scaletrain.integrations")
+log = logging.getLogger(__name__)
 
 
 class Window:

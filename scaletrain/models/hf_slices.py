@@ -6,10 +6,11 @@ columns for tensor parallel) is translated into the region of the stored Hugging
 comes from, and only that is read (`safe_open(...).get_slice(name)[...]`, what
 `torch.distributed.checkpoint`'s Hugging Face reader does too).
 
-The translation is not written out a second time: `from_hf_state_dict` (`models/hf.py`), the one
-converter, is run on meta tensors of the stored shapes, and each tensor it returns is a view (a
-rename, a transpose, a split of a fused projection) of one stored tensor; the view's offset and
-strides say which stored rows and columns each of our rows and columns are. A tensor the
+The translation is not written out a second time: `from_hf_state_dict`
+(`models/hf_state_dict.py`), the one converter, is run on meta tensors of the stored shapes, and
+each tensor it returns is a view (a rename, a transpose, a split of a fused projection) of one
+stored tensor; the view's offset and strides say which stored rows and columns each of our rows
+and columns are. A tensor the
 converter stacks (the experts of an MoE checkpoint, stored one tensor per expert) is recorded
 while the converter runs (`torch.stack` seen through a `TorchFunctionMode`): a region over our
 stacked dim 0 is a range of experts, and each of them is read by slice as above, the experts a
@@ -144,8 +145,8 @@ class HFSlices:
 
     def __init__(self, directory: str | os.PathLike, convert: Converter,
                  ignored: re.Pattern[str] | None = None) -> None:
-        """`convert`: HF state dict -> ours (`models.hf.from_hf_state_dict` for the model's
-        args); `ignored`: stored names that hold no weights."""
+        """`convert`: HF state dict -> ours (`models.hf_state_dict.from_hf_state_dict` for the
+        model's args); `ignored`: stored names that hold no weights."""
         self.directory = Path(directory)
         self._convert = convert
         self._file_of: dict[str, Path] = {}

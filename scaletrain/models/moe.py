@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.models.args import ModelArgs
 from scaletrain.models.layers import MLP_BUILDERS, FeedForward
 
-log = logging.getLogger("scaletrain.models")
+log = logging.getLogger(__name__)
 
 # --- how the training step weights the auxiliary loss ----------------------------------------
 _AUX_WEIGHTING: dict[str, Any] = {"tokens": None, "scale": None}

@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from scaletrain.config import ActivationCheckpointConfig
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 
 def _wrap(module: nn.Module) -> nn.Module:

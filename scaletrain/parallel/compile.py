@@ -13,7 +13,7 @@ from torch import nn
 
 from scaletrain.config import CompileConfig
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 _CACHE_BASE: str | None = None  # TORCHINDUCTOR_CACHE_DIR as this process first found it
 

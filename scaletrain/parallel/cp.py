@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 
 def chunk_ids(rank: int, cp: int, load_balance: bool) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 
 def _sum_allreduce_hook(group, bucket):  # noqa: ANN001, ANN202 (DDP checks real annotations)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from scaletrain.models.moe import GroupedExperts, MoE, moe_layers
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 _PREFIX = "scaletrain/heartbeat/"
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scaletrain.parallel.dims import MESH_ORDER, ParallelDims
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 
 def env_world() -> tuple[int, int, int]:

@@ -38,7 +38,7 @@ from torch.distributed.pipelining.schedules import (
 
 from scaletrain.parallel.feasibility import SINGLE_STAGE, schedule_problems  # noqa: F401
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 SCHEDULES: dict[str, type] = {
     "GPipe": ScheduleGPipe,

@@ -39,7 +39,7 @@ from scaletrain.parallel.ep_tp import apply_moe_ep_tp
 from scaletrain.parallel.moe_tp import apply_moe_tp
 from scaletrain.parallel.sp_regather import ColwiseFromShard, GatherSequence
 
-log = logging.getLogger("scaletrain.parallel")
+log = logging.getLogger(__name__)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,

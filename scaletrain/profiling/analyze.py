@@ -23,7 +23,7 @@ from scaletrain.profiling import (
 from scaletrain.profiling.load import load_all
 from scaletrain.profiling.trace import Trace
 
-log = logging.getLogger("scaletrain.profiling")
+log = logging.getLogger(__name__)
 
 
 def latest_traces(folder: str | Path) -> list[Path]:

@@ -38,7 +38,7 @@ FRESH_RUN_FLAGS: tuple[tuple[str, str], ...] = (
 `scaletrain tune`'s trials): a short fresh run, no resume, no checkpoint, no sample, so it
 measures new steps and leaves the run directory's checkpoints alone."""
 
-log = logging.getLogger("scaletrain.profiling")
+log = logging.getLogger(__name__)
 
 PREFIX = "scaletrain/"
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from scaletrain.profiling.trace import Spans, Trace, TraceError, assemble, device_facts
 
-log = logging.getLogger("scaletrain.profiling")
+log = logging.getLogger(__name__)
 
 # CUpti_ActivityMemcpyKind -> the names Kineto uses, so memory ops classify the same way.
 _COPY_KIND = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",

@@ -35,7 +35,7 @@ from scaletrain.profiling.capture import StepProfiler, phase
 from scaletrain.profiling.folders import memory_timelines
 from scaletrain.profiling.summary import headline
 
-log = logging.getLogger("scaletrain.profiling")
+log = logging.getLogger(__name__)
 
 
 def _default_device() -> torch.device:

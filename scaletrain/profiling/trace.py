@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-log = logging.getLogger("scaletrain.profiling")
+log = logging.getLogger(__name__)
 
 
 class TraceError(ValueError):

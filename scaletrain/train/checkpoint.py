@@ -50,7 +50,7 @@ from scaletrain.models.args import ModelArgs
 from scaletrain.train.resume import write_run_settings
 from scaletrain.train.zero1 import PartitionedOptimizer
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # One process saves without a process group on purpose; DCP warns about it from its own

@@ -39,7 +39,7 @@ import os
 from functools import cache
 from typing import Any
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2

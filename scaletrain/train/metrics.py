@@ -20,7 +20,7 @@ import torch
 from scaletrain.host import current_rss_bytes, file_rss_bytes, peak_rss_bytes, reset_peak_rss
 from scaletrain.train.trackers import Tracker
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 
 @dataclass

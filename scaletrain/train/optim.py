@@ -11,7 +11,7 @@ from torch import nn
 
 from scaletrain.config import ConfigError, OptimizerConfig
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75
 MARKER_NAME = "preempted.json"

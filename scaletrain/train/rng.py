@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 _MT_WORDS = 624  # Mersenne Twister state words of numpy's MT19937 and Python's random
 

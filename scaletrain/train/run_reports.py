@@ -13,7 +13,7 @@ from scaletrain.config import Config
 from scaletrain.train.metrics import MetricsLogger
 from scaletrain.train.trackers import Tracker, open_trackers
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 
 def run_trackers(cfg: Config, output: Any) -> list[Tracker]:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from scaletrain.config_sections import METRICS_LOGGERS as LOGGERS
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 _EXTRA = {"tensorboard": "tb", "wandb": "integrations", "mlflow": "integrations"}
 

@@ -1,4 +1,6 @@
-"""The training loop: the only place where model, techniques, data and optimizer meet."""
+"""The trainer: the only place where model, techniques, data and optimizer meet. `Trainer`
+builds a run from a `Config` and runs its steps and evaluation; its loop (`trainer_loop.py`)
+and its checkpoints (`trainer_checkpoints.py`) are its other parts."""
 
 from __future__ import annotations
 
@@ -7,8 +9,6 @@ import logging
 import math
 import os
 import random
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,10 @@ from scaletrain.parallel.fp8 import apply_fp8, fp8_problem
 from scaletrain.parallel.parallelize import Parallelism
 from scaletrain.plan.flops import flops_per_token
 from scaletrain.plan.hardware import device_name, peak_tflops
-from scaletrain.profiling.capture import StepProfiler, phase
+from scaletrain.profiling.capture import phase
 from scaletrain.runtime import resolve_device
 from scaletrain.train import precision, rng
-from scaletrain.train.checkpoint import Checkpointer, CheckpointError
+from scaletrain.train.checkpoint import Checkpointer
 from scaletrain.train.evaluate import evaluate
 from scaletrain.train.host_allocator import (
     apply_mmap_threshold,
@@ -38,13 +38,13 @@ from scaletrain.train.host_allocator import (
 )
 from scaletrain.train.loss import cross_entropy_sum
 from scaletrain.train.lr_schedule import LRSchedule
-from scaletrain.train.metrics import MemoryBaseline, MetricsLogger, step_metrics
-from scaletrain.train.moe_metrics import collect_moe_stats
+from scaletrain.train.metrics import MemoryBaseline
 from scaletrain.train.optim import build_optimizer
-from scaletrain.train.run_reports import diagnose_window, log_plan, run_trackers
 from scaletrain.train.step import StepOutput, TrainStep
+from scaletrain.train.trainer_checkpoints import TrainerCheckpoints
+from scaletrain.train.trainer_loop import TrainingLoop
 
-log = logging.getLogger("scaletrain.train")
+log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -53,17 +53,6 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite and `training.on_nan` is `stop`."""
 
 
-@dataclass
-class TrainResult:
-    steps: int
-    losses: list[float] = field(default_factory=list)
-    val_loss: float | None = None
-    checkpoint: Path | None = None
-    sample: str | None = None
-    wall_time_s: float = 0.0
-    tokens_seen: int = 0
-    """Tokens of the training batches the run has consumed in all, earlier runs it resumed
-    included (samples x sequence length; padding of fine-tuning rows included)."""
 
 
 def fused_loss_problem(model: Any, custom_forward: bool) -> str | None:
@@ -85,8 +74,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-class Trainer:
-    """Builds everything a run needs from a validated `Config`, then `train()` runs it."""
+class Trainer(TrainingLoop, TrainerCheckpoints):
+    """Builds everything a run needs from a validated `Config`, then `train()` runs it (the
+    loop: `train/trainer_loop.py`; checkpoints and resuming: `train/trainer_checkpoints.py`)."""
 
     checkpointer_cls: type[Checkpointer] = Checkpointer
 
@@ -269,120 +259,6 @@ class Trainer:
         model.train()
         return model
 
-    # --- state ------------------------------------------------------------------------------
-    @property
-    def rng_layout(self) -> torch.Tensor:
-        """World size, mesh shape and this rank's RNG stream: a saved RNG state is restored
-        only into the same (`train/rng.py`)."""
-        return rng.layout_tensor(self.par.dims.world_size,
-                                 tuple(self.par.dims.mesh_shape.values()), self.rng_stream)
-
-    def _extra_state(self) -> dict[str, Any]:
-        """Everything besides model and optimizer a checkpoint holds; this rank's RNG state
-        under its own key (DCP keeps one copy of entries that share a key)."""
-        extra: dict[str, Any] = {
-            "lr_schedule": self.schedule.state_dict(),
-            "data": self.train_stream.state_dict(),
-            "rng": {rng.rank_key(self.par.rank): {**rng.rng_state(self.device),
-                                                  "layout": self.rng_layout}},
-        }
-        if self.scaler is not None:
-            extra["scaler"] = self.scaler.state_dict()
-        return extra
-
-    def _find_resume(self) -> tuple[Path | None, dict[str, Any] | None]:
-        """(checkpoint to continue from, the settings it was trained with) per
-        `checkpoint.resume`; a setting that would silently change the run is refused here."""
-        mode = self.cfg.checkpoint.resume
-        folder = self.output / "checkpoints"
-        self.resume_step = 0
-        steps = Checkpointer.steps_in(folder)
-        if mode is False:
-            if steps and (self.cfg.checkpoint.save_final or self.cfg.checkpoint.interval
-                          or self.cfg.checkpoint.interval_minutes):
-                log.warning("checkpoint.resume is false: starting fresh although %s holds "
-                            "checkpoints (later saves replace them)", folder)
-            return None, None
-        if not steps:
-            if mode is True:
-                raise CheckpointError(
-                    f"checkpoint.resume is true but no complete checkpoint exists under {folder};"
-                    " run without --checkpoint.resume true to start fresh")
-            return None, None
-        self.resume_step = steps[-1]
-        path = folder / Checkpointer.dir_name(steps[-1])
-        return path, self._checked_settings(path, steps[-1])
-
-    def _checked_settings(self, path: Path, step: int) -> dict[str, Any] | None:
-        """The `run.json` of checkpoint `path` (at `step`), checked against this run."""
-        from scaletrain.train.resume import check_resume, read_run_settings
-
-        settings = read_run_settings(path)
-        if settings is None:
-            log.warning("%s has no run.json (an older scaletrain): its schedule, batch and data "
-                        "settings cannot be checked against this run's", path)
-        else:
-            check_resume(settings, self.cfg, self.global_batch, step, path)
-        return settings
-
-    def _resume(self) -> None:
-        """Load `resume_from`; with `checkpoint.resume auto` a damaged newest checkpoint gives
-        way to the one before it (each checked as the first was)."""
-        candidates = [s for s in reversed(self.checkpointer.steps()) if s <= self.resume_step]
-        for i, step in enumerate(candidates):
-            path = self.checkpointer.path(step)
-            if i:
-                self._checked_settings(path, step)
-            try:
-                self._load_checkpoint(path)
-                return
-            except CheckpointError as e:
-                if self.cfg.checkpoint.resume != "auto" or i + 1 == len(candidates):
-                    raise
-                log.warning("%s; resuming from the checkpoint before it", e)
-
-    def _load_checkpoint(self, path: Path) -> None:
-        from scaletrain.checkpoint.safe_dcp import read_metadata
-
-        template = self._extra_state()
-        rank = self.par.rank
-        try:  # a damaged checkpoint is reported by `load` below
-            stored = set(read_metadata(path).state_dict_metadata)
-        except CheckpointError:
-            stored = set()
-        template["rng"] = rng.saved_template(rank, self.rng_layout, stored, self.device)
-        extra = self.checkpointer.load(path, self.model, self.optimizer, template)
-        self.schedule.load_state_dict(extra["lr_schedule"])
-        self.train_stream.load_state_dict(extra["data"])
-        exact = all(self.par.gather_objects(rng.is_exact(extra["rng"], rank, self.rng_layout)))
-        rng.restore(extra["rng"], rank, self.rng_layout, exact, self.cfg.training.seed,
-                    self.rng_stream, int(extra["step"]), self.device)
-        if self.scaler is not None and "scaler" in extra:
-            self.scaler.load_state_dict(extra["scaler"])
-        self.step = int(extra["step"])
-
-    def save_checkpoint(self) -> Path:
-        from scaletrain.train.resume import run_settings
-
-        consumed = self.train_stream.state_dict()["consumed_samples"]
-        run = run_settings(self.cfg, self.global_batch, consumed)
-        # Rank 0 renames and prunes while the others wait: the start-up timeout holds.
-        self.collective_timeout(self.cfg.parallel.timeout_s)
-        try:
-            return self.checkpointer.save(self.step, self.model, self.optimizer,
-                                          self._extra_state(), run)
-        finally:
-            if self.step > 0:
-                self.collective_timeout(self.cfg.parallel.step_timeout_s)
-
-    def collective_timeout(self, seconds: float) -> None:
-        """Bound the run's collectives by `seconds` (not those of a background checkpoint
-        write, which keep the start-up timeout)."""
-        from scaletrain.parallel.mesh import set_collective_timeout
-
-        group = self.checkpointer.async_group
-        set_collective_timeout(seconds, skip=() if group is None else (group,))
-
     # --- one step ---------------------------------------------------------------------------
     def next_batches(self) -> list[Batch]:
         """The micro-batches of one optimizer step, on the device."""
@@ -495,169 +371,6 @@ class Trainer:
             log.warning("%s (training.on_nan is skip: continuing)", msg)
         return loss
 
-    # --- the loop ---------------------------------------------------------------------------
-    def train(self) -> TrainResult:
-        """The loop, the same for every layout. Steps run without reading values back to the
-        host; at log steps (the run's first step, every `metrics.log_interval`, before an
-        evaluation or checkpoint, and at the end) the pending steps' losses and norms are read
-        in one transfer, written to the metrics (each step's own values), and a non-finite step
-        acts on `on_nan`.
-
-        After each step every rank agrees whether to stop (a preemption signal: checkpoint,
-        then `Preempted`) and whether a timed checkpoint is due (`train/preemption.py`). Once
-        the first step has run, collectives are bounded by `parallel.step_timeout_s` and a step
-        that outlasts it leaves every rank's stack under `<output>/stacks/`."""
-        from scaletrain.train.preemption import Preempted, StepBoundary, clear_marker, write_marker
-
-        cfg = self.cfg
-        if self.resume_from is not None and self.step >= cfg.training.steps:
-            log.info("the run is complete: %s is at step %d of %d, nothing to train (more steps: "
-                     "raise --training.steps; a new run: another --output)", self.resume_from,
-                     self.step, cfg.training.steps)
-            return TrainResult(steps=self.step, checkpoint=self.resume_from,
-                               tokens_seen=self._tokens_seen())
-        start = time.perf_counter()
-        result = TrainResult(steps=self.step)
-        first = self.step + 1  # logged alone: the run shows life, warm-up stays out of the means
-        heartbeat = self.par.heartbeat()
-        boundary = StepBoundary(cfg.checkpoint.signals, cfg.checkpoint.interval_minutes,
-                                self.par.enabled, self.is_main)
-        boundary.install()
-        stop, _ = boundary.decide()  # a signal during start-up: stop before the first step
-        if stop is not None:
-            boundary.uninstall()
-            self.checkpointer.close()
-            if heartbeat is not None:
-                heartbeat.stop()
-            if self.is_main:
-                write_marker(self.output, stop, self.step, self.resume_from)
-            raise Preempted(stop, self.step, self.resume_from, during_startup=True)
-        stacks = self._stack_dumps()
-        metrics: Any = _NoMetrics()
-        if self.is_main:  # one rank writes metrics, logs and the progress bar
-            clear_marker(self.output)
-            metrics = MetricsLogger(self.output, cfg.training.steps, cfg.metrics.log_interval,
-                                    run_trackers(cfg, self.output), cfg.metrics.progress_bar,
-                                    start_step=self.step)
-            log_plan(metrics, cfg, self.device, self.step)
-        pending = _Pending(time.perf_counter())
-        prof = StepProfiler(cfg.profiling, self.output, self.device, start_step=self.step).start()
-        try:
-            while self.step < cfg.training.steps:
-                self._where(heartbeat, "training step")
-                if stacks is not None and self.step >= first:
-                    stacks.arm(0.9 * cfg.parallel.step_timeout_s)
-                t0 = time.perf_counter()
-                batches = self.next_batches()
-                data_wait = time.perf_counter() - t0
-                with prof.oom_guard(cfg):
-                    out = self._guarded_step(batches, heartbeat)
-                self.step += 1
-                if self.step == first and self.par.enabled:  # start-up is over
-                    self.collective_timeout(cfg.parallel.step_timeout_s)
-                stop, timed_save = boundary.decide()
-                if stacks is not None:
-                    stacks.disarm()
-                prof.step()
-                pending.steps.append((self.step, out, data_wait))
-                last = self.step == cfg.training.steps
-                evaluate = bool(cfg.training.eval_interval) and not last and stop is None \
-                    and self.step % cfg.training.eval_interval == 0
-                save = not last and (bool(stop) or timed_save or (
-                    bool(cfg.checkpoint.interval) and self.step % cfg.checkpoint.interval == 0))
-                if (last or evaluate or save or self.step == first
-                        or self.step % cfg.metrics.log_interval == 0):
-                    self._log_pending(pending, metrics, result)
-                if evaluate:
-                    self._where(heartbeat, "evaluation")
-                    metrics.log_eval(self.step, self.evaluate())
-                    pending.since = time.perf_counter()  # evaluation time is not step time
-                if save:
-                    self._where(heartbeat, "saving a checkpoint")
-                    result.checkpoint = self.save_checkpoint()
-                    boundary.saved()
-                    pending.since = time.perf_counter()
-                if stop is not None and not last:  # the last step ends the run as usual
-                    result.checkpoint = self.checkpointer.wait() or result.checkpoint
-                    if self.is_main:
-                        write_marker(self.output, stop, self.step, result.checkpoint)
-                    raise Preempted(stop, self.step, result.checkpoint)
-            prof.stop()  # evaluation and the final checkpoint stay out of the trace
-            self.diagnosis = diagnose_window(prof, cfg, metrics, self.step, self.par.enabled,
-                                             self.is_main)
-            self._where(heartbeat, "final evaluation")
-            result.val_loss = self.evaluate()
-            metrics.log_eval(self.step, result.val_loss)
-            # The last step is saved by `save_final`, or as any step of `interval` is.
-            on_interval = bool(cfg.checkpoint.interval) and self.step > result.steps \
-                and self.step % cfg.checkpoint.interval == 0
-            if cfg.checkpoint.save_final or on_interval:
-                self._where(heartbeat, "saving the final checkpoint")
-                result.checkpoint = self.save_checkpoint()
-            result.checkpoint = self.checkpointer.wait() or result.checkpoint
-        finally:
-            boundary.uninstall()
-            if stacks is not None:
-                stacks.close()
-            prof.stop()
-            metrics.close()
-            self.checkpointer.close()
-            if heartbeat is not None:
-                heartbeat.stop()
-        result.steps = self.step
-        result.tokens_seen = self._tokens_seen()
-        result.wall_time_s = time.perf_counter() - start
-        if cfg.training.sample_tokens:
-            result.sample = self.sample(cfg.training.sample_tokens)
-        return result
-
-    def _tokens_seen(self) -> int:
-        return self.train_stream.state_dict()["consumed_samples"] * self.cfg.data.seq_len
-
-    def _stack_dumps(self) -> Any:
-        """Stack dumps of a hung step (several processes only; `parallel/stacks.py`)."""
-        if not self.par.enabled:
-            return None
-        from scaletrain.parallel.stacks import StackDumps
-
-        return StackDumps(self.output / "stacks", self.par.rank,
-                          on_demand="SIGUSR2" not in self.cfg.checkpoint.signals)
-
-    def _where(self, heartbeat: Any, doing: str) -> None:
-        """Tell the heartbeat where this rank is (named if it stops answering)."""
-        if heartbeat is not None:
-            heartbeat.at(f"step {self.step + 1}: {doing}" if doing == "training step"
-                         else f"after step {self.step}: {doing}")
-
-    def _log_pending(self, pending: _Pending, metrics: Any, result: TrainResult) -> None:
-        """Read the pending steps back (one transfer; the only host synchronization of the
-        loop), log each step's metrics and apply `training.on_nan`."""
-        if not pending.steps:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        values = torch.stack([torch.stack([o.loss.float(), o.grad_norm.float(),
-                                           o.skipped.float()]) for _, o, _ in pending.steps])
-        rows = values.cpu().tolist()
-        # Steps are not synchronized one by one: each gets the interval's mean step time.
-        step_time = (now - pending.since) / len(pending.steps)
-        tokens = self.ga * self.mbs * self.dp_size * self.cfg.data.seq_len
-        steps, pending.steps, pending.since = pending.steps, [], now
-        moe = collect_moe_stats(self.model, self.par) if self.has_moe else None
-        for (step, _, data_wait), (loss, norm, skipped) in zip(steps, rows, strict=True):
-            if skipped:
-                self._on_nonfinite(loss, step)
-                norm = float("nan")
-            result.losses.append(loss)
-            metrics.log_step(step_metrics(
-                step=step, loss=loss, lr=self.schedule.lr_at(step - 1), grad_norm=norm,
-                tokens=tokens, step_time_s=step_time, data_wait_s=data_wait,
-                world_size=self.par.dims.world_size, flops_per_token=self.flops_per_token,
-                peak_flops=self.peak_flops, baseline=self.mem_baseline,
-                peak_flops_fp8=self.peak_flops_fp8,
-                moe=moe if step == steps[-1][0] else None))
-
     def sample(self, max_new_tokens: int) -> str | None:
         """A sampled continuation of a line of the validation text (see `train.sample`);
         None with several processes (the model is sharded)."""
@@ -668,21 +381,3 @@ class Trainer:
         return sample_text(self.model_args, self.model.state_dict(), self.device,
                            self.corpus.val, self.corpus.tokenizer_path, self.corpus.eos_id,
                            max_new_tokens, self.cfg.training.seed)
-
-
-@dataclass
-class _Pending:
-    """Steps run but not yet read back: (step, outputs, data wait), since when."""
-
-    since: float
-    steps: list[tuple[int, StepOutput, float]] = field(default_factory=list)
-
-
-class _NoMetrics:
-    """What ranks other than 0 log: nothing."""
-
-    def log_step(self, *_: Any) -> None: ...
-
-    def log_eval(self, *_: Any) -> None: ...
-
-    def close(self) -> None: ...

@@ -30,9 +30,10 @@ import torch
 
 from scaletrain.tune.candidates import TrialSpec, dry_run
 from scaletrain.tune.flags import merge
+from scaletrain.tune.results import Trial, correlation
 from scaletrain.tune.trial import TrialResult, run_trial
 
-log = logging.getLogger("scaletrain.tune")
+log = logging.getLogger(__name__)
 
 FINISHED = ("ok", "oom", "failed", "stopped", "skipped")
 """Statuses `--resume` keeps ("budget": killed at a deadline, is run again)."""
@@ -71,18 +72,6 @@ class TuneSetup:
     header: dict[str, Any] = field(default_factory=dict)
     started: float | None = None
     """`time.monotonic()` when the command started (the budget counts from there)."""
-
-
-@dataclass
-class Trial:
-    spec: TrialSpec
-    result: TrialResult
-    reused: bool = False
-    round: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.spec.to_json(), **self.result.to_json(), "skip_reason":
-                self.spec.skip_reason, "reused": self.reused, "round": self.round}
 
 
 RunFn = Callable[[TrialSpec, Path, float, float | None], TrialResult]
@@ -220,6 +209,13 @@ class Tuner:
 
     def save(self) -> None:
         from scaletrain.profiling.report import write_atomic
-        from scaletrain.tune.report import results_json
 
         write_atomic(self.setup.folder / "tune.json", json.dumps(results_json(self), indent=2))
+
+
+def results_json(tuner: Tuner) -> dict[str, Any]:
+    win = tuner.winner()
+    return {"header": tuner.setup.header, "budget_s": tuner.setup.budget_s,
+            "elapsed_s": tuner.elapsed(), "trials": [t.to_json() for t in tuner.trials],
+            "winner": win.spec.id if win else None, "not_run": tuner.not_run,
+            "correlation": correlation(tuner.trials)}

@@ -1,49 +1,21 @@
-"""What `tune` writes: the results JSON, the terminal table, the HTML page (an inline SVG of
-predicted vs measured step time), and the winner as a config file plus its command."""
+"""What `tune` shows and writes besides `tune.json`: the terminal table, the HTML page (an
+inline SVG of predicted vs measured step time), and the winner as a config file plus its
+command."""
 
 from __future__ import annotations
 
 import html
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from scaletrain.tune.ranking import spearman
+from scaletrain.tune.results import STATUS_COLORS, correlation
 
 if TYPE_CHECKING:
-    from scaletrain.tune.halving import Trial, Tuner
+    from scaletrain.tune.halving import Tuner
+    from scaletrain.tune.results import Trial
 
 GIB = 2**30
-STATUS_COLORS = {"ok": "#2e7d32", "stopped": "#ef6c00"}
-
-
-def measured(trials: list[Trial]) -> list[Trial]:
-    """Trials with a measured step time: those that ran to the end, and those stopped early
-    (the fastest of their warm steps before the stop)."""
-    return [t for t in trials if t.result.status in STATUS_COLORS and t.result.step_time_s]
-
-
-def correlation(trials: list[Trial]) -> dict[str, Any]:
-    """The search's order (its rank: step time, ties to the simpler layout) vs the measured
-    order of the measured trials; Spearman's rho of the two, and of the predicted and measured
-    step times (the cost model alone, equal predictions sharing a rank)."""
-    both = [t for t in measured(trials) if t.spec.search_rank is not None
-            and t.spec.predicted_step_s is not None]
-    by_search = sorted(both, key=lambda t: t.spec.search_rank)
-    by_meas = sorted(both, key=lambda t: t.result.step_time_s)
-    meas = [t.result.step_time_s for t in both]
-    return {"spearman": spearman([t.spec.search_rank for t in both], meas),
-            "spearman_predicted_time": spearman([t.spec.predicted_step_s for t in both], meas),
-            "pairs": len(both), "search_order": [t.spec.id for t in by_search],
-            "measured_order": [t.spec.id for t in by_meas]}
-
-
-def results_json(tuner: Tuner) -> dict[str, Any]:
-    win = tuner.winner()
-    return {"header": tuner.setup.header, "budget_s": tuner.setup.budget_s,
-            "elapsed_s": tuner.elapsed(), "trials": [t.to_json() for t in tuner.trials],
-            "winner": win.spec.id if win else None, "not_run": tuner.not_run,
-            "correlation": correlation(tuner.trials)}
 
 
 def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:

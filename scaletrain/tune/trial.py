@@ -25,7 +25,7 @@ from typing import Any
 
 from scaletrain.profiling.capture import FRESH_RUN_FLAGS
 
-log = logging.getLogger("scaletrain.tune")
+log = logging.getLogger(__name__)
 
 # What torchrun puts in a rank's environment: a tune started under torchrun must not hand
 # them to the trials' own torchrun.

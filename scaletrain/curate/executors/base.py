@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("scaletrain.data.executor")
+log = logging.getLogger(__name__)
 
 TaskFn = Callable[[int], dict[str, Any]]
 

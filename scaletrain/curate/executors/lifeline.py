@@ -23,7 +23,7 @@ import threading
 import time
 from typing import IO, Any
 
-log = logging.getLogger("scaletrain.data.executor")
+log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 _PR_SET_PDEATHSIG = 1

@@ -10,7 +10,7 @@ from scaletrain.curate.executors.base import Executor, TaskFn, log_progress, run
 from scaletrain.curate.io.errors import InputError
 from scaletrain.optional import require
 
-log = logging.getLogger("scaletrain.data.executor")
+log = logging.getLogger(__name__)
 
 
 def _ray() -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 
 from scaletrain.curate.io.errors import InputError
 
-log = logging.getLogger("scaletrain.curate.io")
+log = logging.getLogger(__name__)
 
 MAX_EXAMPLES = 20  # malformed records kept (file:line + message) for the report
 

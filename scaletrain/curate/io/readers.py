@@ -30,7 +30,7 @@ from scaletrain.curate.io.paths import (
 from scaletrain.curate.io.read_report import MAX_EXAMPLES, MalformedRecord, ReadReport
 from scaletrain.curate.io.sniff import SNIFF_BYTES, binary_suffix, is_binary, json_kind
 
-log = logging.getLogger("scaletrain.curate.io")
+log = logging.getLogger(__name__)
 
 try:  # a damaged .zst stream raises zstandard's own error type
     from zstandard import ZstdError as _ZstdError

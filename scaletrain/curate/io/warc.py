@@ -12,9 +12,9 @@ from scaletrain.curate.io.paths import InputError, file_size, open_raw
 from scaletrain.optional import require
 
 if TYPE_CHECKING:
-    from scaletrain.curate.io.readers import ReadReport
+    from scaletrain.curate.io.read_report import ReadReport
 
-log = logging.getLogger("scaletrain.curate.io")
+log = logging.getLogger(__name__)
 
 
 def _require(name: str) -> Any:

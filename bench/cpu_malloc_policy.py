@@ -8,8 +8,8 @@
 
 For the layouts of `bench/cpu_peak_vs_plan.py` (one process, DDP 2, ZeRO-3 2, TP 2 x DP 2 and
 two pipeline stages; a pipeline rank against its own stage's plan) on the `debug`
-preset at 128 tokens (`SEQ`; 128 is the setting of `tests/distributed/test_cpu_peak.py`; bf16
-autocast where the CPU has AVX-512 bf16), every rank builds the real `Trainer` under torchrun
+preset at 128 tokens (`SEQ`; 128 is the setting of `tests/plan/memory/distributed/test_cpu_peak.py`;
+bf16 autocast where the CPU has AVX-512 bf16), every rank builds the real `Trainer` under torchrun
 (gloo). `trainer` runs the trainer's own policy (its defaults: `training.cpu_mmap_threshold_mb`
 4, `training.cpu_malloc_trim` true, `train/host_allocator.py`: what `mmap4m+fwd` does, plus a
 trim before the memory baseline), `trainer@N` the same with its threshold at N MiB; every

@@ -3,11 +3,11 @@
     python bench/cpu_peak_diagnose.py tp2_dp2 [--fresh-cache] [--load N] [--repeat K]
     python bench/cpu_peak_diagnose.py all --pageout     # every layout of the test, once
 
-Runs one layout of `tests/distributed/test_cpu_peak.py` (same flags, the trainer's defaults)
-under torchrun and, from outside, samples rank 0's /proc/PID/status every few milliseconds.
-Printed per run: the planned peak, the trainer's measured peak (VmHWM above the baseline), and
-the resident set at the baseline and at the sampled peak split into RssAnon / RssFile /
-RssShmem, so an excess shows which kind of page it is. `--fresh-cache`: a new tokenizer cache
+Runs one layout of `tests/plan/memory/distributed/test_cpu_peak.py` (same flags, the trainer's
+defaults) under torchrun and, from outside, samples rank 0's /proc/PID/status every few
+milliseconds. Printed per run: the planned peak, the trainer's measured peak (VmHWM above the
+baseline), and the resident set at the baseline and at the sampled peak split into RssAnon / RssFile
+/ RssShmem, so an excess shows which kind of page it is. `--fresh-cache`: a new tokenizer cache
 for every run (the first layout of the test file builds it, the later ones load it);
 `--load N`: N busy-loop processes run alongside (a loaded CI machine); `--pageout`: rank 0
 unmaps its libraries' code pages just before the baseline (what the kernel's reclaim does on a
@@ -123,7 +123,7 @@ def sample(pid_file: Path, proc: subprocess.Popen) -> list[tuple[float, dict]]:
 
 
 def run(layout: str, cache: Path, load: int) -> dict:
-    from tests.distributed.test_cpu_peak import LAYOUTS, _env, _flags
+    from tests.plan.memory.distributed.test_cpu_peak import LAYOUTS, _env, _flags
 
     world, extra = LAYOUTS[layout]
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,7 +173,7 @@ def line(layout: str, rec: dict, note: str) -> str:
 
 
 def main() -> None:
-    from tests.distributed.test_cpu_peak import LAYOUTS
+    from tests.plan.memory.distributed.test_cpu_peak import LAYOUTS
 
     args = sys.argv[1:]
     layouts = list(LAYOUTS) if args[0] == "all" else [args[0]]

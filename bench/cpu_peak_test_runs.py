@@ -1,5 +1,5 @@
-"""Run `tests/distributed/test_cpu_peak.py` several times, each with a fresh basetemp, alone or
-with busy-loop processes alongside, and collect each layout's planned/measured peak.
+"""Run `tests/plan/memory/distributed/test_cpu_peak.py` several times, each with a fresh basetemp,
+alone or with busy-loop processes alongside, and collect each layout's planned/measured peak.
 
     python bench/cpu_peak_test_runs.py 3            # 3 runs of the file on the machine as it is
     python bench/cpu_peak_test_runs.py 2 --busy 2   # 2 runs with 2 busy loops alongside
@@ -45,7 +45,7 @@ def one_run(busy_loops: int) -> tuple[str, list[str]]:
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                  "--basetemp", str(Path(tmp, "basetemp")), "--junitxml", str(xml),
                  "-o", "junit_family=xunit1",
-                 "tests/distributed/test_cpu_peak.py"],
+                 "tests/plan/memory/distributed/test_cpu_peak.py"],
                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                 text=True)
         finally:

@@ -15,7 +15,7 @@ The peak is taken twice, with glibc's allocator as it comes and with its mmap th
 pinned at 128 KiB (`MALLOC_MMAP_THRESHOLD_=131072`, which also switches off glibc's dynamic
 threshold), so that every freed tensor of 128 KiB or more goes back to the system at once:
 - `pinned`: the resident set follows what the trainer allocates; the plan is checked
-  against this one (`tests/distributed/test_cpu_peak.py`);
+  against this one (`tests/plan/memory/distributed/test_cpu_peak.py`);
 - `glibc default`: the difference is heap fragmentation: glibc raises its threshold to the
   largest block freed (up to 32 MiB), serves smaller blocks from its heap and keeps the freed
   ones resident where later blocks do not fit;

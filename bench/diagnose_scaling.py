@@ -4,8 +4,8 @@
     python bench/diagnose_scaling.py --sizes 25 50 --no-hta   # ours only
     PYTHONPATH=/path/to/hta python bench/diagnose_scaling.py  # HTA from its own folder
 
-For each size a plain-JSON Kineto trace is generated (`tests.profiling_traces.sized_trace`: a
-data-parallel training step repeated; the event count grows linearly with the size), then each
+For each size a plain-JSON Kineto trace is generated (`tests.helpers.profiling_traces.sized_trace`:
+a data-parallel training step repeated; the event count grows linearly with the size), then each
 tool analyses it in a fresh process, one process at a time: ours runs the whole diagnosis
 (`scaletrain.profiling.analyze.analyze`), HTA (HolisticTraceAnalysis, when importable) loads
 the trace and runs the analyses it shares with ours (temporal, kernel-type and idle-time
@@ -113,7 +113,7 @@ def run(tool: str, path: Path, timeout: float, max_gib: float) -> dict[str, Any]
 
 def case(mb: float, folder: Path, with_hta: bool, min_free: float, timeout: float,
          max_gib: float) -> dict[str, Any]:
-    from tests.profiling_traces import sized_trace
+    from tests.helpers.profiling_traces import sized_trace
 
     need = min_free if mb >= 1000 else min(min_free, 3.0)
     free = available_gib()

@@ -1,5 +1,5 @@
 """The doc-command table: every command of README.md and docs/*.md, ran / adapted / marked /
-failed, as tests/test_docs_commands.py runs them (one fresh folder per doc, in order).
+failed, as tests/project/test_docs_commands.py runs them (one fresh folder per doc, in order).
 
     python bench/docs_commands.py [--root CHECKOUT] [--docs README.md docs/data.md ...]
                                   [--output bench/results/docs_commands.txt]
@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.doc_commands import DocSyntaxError, parse_doc  # noqa: E402
-from tests.doc_inputs import describe_inputs  # noqa: E402
-from tests.doc_runner import Outcome, format_table, run_doc  # noqa: E402
+from tests.helpers.doc_commands import DocSyntaxError, parse_doc  # noqa: E402
+from tests.helpers.doc_inputs import describe_inputs  # noqa: E402
+from tests.helpers.doc_runner import Outcome, format_table, run_doc  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ offers, under equal and unequal forward / input-gradient / weight-gradient times
     python bench/pipeline_bubble.py [--out bench/results/pipeline_bubble.txt]
 
 `sim` is the bubble of the action order torch's schedule class runs, timed by the event
-simulation of tests/pipeline_reference.py (F = T_F/v, I = T_B/v, W = T_W/v, a full backward
+simulation of tests/helpers/pipeline_reference.py (F = T_F/v, I = T_B/v, W = T_W/v, a full backward
 (T_B + T_W)/v, communication free); `plan` is `plan.estimate.bubble_fraction` with the same
 times. No timings: the numbers are exact for the stated costs.
 """
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scaletrain.plan.estimate import bubble_fraction  # noqa: E402
-from tests.pipeline_reference import torch_bubble  # noqa: E402
+from tests.helpers.pipeline_reference import torch_bubble  # noqa: E402
 
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
              ("InterleavedZeroBubble", 1), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]

@@ -7,8 +7,8 @@ GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble. For each 
 trainer's `peak_mem_gib` (the resident set's peak above its baseline: rank 0, which logs it,
 the first stage, and rank 1, read by bench/_rank_peak.py) against each stage's `peak` that
 `train --dry-run --json` plans for the same flags (its `stages` list), as
-tests/distributed/test_cpu_peak.py compares them (glibc's mmap threshold pinned, so freed
-tensors leave the resident set).
+tests/plan/memory/distributed/test_cpu_peak.py compares them (glibc's mmap threshold pinned, so
+freed tensors leave the resident set).
 
 The search proposes the zero-bubble schedules because their plan is within 10 % of each
 rank's measured peak here (docs/plan.md, "Pipeline memory per stage").

@@ -1,7 +1,7 @@
 """Every layout of the tied-head pipeline and 16-bit-master checks against one process (CPU,
-gloo): `tests/distributed/tied_pp.py` (fp32 parity of loss, gradient norm and first-step
+gloo): `tests/helpers/tied_pp.py` (fp32 parity of loss, gradient norm and first-step
 gradients; the two copies of the tied weight equal; the pipeline's checkpoint resumed in one
-process) and `tests/distributed/bf16_masters.py` (parity within bf16 noise; the parameter,
+process) and `tests/helpers/bf16_masters.py` (parity within bf16 noise; the parameter,
 gradient, master and optimizer bytes each rank holds against the planner's). The tests run a
 few of these layouts; this runs all of them and writes the tables to
 bench/results/pp_tied_bf16_cpu.txt.
@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.distributed import bf16_masters, tied_pp  # noqa: E402
-from tests.distributed.test_pp_tied_bf16_masters import run_both  # noqa: E402
+from tests.helpers import bf16_masters, tied_pp  # noqa: E402
+from tests.parallel.distributed.test_pp_tied_bf16_masters import run_both  # noqa: E402
 
 HEADER = ("| layout | ranks | loss (rel.) | grad norm (rel.) | first-step grads / validation "
           "(rel.) | |\n|---|---|---|---|---|---|")

@@ -10,7 +10,7 @@ Three runs of the same job (the `debug` model on the standard-library corpus, gl
 - SIGTERM to torchrun once step `--at` is logged: the ranks checkpoint at the next step and exit
   75; the same command is run again and finishes.
 "Lost" is each run's total wall time (both commands for the preemption) minus the
-uninterrupted run's. The kill and stop go through tests/resilience_driver.py.
+uninterrupted run's. The kill and stop go through tests/helpers/resilience_driver.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def command(out: Path, a: argparse.Namespace, restarts: int, *driver: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            str(a.ranks), "--max_restarts", str(restarts), "-m", "tests.resilience_driver",
+            str(a.ranks), "--max_restarts", str(restarts), "-m", "tests.helpers.resilience_driver",
             *driver, "--train", "--output", str(out), "--training.steps", str(a.steps),
             "--checkpoint.interval", str(a.interval), "--metrics.progress_bar", "false",
             "--metrics.tensorboard", "false", "--training.sample_tokens", "0",

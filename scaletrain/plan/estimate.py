@@ -86,8 +86,8 @@ def bubble_fraction(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1
       m = p (torch's V schedule, not the paper's zero-bubble ZB-V).
 
     Checked against the action order of torch's own schedule classes, timed by an event
-    simulation (tests/pipeline_reference.py, tests/test_plan_bubble.py): equal for every
-    schedule with equal T_F, T_B, T_W; ZB1P also for unequal ones."""
+    simulation (tests/helpers/pipeline_reference.py, tests/plan/test_plan_bubble.py): equal for
+    every schedule with equal T_F, T_B, T_W; ZB1P also for unequal ones."""
     if pp <= 1:
         return 0.0
     m = microbatches

@@ -165,7 +165,7 @@ class Layout:
         (`perform_reduce_grad`), leaving the stage's blocks gathered after each backward
         (`set_reshard_after_backward(False)`): at the end of a backward the rank holds the
         whole stage's weights gathered and its gradients unsharded
-        (`tests/distributed/test_pp_fsdp_memory.py` measures both)."""
+        (`tests/plan/memory/distributed/test_pp_fsdp_memory.py` measures both)."""
         return self.fsdp and self.dims.pp > 1
 
     @property

@@ -1,8 +1,8 @@
 """Activation bytes of a fine-tuning run: what autograd keeps when parts of the model are frozen.
 
 Autograd keeps a tensor only for a gradient it will compute (measured with
-`train/saved_bytes.py`'s `finetune` hook; tests/test_plan_finetune_activations.py holds
-this module to the measured bytes):
+`train/saved_bytes.py`'s `finetune` hook; tests/plan/finetune/test_plan_finetune_activations.py
+holds this module to the measured bytes):
 
 - a block (or the embedding) in front of the first trainable parameter keeps nothing. The
   first block that trains but whose input needs no gradient (frozen embeddings) keeps of its

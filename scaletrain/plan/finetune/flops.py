@@ -18,9 +18,9 @@ all. Full fine-tuning of a language model comes to 6N + attention with N the mat
 (`flops_per_token`, pre-training's, also counts the norm weights in N: ~1e-5 more).
 
 One formula for the fine-tuning metrics (TFLOP/s, MFU), `finetune --dry-run` and
-`plan --method`; `tests/test_finetune_flops.py` holds it equal to `torch.utils.flop_counter`
-over a real step. MoE blocks are outside the walk: they count forward + input gradients of
-the active parameters, plus weight gradients of the trainable share.
+`plan --method`; `tests/plan/finetune/test_finetune_flops.py` holds it equal to
+`torch.utils.flop_counter` over a real step. MoE blocks are outside the walk: they count forward +
+input gradients of the active parameters, plus weight gradients of the trainable share.
 """
 
 from __future__ import annotations

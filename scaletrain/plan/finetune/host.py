@@ -14,8 +14,8 @@
 - One process and DDP without TP (LoRA/full/freeze): the whole base in fp32, plus the largest
   tensor in flight.
 Measured against this bound: `bench/finetune_load_cpu.py`, `bench/qlora_load_cpu.py`,
-`tests/distributed/test_sharded_load.py`, `tests/distributed/test_qlora_load.py`,
-`tests/test_qlora_load.py` (one process).
+`tests/finetune/distributed/test_sharded_load.py`, `tests/finetune/distributed/test_qlora_load.py`,
+`tests/finetune/test_qlora_load.py` (one process).
 """
 
 from __future__ import annotations

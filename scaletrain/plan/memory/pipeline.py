@@ -14,8 +14,8 @@ forwards, then one backward per forward: p - r held) in closed form, as torch's
 `ScheduleGPipe` / `Schedule1F1B` run them; the multi-chunk schedules (Interleaved1F1B,
 LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) are read from torch's own schedule classes
 (`pipeline_order`, built over stand-in stages: the schedule reads only their indices).
-tests/test_plan_pipeline_memory.py checks the counts against Megatron's closed forms and
-tests/pipeline_reference.py.
+tests/plan/memory/test_plan_pipeline_memory.py checks the counts against Megatron's closed forms and
+tests/helpers/pipeline_reference.py.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def rank_orders(schedule: str, pp: int, m: int, vpp: int) -> dict[int, tuple]:
 
 PERIODIC = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 """Schedules whose steady state repeats every p micro-batches: past 2p micro-batches (a
-multiple of p) more of them add no new moment (tests/test_plan_pipeline_memory.py checks it
-against the whole order), so their moments are read from an order of 2p."""
+multiple of p) more of them add no new moment (tests/plan/memory/test_plan_pipeline_memory.py checks
+it against the whole order), so their moments are read from an order of 2p."""
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 `load_runs()` reads the table; `predict(run)` builds the run's model and layout and returns the
 TFLOP/s per GPU the step-time model of `plan.search` predicts, counted as the source counts
-them (model FLOPs, or hardware FLOPs with the recomputed forward). `tests/test_plan_calibration.py`
-keeps predicted / measured inside `BAND` for every row and the measured order of the layouts of
-one group; `bench/plan_calibration.py` prints the table.
+them (model FLOPs, or hardware FLOPs with the recomputed forward).
+`tests/plan/search/test_plan_calibration.py` keeps predicted / measured inside `BAND` for every row
+and the measured order of the layouts of one group; `bench/plan_calibration.py` prints the table.
 """
 
 from __future__ import annotations

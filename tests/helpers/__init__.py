@@ -1,0 +1,1 @@
+"""Shared test helpers: `from tests.helpers.<module> import ...`."""

@@ -276,10 +276,14 @@ class CheckpointConfig:
     preemption: run the same command again to continue). Empty: the default actions."""
     allow_schedule_change: bool = False
     """On resume, accept a learning-rate schedule (training.steps, optimizer.lr, lr_schedule.*)
-    that differs from the checkpoint's over the steps still to run."""
+    whose rate differs from the checkpoint's at a step both schedules have (a remaining step,
+    or a trained one: extending a decaying schedule)."""
     allow_batch_change: bool = False
     """On resume, accept another global batch size: the run continues from the number of
     samples consumed (as Megatron-LM does)."""
+    allow_update_change: bool = False
+    """On resume, accept settings that change the optimizer step (optimizer.name, weight_decay,
+    beta1, beta2, eps, training.max_grad_norm, precision.dtype, param_dtype, fp8)."""
 
     def __post_init__(self) -> None:
         self.signals = tuple(self.signals)  # TOML gives a list

@@ -59,7 +59,8 @@ class AdapterCheckpointer(Checkpointer):
     """Saves and restores only the trainable parameters (adapters, heads) and their optimizer
     state: the frozen base is the base checkpoint, so it is not copied into every step."""
 
-    def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any],
+               positional: bool = False) -> dict[str, Any]:
         core = getattr(model, "module", model)  # names without DDP's prefix
         model_sd = {k: v for k, v in core.state_dict(keep_vars=True).items()
                     if isinstance(v, nn.Parameter) and v.requires_grad}
@@ -69,7 +70,8 @@ class AdapterCheckpointer(Checkpointer):
             optim_sd = optimizer.state_dict()
         return {"model": model_sd, "optimizer": optim_sd, "extra": extra}
 
-    def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any],
+                   positional: bool = False) -> None:
         result = getattr(model, "module", model).load_state_dict(state["model"], strict=False)
         if result.unexpected_keys:
             raise FinetuneError(f"checkpoint holds tensors this model lacks: "

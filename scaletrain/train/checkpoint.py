@@ -26,12 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from scaletrain.checkpoint import native_format
 from scaletrain.checkpoint.integrity import (
@@ -45,8 +40,14 @@ from scaletrain.checkpoint.integrity import (
     verify_manifest,
     write_manifest,
 )
-from scaletrain.checkpoint.safe_dcp import load_dcp
+from scaletrain.checkpoint.safe_dcp import load_dcp, read_metadata
 from scaletrain.models.args import ModelArgs
+from scaletrain.train.optim_state import (
+    positional_groups,
+    positional_template,
+    set_torch_state,
+    torch_state,
+)
 from scaletrain.train.resume import write_run_settings
 from scaletrain.train.zero1 import PartitionedOptimizer
 
@@ -99,16 +100,9 @@ def _agree(check: Callable[[], None]) -> None:
             msg)
 
 
-def _name_tied_weight(optim_sd: dict[str, Any], args: ModelArgs) -> None:
-    """Under pipeline parallelism DCP writes the parameter-group name lists of one rank, maybe
-    a middle stage's, without the tied embedding; a loader then leaves that weight out of its
-    group (`get_state_dict` keeps a shared parameter only where the saved lists name it). Every
-    rank names it (in the group of matrices, the first)."""
-    name = "tok_embeddings.weight"
-    groups = optim_sd.get("param_groups") or []
-    if args.tie_embeddings and _distributed() and groups \
-            and not any(name in g["params"] for g in groups):
-        groups[0]["params"].append(name)
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint of another run (another model): the checkpoints before it are of the
+    same run, so `checkpoint.resume auto` does not fall back to them."""
 
 
 class Checkpointer:
@@ -163,14 +157,19 @@ class Checkpointer:
         return f"step-{step:07d}"
 
     # --- save / load -----------------------------------------------------------------------
-    def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    def _state(self, model: nn.Module, optimizer: Any, extra: dict[str, Any],
+               positional: bool = False) -> dict[str, Any]:
+        """What DCP writes and reads: every optimizer entry and group setting keyed by
+        parameter name (`train.optim_state`); `positional`: laid out as a checkpoint from before
+        name-keyed group settings stores them, to load one."""
         if isinstance(optimizer, torch.optim.Optimizer):
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            _name_tied_weight(optim_sd, self.model_args)
-        elif isinstance(optimizer, PartitionedOptimizer):  # name-keyed, owned entries only
-            model_sd, optim_sd = get_model_state_dict(model), optimizer.state_dict()
-        else:  # MasterWeightOptimizer keeps its own name-keyed state
-            model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
+            model_sd, optim_sd = torch_state(model, optimizer, positional)
+        else:  # PartitionedOptimizer (owned entries only), MasterWeightOptimizer: name-keyed
+            model_sd = (get_model_state_dict(model) if isinstance(optimizer, PartitionedOptimizer)
+                        else model.state_dict())
+            optim_sd = optimizer.state_dict()
+            if positional:
+                optim_sd = positional_template(optim_sd, optimizer.group_names())
         return {"model": model_sd, "optimizer": optim_sd, "extra": extra}
 
     def save(self, step: int, model: nn.Module, optimizer: Any, extra: dict[str, Any],
@@ -281,36 +280,37 @@ class Checkpointer:
         path = Path(path)
         remedy = (f"delete {path} to resume from the previous checkpoint, or start fresh "
                   "with --checkpoint.resume false")
-        if self.verify:
-            rank, world = _world()
-            _agree(lambda: verify_manifest(path, remedy, rank, world))
         meta = native_format.read_meta(path)  # clear error when missing or garbled
         saved_args = ModelArgs.from_dict(meta["model_args"])
-        if saved_args != self.model_args:
+        if saved_args != self.model_args:  # before the hashes: a mismatch is not damage
             diff = ", ".join(
                 f"{f.name} {getattr(saved_args, f.name)} (checkpoint) vs "
                 f"{getattr(self.model_args, f.name)} (this run)"
                 for f in dataclasses.fields(saved_args)
                 if getattr(saved_args, f.name) != getattr(self.model_args, f.name))
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"{path / native_format.META_NAME} describes a different model than this run "
                 f"builds ({diff}): resume with the model settings it was saved with")
+        if self.verify:
+            rank, world = _world()
+            _agree(lambda: verify_manifest(path, remedy, rank, world))
         if hasattr(optimizer, "init_state"):
             optimizer.init_state()
-        state = self._state(model, optimizer, {**extra, "step": 0})
+        positional = positional_groups(read_metadata(path).state_dict_metadata)
+        state = self._state(model, optimizer, {**extra, "step": 0}, positional)
         load_dcp(state, path, no_dist=not _distributed(), remedy=remedy)
         _agree(lambda: native_format.check_finite(
             {k: v for k, v in state.items() if k != "extra"}, path,
             "weights and optimizer state"))
-        self._set_state(model, optimizer, state)
+        self._set_state(model, optimizer, state, positional)
         log.info("resumed from %s (step %d)", path, state["extra"]["step"])
         return state["extra"]
 
-    def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    def _set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any],
+                   positional: bool = False) -> None:
         """Put loaded model and optimizer state (as `_state` lays it out) into place."""
         if isinstance(optimizer, torch.optim.Optimizer):
-            set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+            set_torch_state(model, optimizer, state, positional)
         elif isinstance(optimizer, PartitionedOptimizer):
             set_model_state_dict(model, state["model"])
             optimizer.load_state_dict(state["optimizer"])

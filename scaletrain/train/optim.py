@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import ConfigError, OptimizerConfig
+from scaletrain.train.optim_state import group_settings, settings_by_name
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +157,13 @@ class MasterWeightOptimizer:
         return {
             "master": dict(zip(self.names, self.masters)),
             "state": {self.names[i]: s for i, s in inner["state"].items()},
-            "param_groups": [
-                {**g, "params": [self.names[i] for i in g["params"]]} for g in inner["param_groups"]
-            ],
+            "param_groups": settings_by_name(inner["param_groups"], self.group_names()),
         }
+
+    def group_names(self) -> list[list[str]]:
+        """The names of each parameter group's parameters."""
+        names = {id(m): n for m, n in zip(self.masters, self.names, strict=True)}
+        return [[names[id(m)] for m in g["params"]] for g in self.inner.param_groups]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         index = {n: i for i, n in enumerate(self.names)}
@@ -168,11 +172,12 @@ class MasterWeightOptimizer:
                 m.copy_(state["master"][name])
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
+        inner = self.inner.state_dict()["param_groups"]
+        saved = group_settings(state["param_groups"], self.group_names())
         self.inner.load_state_dict({
             "state": {index[n]: s for n, s in state["state"].items()},
-            "param_groups": [
-                {**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]
-            ],
+            "param_groups": [{**s, "params": g["params"]}
+                             for s, g in zip(saved, inner, strict=True)],
         })
 
     def init_state(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from scaletrain.train import rng
-from scaletrain.train.checkpoint import Checkpointer, CheckpointError
+from scaletrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class TrainerCheckpoints:
 
     def _resume(self) -> None:
         """Load `resume_from`; with `checkpoint.resume auto` a damaged newest checkpoint gives
-        way to the one before it (each checked as the first was)."""
+        way to the one before it (each checked as the first was), a sound one of another model
+        does not (`CheckpointMismatch`: reported once, for the newest)."""
         candidates = [s for s in reversed(self.checkpointer.steps()) if s <= self.resume_step]
         for i, step in enumerate(candidates):
             path = self.checkpointer.path(step)
@@ -90,6 +91,8 @@ class TrainerCheckpoints:
             try:
                 self._load_checkpoint(path)
                 return
+            except CheckpointMismatch:
+                raise  # another model: the older checkpoints are of the same run
             except CheckpointError as e:
                 if self.cfg.checkpoint.resume != "auto" or i + 1 == len(candidates):
                     raise

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.config import OptimizerConfig
 from scaletrain.parallel.parallelize import clean_name
 from scaletrain.train.optim import create_state, make_optimizer, param_groups
+from scaletrain.train.optim_state import group_settings, settings_by_name
 from scaletrain.train.precision import cast_params_
 
 _AMP_ATTRS = ("found_inf", "grad_scale")
@@ -215,20 +216,23 @@ class PartitionedOptimizer:
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """{"state": {name: state of an owned parameter}, "param_groups": [hyperparameters and
-        the names of every parameter]}: the layout of `get_optimizer_state_dict`."""
+        """{"state": {name: state of an owned parameter}, "param_groups": {name: its group's
+        settings}} for every parameter (`train.optim_state`: keyed by name in every layout)."""
         inner = self.inner.state_dict()
         names = {id(p): n for p, n in zip(self.params, self.names, strict=True)}
         out = {
             "state": {self.inner_names[i]: s for i, s in inner["state"].items()},
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                              "params": [names[id(p)] for p in g["params"]]}
-                             for g in self.param_groups],
+            "param_groups": settings_by_name(self.param_groups, self.group_names()),
         }
         if self.master:
             out["master"] = {names[id(p)]: self.master[id(p)] for p in self.owned
                              if id(p) in self.master}
         return out
+
+    def group_names(self) -> list[list[str]]:
+        """The names of each parameter group's parameters."""
+        names = {id(p): n for p, n in zip(self.params, self.names, strict=True)}
+        return [[names[id(p)] for p in g["params"]] for g in self.param_groups]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load the owned parameters' entries of a name-keyed optimizer state (from any
@@ -237,18 +241,14 @@ class PartitionedOptimizer:
         missing = [n for n in self.inner_names if n not in state["state"]]
         if missing:
             raise KeyError(f"optimizer state has no entry for {missing[:3]}")
-        saved = state["param_groups"]
-        if len(saved) != len(self.param_groups):
-            raise ValueError(f"optimizer state has {len(saved)} parameter groups, this run "
-                             f"{len(self.param_groups)}")
+        saved = group_settings(state["param_groups"], self.group_names())
         for g, s in zip(self.param_groups, saved, strict=True):
-            g.update({k: v for k, v in s.items() if k != "params"})
+            g.update(s)
         start = 0
         inner_groups = []
         for g, s in zip(self.inner.param_groups, saved, strict=True):
             n = len(g["params"])
-            inner_groups.append({**{k: v for k, v in s.items() if k != "params"},
-                                 "params": list(range(start, start + n))})
+            inner_groups.append({**s, "params": list(range(start, start + n))})
             start += n
         self.inner.load_state_dict({
             "state": {index[n]: state["state"][n] for n in self.inner_names},

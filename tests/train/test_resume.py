@@ -5,9 +5,11 @@ tests/train/distributed/test_resilience.py):
   and starts fresh when there is none; a finished run started again trains nothing;
 - a preemption signal stops the run at the next step with a checkpoint and exit 75, and the
   rerun equals the uninterrupted run;
-- a resume that would change the data order, the global batch or the learning rate of a
-  remaining step is refused with exit 2 and one line, before the data or model are built, and
-  writes nothing; the overrides continue as asked;
+- a resume that would change the data order, the global batch, the learning rate of a step
+  both schedules share (a finished decaying schedule extended included) or the update
+  (optimizer, clipping, precision) is refused with exit 2 and one line, before the data or
+  model are built, and writes nothing; the overrides continue as asked; a checkpoint of another
+  model is named once, for the newest checkpoint;
 - background (async) checkpoints equal synchronous ones file for file, and a process killed
   while one is written leaves the previous checkpoint to resume from.
 """
@@ -134,7 +136,13 @@ def stopped_at_2(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     (("--training.micro_batch_size", "2"), "global batch of 4 samples, this run uses 2"),
     (("--data.seq_len", "16"), "data.seq_len 32, this run sets 16"),
     (("--training.seed", "7"), "training.seed"),
-], ids=["steps", "lr", "min_lr", "batch", "seq_len", "seed"])
+    (("--optimizer.weight_decay", "0.5"), "optimizer.weight_decay 0.1 (this run: 0.5): the "
+                                          "update of every remaining step would change"),
+    (("--training.max_grad_norm", "0.5"), "training.max_grad_norm 1.0 (this run: 0.5)"),
+    (("--precision.dtype", "bf16"), "precision.dtype fp32 (this run: bf16)"),
+    (("--optimizer.name", "sgd"), "optimizer.name adamw (this run: sgd)"),
+], ids=["steps", "lr", "min_lr", "batch", "seq_len", "seed", "weight_decay", "clipping",
+        "precision", "optimizer"])
 def test_a_resume_that_changes_the_run_is_refused_before_anything_is_built(
         stopped_at_2: Path, cache: Path, change: tuple[str, ...], said: str,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,6 +167,51 @@ def test_the_overrides_continue_with_the_new_schedule_and_batch(
     run = json.loads((stopped_at_2 / "checkpoints" / "step-0000006" / "run.json").read_text())
     assert run["consumed_samples"] == 2 * 4 + 4 * 2  # by samples consumed, as Megatron does
     assert [s for s, _ in losses(stopped_at_2)] == list(range(1, 7))
+
+
+def test_extending_a_finished_decaying_schedule_is_refused(
+        cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The finished steps were trained with the 4-step cosine; continuing them with an 8-step
+    one would follow neither schedule."""
+    out = tmp_path / "run"
+    assert train(out, cache) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    assert train(out, cache, "--training.steps", "8") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "training.steps 4 (this run: 8): the learning rate of step 3 " \
+        "would have been (it is trained) 0.00282 instead of 0.00165" in err[0], err
+    assert snapshot(out) == before
+    assert train(out, cache, "--training.steps", "6", "--checkpoint.allow_schedule_change",
+                 "true") == 0
+    assert [s for s, _ in losses(out)] == list(range(1, 7))
+
+
+def test_the_update_override_continues_with_the_new_settings(stopped_at_2: Path,
+                                                             cache: Path) -> None:
+    assert train(stopped_at_2, cache, "--optimizer.weight_decay", "0.5",
+                 "--checkpoint.allow_update_change", "true") == 0
+    run = json.loads((stopped_at_2 / "checkpoints" / "step-0000004" / "run.json").read_text())
+    assert run["update"]["optimizer.weight_decay"] == 0.5
+    assert [s for s, _ in losses(stopped_at_2)] == [1, 2, 3, 4]
+
+
+def test_another_model_is_named_once_for_the_newest_checkpoint(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A sound checkpoint of another model is no damage: `auto` does not walk back through the
+    older ones (re-verifying each), it names the newest once."""
+    out = preempted_run(tmp_path / "run", cache, monkeypatch, 3)  # step-0000002, step-0000003
+    capsys.readouterr()
+
+    def no_verify(*a: Any, **k: Any) -> None:
+        raise AssertionError("a checkpoint of another model was verified")
+
+    monkeypatch.setattr("scaletrain.train.checkpoint.verify_manifest", no_verify)
+    assert train(out, cache, "--model.n_layers", "3") == 2
+    err = capsys.readouterr().err
+    assert "step-0000003" in err and "different model" in err and "n_layers" in err, err
+    assert "step-0000002" not in err and "checkpoint before it" not in err, err
 
 
 def test_a_constant_schedule_may_be_extended(cache: Path, tmp_path: Path) -> None:

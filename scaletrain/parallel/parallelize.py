@@ -277,6 +277,16 @@ class Parallelism(PipelineParallelism):
             self._units_of = model
         return self._units
 
+    def reshard_stages(self) -> None:
+        """Put every FSDP unit of this rank's pipeline stages at rest (sharded). A stage's root
+        unit stays gathered after a forward with no backward (evaluation), and a state dict of
+        the model (the stages are not its children, so FSDP's state-dict hooks do not run)
+        would read the gathered parameters, whose storage FSDP frees at its next reshard."""
+        for root in self.stage_modules:
+            for unit in root.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
+
     def precompute_fp8_scales(self, model: nn.Module) -> None:
         """After the optimizer step: the fp8 all-gather's weight scales for the next step (a
         no-op unless FSDP gathers fp8 weights)."""

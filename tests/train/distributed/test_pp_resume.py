@@ -31,7 +31,7 @@ LAYOUTS_2 = [
 LAYOUTS_4 = [
     ("x-ddp2-tied", [*PP2, "--parallel.data_parallel", "ddp", *GA2, *TIED]),
     ("x-zero1-tied", [*PP2, "--parallel.data_parallel", "zero1", *GA2, *TIED]),
-    ("x-fsdp2", [*PP2, "--parallel.data_parallel", "zero3", *GA2]),
+    ("x-fsdp2-tied", [*PP2, "--parallel.data_parallel", "zero3", *GA2, *TIED]),
 ]
 
 

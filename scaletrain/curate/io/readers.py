@@ -208,7 +208,7 @@ def read_shard(shard: Shard, report: ReadReport | None = None) -> Iterator[Docum
             yield from _read_jsonl(shard, report)
         elif fmt == "parquet":
             yield from _read_parquet(shard, report)
-        elif fmt == "warc":
+        elif fmt in ("warc", "wet"):
             from scaletrain.curate.io.warc import read_warc
 
             yield from read_warc(shard.path, report)

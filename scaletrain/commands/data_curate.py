@@ -3,8 +3,9 @@
 With no arguments: the default code pipeline (size limits, source-file rules, exact and
 MinHash dedup, PII) on the default corpus, the Python standard library's source files.
 With --input and no --config: the pipeline is chosen per file -- the code rules for
-source/text files, the web rules (language, Gopher, C4, FineWeb) for WARC, HTML, JSON-lines
-or Parquet documents -- then exact and MinHash dedup and PII over all of them. A step of a
+source files and text that is not prose, the web rules (language, Gopher, C4, FineWeb) for
+WARC, WET, HTML, JSON-lines or Parquet documents and prose text files (.txt/.md/... whose
+content reads as prose) -- then exact and MinHash dedup and PII over all of them. A step of a
 TOML pipeline can be limited to one kind with `only = "code"` or `only = "web"`.
 """
 
@@ -85,7 +86,7 @@ def _main(argv: list[str]) -> int:
         epilog=EXAMPLE,
     )
     p.add_argument("--config", "-c", help="pipeline TOML (default: the code pipeline for "
-                   "source/text files, the web pipeline for WARC/HTML/JSONL/Parquet)")
+                   "source files, the web pipeline for WARC/WET/HTML/JSONL/Parquet and prose)")
     p.add_argument("--input", "-i", nargs="+", help="override the config's input")
     p.add_argument("--output", "-o", help="override the config's output")
     add_run_options(p)

@@ -22,8 +22,9 @@ class Document:
     # where the document sits in a run's input ("shard:position"; set by the runner, never
     # written): global steps decide by position, so repeated ids cannot confuse them
     pos: str | None = field(default=None, repr=False, compare=False)
-    # "code" (read from a source or plain-text file) or "web" (WARC, HTML, JSON lines,
-    # Parquet records); set by the runner from the file's format, never written
+    # "code" (read from a source file or plain text that is not prose) or "web" (WARC, WET,
+    # HTML, JSON lines, Parquet records, prose text files); set by the runner from the
+    # file's format, never written
     kind: str | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:

@@ -138,6 +138,11 @@ class Step:
             elif on_drop is not None:
                 on_drop(self.name, doc, reason)
 
+    def max_chars(self) -> int | None:
+        """A character limit the reader may check before reading a document: the step
+        drops every longer document as `too_many_chars` whatever else it holds (None: none)."""
+        return None
+
     def describe(self) -> str:
         """One line for reports: the step and its settings."""
         return self.name

@@ -58,8 +58,9 @@ def build_step(spec: dict[str, Any]) -> Step:
     kind = spec.pop("type")
     only = spec.pop("only", None)
     if only not in (None, "code", "web"):
-        raise ValueError(f"step '{kind}': only = {only!r}; use \"code\" (source and text "
-                         "files) or \"web\" (WARC, HTML, JSON lines, Parquet documents)")
+        raise ValueError(f"step '{kind}': only = {only!r}; use \"code\" (source files and "
+                         "text that is not prose) or \"web\" (WARC, WET, HTML, JSON lines, "
+                         "Parquet documents and prose text files)")
     cls = step_class(kind)
     params = inspect.signature(cls.__init__).parameters
     unknown = [k for k in spec if k not in params]
@@ -108,9 +109,10 @@ DEFAULT_MIXED_PIPELINE: list[dict[str, Any]] = [
 
 
 def default_pipeline_for(formats: dict[str, int]) -> tuple[list[dict[str, Any]], str]:
-    """The default pipeline for input files counted by format ('text', 'jsonl', 'warc', ...)
-    and one line that says the choice: code rules for source/text files, web rules for
-    web documents, both (each on its own files) when the input holds both."""
+    """The default pipeline for input files counted by format ('text', 'prose', 'jsonl',
+    'warc', ...) and one line that says the choice: code rules for source files and text
+    that is not prose ('text'), web rules for web documents and prose text files, both
+    (each on its own files) when the input holds both."""
     code = formats.get("text", 0)
     web = {f: n for f, n in sorted(formats.items()) if f != "text" and n}
     web_files = ", ".join(f"{n:,} {f}" for f, n in web.items())

@@ -71,7 +71,23 @@ def terminal_table(summary: dict[str, Any]) -> str:
         head += "".join(f"\n  malformed: {e}" for e in summary["malformed_examples"][:5])
     for what, n in (summary.get("notes") or {}).items():
         head += f"\n  note: {n:,} {what}"
+    head += "".join(f"\n  {line}" for line in by_kind_lines(summary))
+    head += "".join(f"\n  hint: {h}" for h in summary.get("hints") or [])
     return head + "\n" + "\n".join(lines)
+
+
+def by_kind_lines(summary: dict[str, Any]) -> list[str]:
+    """'prose: 5,000 documents, 4,100 dropped (c4: too_few_sentences 3,900, ...)' per kind of
+    input file, when the input holds more than one kind or drops any."""
+    kinds = summary.get("by_kind") or {}
+    if not any(k["dropped"] for k in kinds.values()):
+        return []
+    lines = []
+    for kind, k in kinds.items():
+        top = ", ".join(f"{r} {n:,}" for r, n in k["top_reasons"])
+        lines.append(f"{kind}: {k['documents']:,} documents, {k['dropped']:,} dropped"
+                     + (f" (top: {top})" if top else ""))
+    return lines
 
 
 def accounting(summary: dict[str, Any]) -> str:
@@ -103,6 +119,8 @@ def html_report(summary: dict[str, Any], title: str = "scaletrain data curation"
             f"<td>{s['seconds']:.2f}</td></tr>"
         )
     examples = "".join(f"<li>{e(x)}</li>" for x in summary.get("malformed_examples", []))
+    kinds = "".join(f"<li>{e(x)}</li>" for x in by_kind_lines(summary))
+    hints = "".join(f"<li>{e(x)}</li>" for x in summary.get("hints") or [])
     return f"""<!doctype html><html><head><meta charset=utf-8><title>{e(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
@@ -113,6 +131,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
 <p>{e(accounting(summary))}</p>
 <table><tr><th>step</th><th>seen</th><th>kept</th><th>kept %</th><th>dropped (why)</th>
 <th>counters</th><th>seconds</th></tr>{"".join(body)}</table>
+{"<h2>Drops per kind of file</h2><ul>" + kinds + "</ul>" if kinds else ""}
+{"<h2>Hints</h2><ul>" + hints + "</ul>" if hints else ""}
 {"<h2>Malformed records</h2><ul>" + examples + "</ul>" if examples else ""}
 {_samples_html(summary.get("samples") or {})}
 </body></html>

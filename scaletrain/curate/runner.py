@@ -26,17 +26,18 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.curate.documents import Document
+from scaletrain.curate.drop_profile import DropProfile, summarize_profiles
 from scaletrain.curate.executors import Executor, LocalExecutor
 from scaletrain.curate.executors.lifeline import LOCK_NAME, RunLock
 from scaletrain.curate.io.manifest import forget_manifest, write_manifest
-from scaletrain.curate.io.readers import ReadReport, Shard, plan_shards, read_shard
+from scaletrain.curate.io.readers import ReadReport, Shard, plan_shards
 from scaletrain.curate.io.writers import make_writer
 from scaletrain.curate.pipeline import Pipeline, Step, StepStats, merge_stats
+from scaletrain.curate.task_inputs import positioned
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def process_task(
     stats = pipeline.new_stats()
     first = sum(len(t) for t in tasks[:i])  # index of this task's first shard in the stage
     read = [0]
-    docs = _positioned(tasks[i], first, report, read)
+    profile = DropProfile(tasks[i])
     writer = make_writer(out_dir, opts.output_format, f"part-{i:05d}", opts.shard_bytes)
     drop_writer = (
         make_writer(dropped_dir, "jsonl", f"dropped-{i:05d}", opts.shard_bytes)
@@ -128,6 +129,8 @@ def process_task(
     kept_samples: list[dict[str, str]] = []
 
     def on_drop(step: str, doc: Document, reason: str) -> None:
+        if doc.pos is not None:
+            profile.drop(int(doc.pos.split(":", 1)[0]) - first, step, reason)
         some = dropped_samples.setdefault(f"{step}: {reason}", [])
         if len(some) < SAMPLES:
             some.append(_sample(doc))
@@ -135,6 +138,8 @@ def process_task(
             meta = {**doc.metadata, "dropped_by": step, "drop_reason": reason}
             drop_writer.write(Document(doc.id, doc.text, meta))
 
+    docs = positioned(tasks[i], first, report, read, steps=pipeline.steps, stats=stats,
+                      on_drop=on_drop, profile=profile)
     try:
         for doc in pipeline.run(docs, stats, on_drop):
             if len(kept_samples) < SAMPLES:
@@ -160,6 +165,7 @@ def process_task(
         "skipped": dict(report.skipped),
         "notes": dict(report.notes),
         "samples": {"kept": kept_samples, "dropped": dropped_samples},
+        "profile": profile.to_dict(),
     }
 
 
@@ -170,17 +176,6 @@ _SAMPLE_CHARS = 300
 def _sample(doc: Document) -> dict[str, str]:
     text = doc.text if len(doc.text) <= _SAMPLE_CHARS else doc.text[:_SAMPLE_CHARS] + "..."
     return {"id": doc.id, "text": text}
-
-
-def _positioned(shards: list[Shard], first: int, report: ReadReport, read: list[int]
-                ) -> Iterator[Document]:
-    """The shards' documents with their position and kind; `read[0]` counts them."""
-    for k, s in enumerate(shards):
-        kind = "code" if s.format == "text" else "web"
-        for p, doc in enumerate(read_shard(s, report)):
-            doc.pos, doc.kind = f"{first + k}:{p}", kind
-            read[0] += 1
-            yield doc
 
 
 def _fingerprint(steps: list[Step], shards: list[Shard], opts: RunOptions, sized: bool) -> str:
@@ -414,6 +409,7 @@ def summarize(
         for k, (stage, results) in enumerate(zip(split_stages(steps), stage_results))
     ]
     docs_in = sum(r["docs_in"] for r in first)
+    by_kind, hints = summarize_profiles([r.get("profile") or {} for r in first])
     docs_out = sum(r["docs_out"] for r in last)
     dropped = sum(sum(s.dropped.values()) for s in step_stats)
     return {
@@ -435,6 +431,9 @@ def summarize(
         "samples": _merge_samples(stage_results),
         "malformed_records": malformed,
         "malformed_examples": examples[:20],
+        # the first stage's drops per kind of input file, and folders one rule drops most of
+        "by_kind": by_kind,
+        "hints": hints,
         "steps": [_step_entry(s, descr.get(s.name, s.name), fits.get(s.name)) for s in step_stats],
     }
 

@@ -154,7 +154,7 @@ def test_curate_counts_add_up_on_a_cut_warc_and_strict_stops(tmp_path: Path, cap
     assert s["kept"] + s["dropped"] + s["malformed"] + s["skipped"] == s["input_records"]
     started = sum(1 for st, _ in _record_spans(src / "cut.warc.gz") if st < len(blob) // 3)
     assert s["input_records"] == started
-    assert "WARC records that are not HTML responses" in s["skipped_reasons"]
+    assert "WARC records that are not HTML responses or WET conversions" in s["skipped_reasons"]
     assert data_cmd.main(["extract", "--input", str(src), "--output", str(tmp_path / "o2"),
                           "--workers", "1", "--strict"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -90,12 +90,14 @@ def test_code_files_keep_what_they_keep_alone(runs: dict) -> None:
 
 
 def test_the_log_and_the_steps_state_the_choice(runs: dict) -> None:
-    n_text = len(runs["files"]) + 1 + 2  # the .py files, package.json, the two binaries
-    assert (f"default pipeline: code rules for {n_text} source/text files, web rules for 1 "
-            "web-document files (1 html)") in runs["mixed"]["log"]
+    prose = [f for f in runs["files"] if f.endswith(".rst")]  # email/architecture.rst
+    assert prose == ["email/architecture.rst"]
+    n_text = len(runs["files"]) - 1 + 1 + 2  # the .py files, package.json, the two binaries
+    assert (f"default pipeline: code rules for {n_text} source/text files, web rules for 2 "
+            "web-document files (1 html, 1 prose)") in runs["mixed"]["log"]
     steps = {s["name"]: s for s in runs["mixed"]["summary"]["steps"]}
-    assert steps["language"]["seen"] == 1  # only the HTML page meets the web rules
-    assert steps["counts"]["seen"] == len(runs["files"]) + 1  # the code files and package.json
+    assert steps["language"]["seen"] == 2  # only the HTML page and the prose file
+    assert steps["counts"]["seen"] == len(runs["files"])  # the code files and package.json
     assert "[code only]" in steps["code"]["settings"]
     assert "[web only]" in steps["gopher_quality"]["settings"]
 

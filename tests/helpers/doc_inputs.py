@@ -163,6 +163,21 @@ def _crawl(e: Env) -> None:
         shutil.copy(f, e.cwd / "crawl" / f.name)
 
 
+def _wet(e: Env) -> None:
+    """`wet/CC-MAIN-fixtures.warc.wet.gz`: a Common Crawl WET file of the WARC fixtures'
+    37 HTML pages (one `conversion` record of extracted text each; tests/helpers/wet.py)."""
+    from tests.helpers.wet import fixture_pages, write_wet
+
+    if e.shared is None:
+        raise FileNotFoundError("shared/fixtures not found (set SCALETRAIN_FIXTURES)")
+    built = e.store / "wet"
+    if not built.is_dir():
+        built.mkdir(parents=True)
+        write_wet(built / "CC-MAIN-fixtures.warc.wet.gz",
+                  fixture_pages(sorted((e.shared / "fixtures" / "data").glob("*.warc.gz"))))
+    shutil.copytree(built, e.cwd / "wet")
+
+
 def _quality_sets(e: Env) -> None:
     """`wiki.jsonl` (the CCNet prose, as high quality) and `crawl.jsonl` (stdlib source files)."""
     (e.cwd / "wiki.jsonl").write_text("".join(
@@ -251,6 +266,7 @@ MAKERS: dict[str, Maker] = {
     "docs/": _docs_folder,
     "docs.jsonl.gz": _docs_gz,
     "crawl/": _crawl,
+    "wet/": _wet,
     "wiki.jsonl + crawl.jsonl": _quality_sets,
     "chat.jsonl": _chat,
     "reviews.jsonl": _reviews,
@@ -265,7 +281,7 @@ MAKERS: dict[str, Maker] = {
 INPUTS: dict[str, tuple[str, ...]] = {
     "README.md": ("my_repo/", "chat.jsonl"),
     "docs/data.md": ("docs/", "docs.jsonl.gz", "my_repo/", "my_texts/"),
-    "docs/curate.md": ("crawl/", "wiki.jsonl + crawl.jsonl"),
+    "docs/curate.md": ("crawl/", "wet/", "wiki.jsonl + crawl.jsonl"),
     "docs/finetune.md": ("llama-dir/", "runs/demo/", "chat.jsonl", "reviews.jsonl"),
     "docs/generate.md": ("runs/debug/",),
     "docs/convert.md": ("runs/debug/", "hf_dir/"),

@@ -51,6 +51,9 @@ class CountsFilter(Filter):
                 return f"too_many_{kind}"
         return None
 
+    def max_chars(self) -> int | None:
+        return self.limits["chars"][1]
+
     def describe(self) -> str:
         lim = {k: v for k, v in self.limits.items() if v != (None, None)}
         return f"{self.name}({lim})"

@@ -18,6 +18,8 @@ from scaletrain.optional import require
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 WARC_SUFFIXES = (".warc", ".arc")
+# Common Crawl names WET files (extracted text in WARC `conversion` records) `*.warc.wet.gz`
+WET_SUFFIXES = (".wet",)
 HTML_SUFFIXES = (".html", ".htm")
 COMPRESSIONS = (".gz", ".zst")
 # Files in an input directory that are never documents.
@@ -43,7 +45,8 @@ def compression_of(path: str) -> str | None:
 
 
 def format_of(path: str) -> str:
-    """'jsonl', 'parquet', 'warc', 'html' or 'text' (any other file: one document per file)."""
+    """'jsonl', 'parquet', 'warc', 'wet', 'html' or 'text' (any other file: one document per
+    file)."""
     name = path.lower()
     comp = compression_of(name)
     if comp:
@@ -54,6 +57,8 @@ def format_of(path: str) -> str:
         return "parquet"
     if name.endswith(WARC_SUFFIXES):
         return "warc"
+    if name.endswith(WET_SUFFIXES):
+        return "wet"
     if name.endswith(HTML_SUFFIXES):
         return "html"
     return "text"

@@ -9,6 +9,7 @@ files are skipped and counted; a missing dependency raises `InputError`.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -28,7 +29,14 @@ from scaletrain.curate.io.paths import (
     open_raw,
 )
 from scaletrain.curate.io.read_report import MAX_EXAMPLES, MalformedRecord, ReadReport
-from scaletrain.curate.io.sniff import SNIFF_BYTES, binary_suffix, is_binary, json_kind
+from scaletrain.curate.io.sniff import (
+    SNIFF_BYTES,
+    binary_suffix,
+    is_binary,
+    json_kind,
+    looks_like_prose,
+    prose_candidate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,20 @@ class Shard:
     @property
     def format(self) -> str:
         return self.fmt or format_of(self.path)
+
+
+@dataclass
+class TooLong(Document):
+    """A text file over a document limit of `max_chars` characters, not read (its size on
+    disk already says so: UTF-8 takes at most 4 bytes a character) or read only until the
+    limit was passed. Its text is empty; `chars_at_least` is what is known of its length.
+    Yielded only when `read_shard` is given `max_chars`; the runner counts it as dropped by
+    the step whose limit it is."""
+
+    chars_at_least: int = 0
+
+
+_READ_BYTES = 1 << 20  # text files are decoded in pieces of this size
 
 
 def _rel_id(shard: Shard) -> str:
@@ -166,21 +188,33 @@ def _read_parquet(shard: Shard, report: ReadReport) -> Iterator[Document]:
                     report.add(f"{shard.path}:rowgroup{rg}:row{i}", str(e))
 
 
-def _read_text(shard: Shard, report: ReadReport) -> Iterator[Document]:
+def _read_text(shard: Shard, report: ReadReport, max_chars: int | None = None
+               ) -> Iterator[Document]:
     """One document per file; binary content (a NUL byte or a known signature in its first
-    bytes) is skipped and counted, never read as text."""
-    with open_decompressed(shard.path) as f:
-        head = f.read(SNIFF_BYTES)
-        if is_binary(head):
-            report.skip("binary files", shard.path)
-            return
-        data = head + f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:  # text in another encoding: kept, the bytes replaced
-        text = data.decode("utf-8", errors="replace")
-        report.note("files not valid UTF-8 (undecodable bytes replaced by U+FFFD)", shard.path)
+    bytes) is skipped and counted, never read as text. With `max_chars`, a file over that
+    many characters is a `TooLong`: from its size alone when it is more than 4 bytes a
+    character allows (never opened), else read in pieces and stopped past the limit, so
+    memory stays bounded by the limit, not by the file."""
     rel = _rel_id(shard)
+    meta = {"source": rel}
+    if max_chars is not None and compression_of(shard.path) is None:
+        size = file_size(shard.path)
+        if size > 4 * max_chars:
+            yield TooLong(id=rel, text="", metadata={**meta, "bytes": size, "read": False},
+                          chars_at_least=-(-size // 4))
+            return
+    try:
+        text = _decoded(shard.path, "strict", max_chars, report)
+    except UnicodeDecodeError:  # text in another encoding: kept, the bytes replaced
+        text = _decoded(shard.path, "replace", max_chars, report)
+        if isinstance(text, str):
+            report.note("files not valid UTF-8 (undecodable bytes replaced by U+FFFD)",
+                        shard.path)
+    if text is None:  # binary: skipped and counted
+        return
+    if isinstance(text, int):
+        yield TooLong(id=rel, text="", metadata={**meta, "read": "partly"}, chars_at_least=text)
+        return
     if shard.format == "html":
         from scaletrain.curate.io.warc import extract_html
 
@@ -189,18 +223,45 @@ def _read_text(shard: Shard, report: ReadReport) -> Iterator[Document]:
             report.add(shard.path, "no main text extracted from HTML")
             return
         text = extracted
-    yield Document(id=rel, text=text, metadata={"source": rel})
+    yield Document(id=rel, text=text, metadata=meta)
 
 
-def read_shard(shard: Shard, report: ReadReport | None = None) -> Iterator[Document]:
-    """The documents of one shard, in file order.
+def _decoded(path: str, errors: str, max_chars: int | None, report: ReadReport
+             ) -> str | int | None:
+    """The file's text, decoded piece by piece; None for binary content (counted); the
+    characters read so far (an int) once more than `max_chars` have been read."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors)
+    parts: list[str] = []
+    n = 0
+    with open_decompressed(path) as f:
+        chunk = f.read(SNIFF_BYTES)
+        if is_binary(chunk):
+            report.skip("binary files", path)
+            return None
+        while True:
+            piece = decoder.decode(chunk, final=not chunk)
+            if piece:
+                parts.append(piece)
+                n += len(piece)
+                if max_chars is not None and n > max_chars:
+                    return n
+            if not chunk:
+                break
+            chunk = f.read(_READ_BYTES)
+    return "".join(parts)
+
+
+def read_shard(shard: Shard, report: ReadReport | None = None, max_chars: int | None = None
+               ) -> Iterator[Document]:
+    """The documents of one shard, in file order. `max_chars`: a text file longer than that
+    is a `TooLong` document (not read, or read only up to the limit).
 
     A file that cannot be read as its format (damaged from its first byte, not gzip, not
     Parquet) is one malformed record named by its path; the documents read before damage
     further in are kept. A binary file is skipped and counted (`report.skipped`)."""
     report = report if report is not None else ReadReport()
     fmt = shard.format
-    if fmt in ("text", "html") and binary_suffix(shard.path):
+    if fmt in ("text", "prose", "html") and binary_suffix(shard.path):
         report.skip("binary files", shard.path)
         return
     try:
@@ -208,12 +269,12 @@ def read_shard(shard: Shard, report: ReadReport | None = None) -> Iterator[Docum
             yield from _read_jsonl(shard, report)
         elif fmt == "parquet":
             yield from _read_parquet(shard, report)
-        elif fmt == "warc":
+        elif fmt in ("warc", "wet"):
             from scaletrain.curate.io.warc import read_warc
 
             yield from read_warc(shard.path, report)
         else:
-            yield from _read_text(shard, report)
+            yield from _read_text(shard, report, max_chars if fmt != "html" else None)
     except MalformedRecord:
         raise
     except _DAMAGED_STREAM as e:  # damaged gzip/zstd stream, truncated or unreadable file
@@ -263,8 +324,18 @@ def plan_shards(
 
 def sniff_format(path: str) -> str:
     """`format_of(path)`, except that a `.json` file holding one JSON document (such as
-    package.json) rather than JSON lines is 'text': one document, the file itself."""
+    package.json) rather than JSON lines is 'text': one document, the file itself; and that
+    a plain-text file (`.txt`, `.md`, ..., or no suffix) whose first bytes read as prose
+    (`looks_like_prose`) is 'prose': it gets the rules for natural-language text."""
     fmt = format_of(path)
+    if fmt == "text" and prose_candidate(path):
+        try:
+            with open_decompressed(path) as f:
+                head = f.read(SNIFF_BYTES)
+        except (*_DAMAGED_STREAM, InputError):
+            return fmt  # unreadable: the reader names it
+        prose = not is_binary(head) and looks_like_prose(head.decode("utf-8", "replace"))
+        return "prose" if prose else fmt
     name = path.lower().removesuffix(".gz").removesuffix(".zst")
     if fmt != "jsonl" or not name.endswith(".json"):
         return fmt
@@ -290,5 +361,5 @@ def read_documents(spec: str | list[str], report: ReadReport | None = None) -> I
         yield from read_shard(shard, report)
 
 
-__all__ = ["MAX_EXAMPLES", "MalformedRecord", "ReadReport", "Shard", "json_records",
+__all__ = ["MAX_EXAMPLES", "MalformedRecord", "ReadReport", "Shard", "TooLong", "json_records",
            "plan_shards", "read_documents", "read_shard", "sniff_format"]

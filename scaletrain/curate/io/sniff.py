@@ -8,6 +8,7 @@ checks read at most the first `SNIFF_BYTES` of a file.
 from __future__ import annotations
 
 import json
+import re
 from typing import IO
 
 SNIFF_BYTES = 8192
@@ -36,6 +37,51 @@ def is_binary(head: bytes) -> bool:
     """True for content that is not text: a NUL byte in the first bytes (git's test) or the
     signature of a known binary format. UTF-16 text has NUL bytes and counts as binary."""
     return b"\x00" in head[:SNIFF_BYTES] or head.startswith(_MAGIC)
+
+
+# Plain-text suffixes whose files may be prose or code/data (a README, notes, a license, a
+# log, a grammar): their kind is decided by their content (`looks_like_prose`). A file
+# without a suffix (README, LICENSE, Makefile) is decided the same way.
+PROSE_SUFFIXES = frozenset((".txt", ".md", ".markdown", ".rst", ".text", ".adoc", ".org"))
+# Lines that start like code in the common languages (or are only a bracket).
+_CODE_LINE = re.compile(
+    r"\s*(?:def |class |import |from \S+ import |#include|#define|#!|function\b|return\b|"
+    r"var |let |const |public |private |static |package |using |fn |pub |func |elif |else:|"
+    r"if\s*\(|for\s*\(|while\s*\(|[{}\]);]+\s*$|<\?php|</?[a-zA-Z][\w-]*[ >]|@\w+\(|"
+    r"SELECT |CREATE |[\w.\[\]]+\s*[-+*/|&]?=\s*\S)")
+_SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f][\"'\u201d\u2019)\]]?(?=\s|$)")
+_CODE_CHARS = "{}[]();=<>\\|$_#"
+
+
+def prose_candidate(name: str) -> bool:
+    """A plain-text file whose kind its content decides: a prose suffix or none."""
+    base = name.replace("\\", "/").rsplit("/", 1)[-1].lower()
+    for c in (".gz", ".zst"):
+        base = base.removesuffix(c)
+    return "." not in base.lstrip(".") or any(base.endswith(s) for s in PROSE_SUFFIXES)
+
+
+def looks_like_prose(text: str) -> bool:
+    """True for natural-language text (sentences of words), False for code, data, logs and
+    markup: from the first `SNIFF_BYTES` characters, prose has (1) few lines that start like
+    code (< 15 %), (2) few code characters (`{}[]();=<>|$_#\\`: < 3 % of characters), (3)
+    mostly words of letters (>= 75 % of whitespace-separated tokens, punctuation aside) and
+    (4) sentences: an end mark (. ! ?) at least every 60 words. Too little text to tell (< 8
+    words) is not prose: such a file keeps the rules of its suffix."""
+    sample = text[:SNIFF_BYTES]
+    words = sample.split()
+    lines = [ln for ln in sample.splitlines() if ln.strip()]
+    if len(words) < 8 or not lines:
+        return False
+    code_lines = sum(bool(_CODE_LINE.match(ln)) for ln in lines)
+    if code_lines > 0.15 * len(lines):
+        return False
+    if sum(sample.count(c) for c in _CODE_CHARS) > 0.03 * len(sample):
+        return False
+    lettered = sum(w.strip(".,;:!?\"'()[]*_-\u201c\u201d\u2018\u2019").isalpha() for w in words)
+    if lettered < 0.75 * len(words):
+        return False
+    return len(_SENTENCE_END.findall(sample)) * 60 >= len(words)
 
 
 def binary_suffix(name: str) -> bool:
@@ -68,4 +114,5 @@ def json_kind(f: IO[bytes]) -> str:
     return "jsonl" if more or isinstance(record.get("text"), str) else "document"
 
 
-__all__ = ["BINARY_SUFFIXES", "SNIFF_BYTES", "binary_suffix", "is_binary", "json_kind"]
+__all__ = ["BINARY_SUFFIXES", "PROSE_SUFFIXES", "SNIFF_BYTES", "binary_suffix", "is_binary",
+           "json_kind", "looks_like_prose", "prose_candidate"]

@@ -90,16 +90,22 @@ def train_steps(trainer: Any, steps: int, grads_of: Callable[[], dict[str, torch
 
 
 def run_trainer(argv: list[str], steps: int, capture: bool = True,
-                save: bool = False) -> dict[str, Any]:
-    """Train `steps` steps; gradients of the first step are captured before the update."""
+                save: bool = False, save_at: int | None = None) -> dict[str, Any]:
+    """Train `steps` steps; gradients of the first step are captured before the update. With
+    `save_at` a checkpoint is saved after that many steps, and the run goes on (a resume from
+    it must continue as this run does)."""
     from scaletrain.train.trainer import Trainer
 
     total = [] if "--training.steps" in argv else ["--training.steps", str(steps)]
     cfg = tiny_config(Path(argv[0]), Path(argv[1]), *MODEL, *BASE, *argv[2:], *total)
     trainer = Trainer(cfg)
     norms: list[float] = []
-    losses, grads = train_steps(trainer, steps,
+    first = steps if save_at is None else save_at
+    losses, grads = train_steps(trainer, first,
                                 (lambda: full_grads(trainer.model)) if capture else None, norms)
+    if save_at is not None:
+        trainer.save_checkpoint()
+        losses += train_steps(trainer, steps - save_at, None, norms)[0]
     moe = None
     if trainer.has_moe:  # the router statistics of the steps (a collective: every rank)
         from scaletrain.train.moe_metrics import collect_moe_stats
@@ -128,7 +134,8 @@ def _entry(rank: int, world: int, jobs: list[tuple], steps: int, out_dir: str) -
     results = {}
     try:
         for name, argv, *opts in jobs:
-            res = run_trainer(argv, steps, **(opts[0] if opts else {}))
+            options = dict(opts[0]) if opts else {}
+            res = run_trainer(argv, options.pop("steps", steps), **options)
             res.pop("trainer")
             results[name] = res
             dist.barrier()

@@ -6,8 +6,11 @@ values that can occur together occurs in some run) plus the named cases below;
 `SCALETRAIN_PARITY_SAMPLE=N` adds N accepted combinations drawn at random (seed 0);
 `SCALETRAIN_PARITY_FULL=1` runs every accepted combination (about 12 hours on 2 cores: a
 nightly job on a bigger machine).
-Each run trains 3 steps with clipping on and is compared with one process on the same
-sequences (micro-batch x dp, the same accumulation, model and precision):
+Each run trains 3 steps with clipping on, saving a checkpoint after step 2, and is compared with
+one process on the same sequences (micro-batch x dp, the same accumulation, model and
+precision); then a new trainer resumes every run from its checkpoint in the same layout (its
+step 3 and validation loss must equal the run's bitwise) and every 4th multi-process fp32 run's
+checkpoint in one process (within 1e-5):
 - fp32: every step's loss and gradient norm and the validation loss within 1e-5 relative, the
   first step's gradients within 2e-6 of the largest entry of each tensor;
 - bf16/fp16: within the 16-bit noise of one process, which is statistical. The first step's
@@ -49,6 +52,8 @@ GRAD_TOL = 2e-6  # max |g - g_ref| / max |g_ref| per tensor (first step)
 FIRST_STEP_FLOOR = 2.0**-11  # fp16's unit roundoff
 LATER_FLOOR = 2.0**-7  # two of bf16's
 NOISE_FACTOR = 4.0
+RESUME_AT = 2  # every run saves after this step; a new trainer resumes from it
+RESUME_ELSEWHERE = 4  # every 4th multi-process fp32 run's checkpoint also resumes in one process
 FULL = os.environ.get("SCALETRAIN_PARITY_FULL") == "1"
 SAMPLE = int(os.environ.get("SCALETRAIN_PARITY_SAMPLE", "0"))
 TABLE = os.environ.get("SCALETRAIN_PARITY_TABLE")
@@ -144,18 +149,70 @@ def _run_matrix(tmp: Path, runs: list[Combo]) -> tuple[dict[str, dict], dict[tup
     for i, c in enumerate(runs):
         by_world.setdefault(c.dims.world_size, []).append((i, c))
     for world, group in sorted(by_world.items()):
-        jobs = [(f"run{i}", [str(tmp / f"run{i}"), str(cache), *c.argv()],
-                 {"capture": c["precision"] == "fp32"}) for i, c in group]
+        jobs = []
+        for i, c in group:
+            argv = [str(tmp / f"run{i}"), str(cache), *c.argv()]
+            jobs += [(f"run{i}", argv, {"capture": c["precision"] == "fp32",
+                                        "save_at": RESUME_AT}),
+                     (f"resume{i}", [*argv, "--training.steps", str(STEPS),
+                                     "--checkpoint.resume", "true"],
+                      {"capture": False, "steps": STEPS - RESUME_AT})]
         if world == 1:
-            ranks = [{name: {k: v for k, v in run_trainer(argv, STEPS, **opts).items()
-                             if k != "trainer"} for name, argv, opts in jobs}]
+            ranks = [{name: _in_process(argv, opts) for name, argv, opts in jobs}]
         else:
             out_dir = tmp / f"world{world}"
             out_dir.mkdir()
             ranks = spawn(world, jobs, STEPS, out_dir)
         for i, _ in group:
             results[f"run{i}"] = _merge_ranks(ranks, f"run{i}")
+            results[f"resume{i}"] = ranks[0][f"resume{i}"]
+    for i in elsewhere(runs):  # the same checkpoints resumed in one process
+        mbs, ga, model, dtype = runs[i].reference_key()
+        results[f"one{i}"] = _in_process(
+            [str(tmp / f"run{i}"), str(cache), *model, "--training.micro_batch_size", str(mbs),
+             "--training.grad_accum_steps", str(ga), "--precision.dtype", dtype,
+             "--training.steps", str(STEPS), "--checkpoint.resume", "true"],
+            {"capture": False, "steps": STEPS - RESUME_AT})
     return results, refs
+
+
+def _in_process(argv: list[str], opts: dict[str, Any]) -> dict[str, Any]:
+    options = dict(opts)
+    out = run_trainer(argv, options.pop("steps", STEPS), **options)
+    out.pop("trainer")
+    return out
+
+
+def elsewhere(runs: list[Combo]) -> list[int]:
+    """The runs whose checkpoint is also resumed in one process: every RESUME_ELSEWHERE-th
+    multi-process fp32 run."""
+    picked = [i for i, c in enumerate(runs) if c.dims.world_size > 1
+              and c["precision"] == "fp32"]
+    return picked[::RESUME_ELSEWHERE]
+
+
+def _check_resumes(runs: list[Combo], results: dict[str, dict]) -> list[str]:
+    """Every run saved after RESUME_AT steps and a new trainer resumed from that checkpoint in
+    the same layout: its remaining losses and validation loss equal the run's, bitwise (fp32
+    and 16-bit: the same layout computes the same); in one process (`elsewhere`) within the
+    fp32 tolerance."""
+    bad, rows = [], []
+    for i, c in enumerate(runs):
+        run, resumed = results[f"run{i}"], results[f"resume{i}"]
+        same = resumed["losses"] == run["losses"][RESUME_AT:] and resumed["val"] == run["val"]
+        cells = "bitwise" if same else f"{resumed['losses']} vs {run['losses'][RESUME_AT:]}"
+        if f"one{i}" in results:
+            one = results[f"one{i}"]
+            err = max(rel_max(one["losses"], run["losses"][RESUME_AT:]),
+                      abs(one["val"] - run["val"]) / run["val"])
+            cells += f"; in one process {err:.1e}"
+            same = same and err <= LOSS_TOL
+        rows.append(f"| resume | {c.name} | {cells} |")
+        if not same:
+            bad.append(rows[-1])
+    print("\n".join(rows))
+    assert not bad, "\n".join(bad)
+    return rows
 
 
 def _check(runs: list[Combo], results: dict[str, dict], refs: dict[tuple, dict]) -> list[str]:
@@ -192,7 +249,7 @@ def test_every_accepted_combination_matches_one_process(tmp_path: Path) -> None:
     runs = matrix()
     start = time.monotonic()
     results, refs = _run_matrix(tmp_path, runs)
-    rows = _check(runs, results, refs)
+    rows = _check(runs, results, refs) + _check_resumes(runs, results)
     if TABLE:
         worlds = sorted({c.dims.world_size for c in runs})
         with open(TABLE, "a") as f:

@@ -181,7 +181,8 @@ def test_train_resume_refuses_a_manifest_of_another_model(
     named, field_text = damage(ckpt, "native", kind)
     before = _files(tmp_path)
     argv = ["train", *tiny_argv(run, cache, "--training.steps", "2",
-                                "--checkpoint.resume", "true")]
+                                "--checkpoint.resume", "true",
+                                "--checkpoint.allow_schedule_change", "true")]
     _refused(lambda: main(argv), capfd, named, DAMAGES[kind][0], f"train/{kind}")
     assert _files(tmp_path) == before
 

@@ -256,7 +256,8 @@ def test_bad_inputs_get_clear_messages(bases: dict[str, Path], tmp_path: Path,
     write_jsonl(data, [r for r in sentiment_records(240) if r["label"] != "neutral"])
     with pytest.raises(FinetuneError, match="does not match the head"):
         run_ft(tmp_path / "cls", bases["native"], data, "full", "classification",
-               "--training.steps", "2", "--checkpoint.resume", "true")
+               "--training.steps", "2", "--checkpoint.resume", "true",
+               "--checkpoint.allow_schedule_change", "true")  # the finished 1-step schedule
     assert "not in the label set" in fails("--finetune.labels", "positive,negative",
                                            data=bases["cls"], task="classification")
 

@@ -239,7 +239,8 @@ def test_cli_train_smoke(tmp_path: Path, cache: Path) -> None:
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
     assert any((out / "tb").iterdir())
     assert (out / "checkpoints" / "step-0000004" / "meta.json").is_file()
-    more = [*argv, "--training.steps", "6", "--checkpoint.resume", "true"]
+    more = [*argv, "--training.steps", "6", "--checkpoint.resume", "true",
+            "--checkpoint.allow_schedule_change", "true"]  # extends the finished schedule
     assert main(["train", *more]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
 

@@ -278,10 +278,11 @@ class Parallelism(PipelineParallelism):
         return self._units
 
     def reshard_stages(self) -> None:
-        """Put every FSDP unit of this rank's pipeline stages at rest (sharded). A stage's root
-        unit stays gathered after a forward with no backward (evaluation), and a state dict of
-        the model (the stages are not its children, so FSDP's state-dict hooks do not run)
-        would read the gathered parameters, whose storage FSDP frees at its next reshard."""
+        """Put every FSDP unit of this rank's pipeline stages at rest (sharded), as evaluation
+        does when it ends. A stage's root unit stays gathered after a forward with no backward,
+        and a state dict of the model (the stages are not its children, so FSDP's state-dict
+        hooks do not run) would read the gathered parameters, whose storage FSDP frees at its
+        next reshard. A no-op without pipeline parallelism."""
         for root in self.stage_modules:
             for unit in root.modules():
                 if isinstance(unit, FSDPModule):

@@ -105,6 +105,9 @@ def evaluate(model: nn.Module, par: Parallelism, dataset: Any, n_sequences: int,
                 count += valid
     finally:
         model.train(was_training)
+        # A forward with no backward leaves a pipeline stage's FSDP root gathered: put it at
+        # rest, or a state dict taken next reads storage FSDP frees at its next reshard.
+        par.reshard_stages()
     par.reduce_loss(total)
     par.reduce_loss(count)
     return total / count.clamp(min=1)

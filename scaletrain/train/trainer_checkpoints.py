@@ -125,7 +125,6 @@ class TrainerCheckpoints:
         run = run_settings(self.cfg, self.global_batch, consumed)
         # Rank 0 renames and prunes while the others wait: the start-up timeout holds.
         self.collective_timeout(self.cfg.parallel.timeout_s)
-        self.par.reshard_stages()  # a pipeline stage may be gathered after an evaluation
         try:
             return self.checkpointer.save(self.step, self.model, self.optimizer,
                                           self._extra_state(), run)

@@ -130,14 +130,20 @@ def run_trainer(argv: list[str], steps: int, capture: bool = True,
     return out
 
 
+def run_job(argv: list[str], opts: dict[str, Any], steps: int) -> dict[str, Any]:
+    """One job of `spawn` (or of one process): `run_trainer` with the job's options, where
+    `steps` in them overrides the default; the trainer itself is dropped."""
+    options = dict(opts)
+    res = run_trainer(argv, options.pop("steps", steps), **options)
+    res.pop("trainer")
+    return res
+
+
 def _entry(rank: int, world: int, jobs: list[tuple], steps: int, out_dir: str) -> None:
     results = {}
     try:
         for name, argv, *opts in jobs:
-            options = dict(opts[0]) if opts else {}
-            res = run_trainer(argv, options.pop("steps", steps), **options)
-            res.pop("trainer")
-            results[name] = res
+            results[name] = run_job(argv, opts[0] if opts else {}, steps)
             dist.barrier()
     except Exception:
         results["error"] = traceback.format_exc()

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.dist_compare import grad_error, rel_max
-from tests.helpers.dist_worker import run_trainer, spawn
+from tests.helpers.dist_worker import run_job, run_trainer, spawn
 from tests.helpers.parity_matrix import (
     FACTORS,
     NAMES,
@@ -158,7 +158,7 @@ def _run_matrix(tmp: Path, runs: list[Combo]) -> tuple[dict[str, dict], dict[tup
                                      "--checkpoint.resume", "true"],
                       {"capture": False, "steps": STEPS - RESUME_AT})]
         if world == 1:
-            ranks = [{name: _in_process(argv, opts) for name, argv, opts in jobs}]
+            ranks = [{name: run_job(argv, opts, STEPS) for name, argv, opts in jobs}]
         else:
             out_dir = tmp / f"world{world}"
             out_dir.mkdir()
@@ -168,19 +168,12 @@ def _run_matrix(tmp: Path, runs: list[Combo]) -> tuple[dict[str, dict], dict[tup
             results[f"resume{i}"] = ranks[0][f"resume{i}"]
     for i in elsewhere(runs):  # the same checkpoints resumed in one process
         mbs, ga, model, dtype = runs[i].reference_key()
-        results[f"one{i}"] = _in_process(
+        results[f"one{i}"] = run_job(
             [str(tmp / f"run{i}"), str(cache), *model, "--training.micro_batch_size", str(mbs),
              "--training.grad_accum_steps", str(ga), "--precision.dtype", dtype,
              "--training.steps", str(STEPS), "--checkpoint.resume", "true"],
-            {"capture": False, "steps": STEPS - RESUME_AT})
+            {"capture": False, "steps": STEPS - RESUME_AT}, STEPS)
     return results, refs
-
-
-def _in_process(argv: list[str], opts: dict[str, Any]) -> dict[str, Any]:
-    options = dict(opts)
-    out = run_trainer(argv, options.pop("steps", STEPS), **options)
-    out.pop("trainer")
-    return out
 
 
 def elsewhere(runs: list[Combo]) -> list[int]:
